@@ -1,0 +1,29 @@
+# The whole set-up on a fresh machine: `make demo` runs the main job, `make test` the test suite.
+# Re-running on a machine that already has .venv reinstalls nothing heavy: the install step
+# runs again only when pyproject.toml changes (stamp file), and pip keeps an installed torch.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.memlayout-installed
+
+.PHONY: demo test lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/memlayout inspect torchvision:resnet18
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,30 @@
+"""One exception family for memlayout. No torch import (usable from every layer).
+
+Messages name what was given, what was expected, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class MemlayoutError(Exception):
+    """Base of every error memlayout raises on purpose."""
+
+
+class LayoutError(MemlayoutError, ValueError):
+    """A layout request that cannot be met (wrong rank for the format, unknown format)."""
+
+
+class ModelSpecError(MemlayoutError, ValueError):
+    """A model spec (``torchvision:resnet18``, ``file.py:factory``) that cannot be built."""
+
+
+class CaptureError(MemlayoutError):
+    """A model (or part of one) that cannot be captured as a graph."""
+
+
+class LayoutVerificationError(MemlayoutError):
+    """A planned model whose results differ from the original's beyond dtype tolerance."""
+
+
+class LayoutDropError(MemlayoutError):
+    """An operator dropped the memory format inside ``memlayout.strict``."""

@@ -1,0 +1,191 @@
+"""Model specs -> ``nn.Module`` + example input. The one model-spec parser (L1).
+
+Specs:
+
+- ``torchvision:NAME``: any ``torchvision.models.list_models()`` name, built with
+  ``weights=None`` (and ``weights_backbone=None``): nothing is downloaded. Classification and
+  segmentation models take ``(N, 3, S, S)``; video models ``(N, 3, T, S, S)``; for detection
+  models the spec builds the detector's feature backbone (``model.backbone``, e.g. ResNet + FPN),
+  the layout-relevant part, which takes ``(N, 3, S, S)`` and returns a dict of feature maps.
+- ``path/to/file.py:factory``: ``factory()`` returns a module, or ``(module, example_input)``.
+- ``timm:NAME`` when timm is installed (``pretrained=False``).
+
+>>> spec = load_model("torchvision:resnet18", batch=2, image_size=64)
+>>> type(spec.module).__name__, tuple(spec.example_input.shape), spec.kind
+('ResNet', (2, 3, 64, 64), 'classification')
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlayout.errors import ModelSpecError
+from memlayout.layout import Format
+
+# Defaults per kind: (image size, channels-last format of the model's activations).
+_DEFAULT_SIZE = {"classification": 224, "segmentation": 224, "detection": 224, "video": 112,
+                 "custom": 224, "timm": 224}
+VIDEO_FRAMES = 8
+
+
+@dataclass
+class ModelSpec:
+    """A built model: the module (eval mode), an example input, and what kind of model it is.
+
+    ``fmt`` is the channels-last format that fits its activations (rank 4 or rank 5).
+    """
+
+    spec: str
+    module: nn.Module
+    example_input: Any
+    kind: str
+    fmt: Format
+
+    @property
+    def name(self) -> str:
+        return self.spec.split(":", 1)[-1]
+
+
+def load_model(spec: str, *, batch: int = 8, image_size: int | None = None,
+               seed: int = 0) -> ModelSpec:
+    """Build the model a spec names, with a random example input (seeded).
+
+    Raises ``ModelSpecError`` for an unknown or unbuildable spec, listing close matches.
+    """
+    if batch < 1:
+        raise ModelSpecError(f"batch must be >= 1, got {batch}")
+    if image_size is not None and image_size < 1:
+        raise ModelSpecError(f"image size must be >= 1, got {image_size}")
+    source, sep, name = spec.partition(":")
+    if not sep or not name:
+        raise ModelSpecError(
+            f"model spec {spec!r} is not SOURCE:NAME; use torchvision:NAME, timm:NAME "
+            "or path/to/file.py:factory"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if source == "torchvision":
+            return _torchvision(spec, name, batch, image_size, generator)
+        if source == "timm":
+            return _timm(spec, name, batch, image_size, generator)
+        if source.endswith(".py"):
+            return _file(spec, Path(source), name, batch, image_size, generator)
+    raise ModelSpecError(
+        f"unknown model source {source!r} in {spec!r}; use torchvision:NAME, timm:NAME "
+        "or path/to/file.py:factory"
+    )
+
+
+def torchvision_kind(name: str) -> str | None:
+    """``classification``, ``segmentation``, ``detection``, ``video``, ``optical_flow``,
+    ``quantization``, or ``None`` for a name torchvision does not know."""
+    import torchvision.models as tvm
+
+    for kind, module in (("segmentation", tvm.segmentation), ("detection", tvm.detection),
+                         ("video", tvm.video), ("optical_flow", tvm.optical_flow),
+                         ("quantization", tvm.quantization)):
+        if name in tvm.list_models(module=module):
+            return kind
+    return "classification" if name in tvm.list_models() else None
+
+
+def _torchvision(spec: str, name: str, batch: int, image_size: int | None,
+                 generator: torch.Generator) -> ModelSpec:
+    import torchvision.models as tvm
+
+    kind = torchvision_kind(name)
+    if kind is None:
+        raise ModelSpecError(_unknown(spec, name, tvm.list_models(), "torchvision:"))
+    if kind in ("optical_flow", "quantization"):
+        raise ModelSpecError(
+            f"{spec!r} is a torchvision {kind} model, which memlayout does not build; "
+            "use a classification, segmentation, detection or video model"
+        )
+    builder = tvm.get_model_builder(name)
+    kwargs: dict[str, Any] = {"weights": None}
+    if "weights_backbone" in inspect.signature(builder).parameters:
+        kwargs["weights_backbone"] = None
+    if name in ("inception_v3", "googlenet"):
+        kwargs["init_weights"] = True  # silences the "default init will change" warning
+    try:
+        module = builder(**kwargs)
+    except Exception as exc:  # a torchvision builder failing is a spec problem to the user
+        raise ModelSpecError(f"building {spec!r} failed: {exc}") from exc
+    fmt = Format.CHANNELS_LAST
+    if kind == "detection":
+        module = module.backbone
+    size = image_size or _DEFAULT_SIZE[kind]
+    if kind == "video":
+        fmt = Format.CHANNELS_LAST_3D
+        example = torch.randn(batch, 3, VIDEO_FRAMES, size, size, generator=generator)
+    else:
+        example = torch.randn(batch, 3, size, size, generator=generator)
+    return ModelSpec(spec, module.eval(), example, kind, fmt)
+
+
+def _timm(spec: str, name: str, batch: int, image_size: int | None,
+          generator: torch.Generator) -> ModelSpec:
+    try:
+        import timm
+    except ImportError as exc:
+        raise ModelSpecError(f"{spec!r} needs timm, which is not installed (pip install timm)") from exc
+    known = timm.list_models()
+    if name not in known:
+        raise ModelSpecError(_unknown(spec, name, known, "timm:"))
+    module = timm.create_model(name, pretrained=False)
+    channels, height, width = module.default_cfg.get("input_size", (3, 224, 224))
+    if image_size:
+        height = width = image_size
+    example = torch.randn(batch, channels, height, width, generator=generator)
+    return ModelSpec(spec, module.eval(), example, "timm", Format.CHANNELS_LAST)
+
+
+def _file(spec: str, path: Path, factory: str, batch: int, image_size: int | None,
+          generator: torch.Generator) -> ModelSpec:
+    if not path.is_file():
+        raise ModelSpecError(f"model file {str(path)!r} in {spec!r} does not exist")
+    mod_name = f"memlayout_user_{abs(hash(str(path.resolve())))}"
+    loader = importlib.util.spec_from_file_location(mod_name, path)
+    if loader is None or loader.loader is None:
+        raise ModelSpecError(f"cannot import {str(path)!r} as Python")
+    user = importlib.util.module_from_spec(loader)
+    sys.modules[mod_name] = user
+    try:
+        loader.loader.exec_module(user)
+    except Exception as exc:
+        raise ModelSpecError(f"importing {str(path)!r} failed: {exc}") from exc
+    fn = getattr(user, factory, None)
+    if not callable(fn):
+        names = [n for n, v in vars(user).items() if callable(v) and not n.startswith("_")]
+        raise ModelSpecError(_unknown(spec, factory, names, f"{path}:"))
+    made = fn()
+    example: Any = None
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        made, example = made
+    if not isinstance(made, nn.Module):
+        raise ModelSpecError(
+            f"{spec!r}: {factory}() returned {type(made).__name__}; expected an nn.Module "
+            "or (nn.Module, example_input)"
+        )
+    if example is None:
+        size = image_size or _DEFAULT_SIZE["custom"]
+        example = torch.randn(batch, 3, size, size, generator=generator)
+    rank = example.dim() if isinstance(example, torch.Tensor) else 4
+    fmt = Format.CHANNELS_LAST_3D if rank == 5 else Format.CHANNELS_LAST
+    return ModelSpec(spec, made.eval(), example, "custom", fmt)
+
+
+def _unknown(spec: str, name: str, known: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+    hint = ("; did you mean: " + ", ".join(prefix + c for c in close)) if close else ""
+    return f"unknown model {spec!r}{hint}"

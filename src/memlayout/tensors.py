@@ -1,0 +1,180 @@
+"""The torch bridge (L1): formats of real tensors, canonical conversion, modules and batches.
+
+Every stride rule comes from :mod:`memlayout.layout`; this module only reads ``.shape`` and
+``.stride()`` and moves data.
+
+>>> import torch
+>>> x = torch.empty(10, 3, 32, 32)
+>>> y = to_format(x, Format.CHANNELS_LAST)
+>>> y.stride(), format_of(y)
+((3072, 1, 96, 3), <Format.CHANNELS_LAST: 'channels_last'>)
+>>> sorted(f.name for f in format_of(torch.empty(4, 1, 4, 4)))
+['CHANNELS_LAST', 'CONTIGUOUS']
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from memlayout.layout import Format, check_rank, formats_of, is_format, strides_for
+
+FormatAnswer = Format | frozenset[Format] | None
+M = TypeVar("M", bound=nn.Module)
+
+_TORCH_FORMATS: dict[Format, torch.memory_format] = {
+    Format.CONTIGUOUS: torch.contiguous_format,
+    Format.CHANNELS_LAST: torch.channels_last,
+    Format.CHANNELS_LAST_3D: torch.channels_last_3d,
+}
+
+# Conv1d-like modules: the only modules whose rank-3 weights are (out, in, length) kernels.
+_CONV1D_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
+
+
+def torch_memory_format(fmt: Format) -> torch.memory_format | None:
+    """The ``torch.memory_format`` for ``fmt``; ``None`` for CHANNELS_LAST_1D (torch has none)."""
+    return _TORCH_FORMATS.get(fmt)
+
+
+def format_of(t: torch.Tensor) -> FormatAnswer:
+    """The format ``t`` is in: one ``Format``, the ``frozenset`` when several fit (C == 1,
+    H == W == 1, size-0 dims), or ``None`` when none fits (a slice, a transpose).
+
+    >>> format_of(torch.empty(2, 3, 4, 5).transpose(2, 3)) is None
+    True
+    """
+    found = formats_of(tuple(t.shape), tuple(t.stride()))
+    if not found:
+        return None
+    if len(found) == 1:
+        return next(iter(found))
+    return found
+
+
+def format_name(answer: FormatAnswer) -> str:
+    """Short human name of a ``format_of`` answer: ``channels_last``,
+    ``ambiguous(channels_last|contiguous)``, ``none``.
+
+    >>> format_name(format_of(torch.empty(4, 1, 4, 4)))
+    'ambiguous(channels_last|contiguous)'
+    """
+    if answer is None:
+        return "none"
+    if isinstance(answer, Format):
+        return answer.value
+    return "ambiguous(" + "|".join(sorted(f.value for f in answer)) + ")"
+
+
+def in_format(answer: FormatAnswer, fmt: Format) -> bool:
+    """Whether a ``format_of`` answer includes ``fmt`` (ambiguous answers included)."""
+    if answer is None:
+        return False
+    if isinstance(answer, Format):
+        return answer is fmt
+    return fmt in answer
+
+
+def to_format(t: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``t`` with values unchanged and strides exactly ``strides_for(t.shape, fmt)``.
+
+    Returns ``t`` itself when the strides already match. When ``t`` is already dense in ``fmt``
+    but carries non-canonical strides on size-1 dims (where ``t.contiguous(memory_format=...)``
+    is a no-op), returns a restrided view: no data moves. Otherwise copies once. Autograd flows
+    through all three.
+
+    >>> to_format(torch.empty(4, 1, 4, 4), Format.CHANNELS_LAST).stride()
+    (16, 1, 4, 1)
+    >>> to_format(torch.empty(2, 3), Format.CHANNELS_LAST)
+    Traceback (most recent call last):
+    ...
+    memlayout.errors.LayoutError: CHANNELS_LAST needs a rank-4 tensor, got rank 2; a rank-2 tensor can be: CONTIGUOUS
+    """
+    shape = tuple(t.shape)
+    check_rank(len(shape), fmt)
+    target = strides_for(shape, fmt)
+    current = tuple(t.stride())
+    if current == target:
+        return t
+    if is_format(shape, current, fmt):
+        return t.as_strided(shape, target, t.storage_offset())
+    out = torch.empty_strided(shape, target, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def _applies(t: torch.Tensor, fmt: Format) -> bool:
+    return fmt.rank is None or t.dim() == fmt.rank
+
+
+def convert_module(module: M, fmt: Format) -> M:
+    """Convert ``module``'s parameters and buffers whose rank fits ``fmt``, in place like
+    ``Module.to``: parameter identity, ``requires_grad`` and ``.grad`` (converted too) are kept,
+    so optimizers built before the call keep working. Returns ``module``.
+
+    CHANNELS_LAST and CHANNELS_LAST_3D convert every rank-4 / rank-5 tensor (as
+    ``Module.to(memory_format=...)`` does); CHANNELS_LAST_1D only the weights of Conv1d and
+    ConvTranspose1d modules, since other rank-3 parameters (embeddings, tokens) are not
+    (out, in, length) kernels. CONTIGUOUS converts everything back.
+
+    >>> conv = nn.Conv2d(3, 8, 3)
+    >>> convert_module(conv, Format.CHANNELS_LAST).weight.stride()
+    (27, 1, 9, 3)
+    """
+    if fmt is Format.CHANNELS_LAST_1D:
+        for sub in module.modules():
+            if isinstance(sub, _CONV1D_TYPES):
+                sub._apply(lambda t: to_format(t, fmt) if t.dim() == 3 else t, recurse=False)
+        return module
+    module._apply(lambda t: to_format(t, fmt) if _applies(t, fmt) else t)
+    return module
+
+
+def convert_batch(obj: Any, fmt: Format) -> Any:
+    """Convert every tensor of the rank ``fmt`` applies to inside ``obj`` (dicts, lists,
+    tuples, namedtuples, dataclasses, nested); everything else comes back untouched.
+
+    >>> out = convert_batch({"x": torch.zeros(2, 3, 4, 4), "y": [torch.zeros(2), "a"]},
+    ...                     Format.CHANNELS_LAST)
+    >>> out["x"].stride(), out["y"][1]
+    ((48, 1, 12, 3), 'a')
+    """
+    if isinstance(obj, torch.Tensor):
+        return to_format(obj, fmt) if _applies(obj, fmt) else obj
+    if isinstance(obj, Mapping):
+        items = {k: convert_batch(v, fmt) for k, v in obj.items()}
+        try:
+            out = copy.copy(obj)
+            out.update(items)  # keeps the mapping's type (OrderedDict, defaultdict, ...)
+            return out
+        except (AttributeError, TypeError):
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(convert_batch(v, fmt) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(convert_batch(v, fmt) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            object.__setattr__(out, field.name, convert_batch(getattr(obj, field.name), fmt))
+        return out
+    return obj
+
+
+def iter_tensors(obj: Any):
+    """Every tensor inside a nested structure, in a deterministic order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name))

@@ -1,0 +1,182 @@
+"""One way to time things (L1): warm-up, interleaved rounds, medians, per-round ratios.
+
+Every command that times anything goes through :func:`interleaved`. On a shared, noisy machine
+(30 % spread between identical runs seen here) sequential timing of A then B measures the
+machine's mood as much as A vs B; interleaving A B C, B C A, ... in one process and taking the
+median of per-round ratios cancels most of the drift.
+
+A fake clock can be injected, so tests know exactly what goes in and what must come out:
+
+>>> ticks = iter([0.0, 1.0, 1.0, 3.0, 3.0, 5.0, 5.0, 6.0])  # a: 1s, b: 2s; then b: 2s, a: 1s
+>>> c = interleaved({"a": lambda: None, "b": lambda: None}, rounds=2, warmup=0,
+...                 clock=lambda: next(ticks))
+>>> c["a"].median, c["b"].median, c.speedup("b")
+(1.0, 2.0, 0.5)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModeTiming:
+    """Per-call seconds of one mode, one value per round (in round order)."""
+
+    name: str
+    times: tuple[float, ...]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.times)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    @property
+    def max(self) -> float:
+        return max(self.times)
+
+    @property
+    def iqr(self) -> tuple[float, float]:
+        """(25th, 75th) percentile; both equal the single value when there is one round."""
+        if len(self.times) < 2:
+            return (self.times[0], self.times[0])
+        q = statistics.quantiles(self.times, n=4, method="inclusive")
+        return (q[0], q[2])
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: the relative spread of the rounds."""
+        return (self.max - self.min) / self.median if self.median > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Timings of several modes measured round by round in one process."""
+
+    modes: dict[str, ModeTiming]
+    baseline: str
+    rounds: int
+    repeat: int
+    warmup: int
+    order: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+
+    def __getitem__(self, name: str) -> ModeTiming:
+        return self.modes[name]
+
+    def ratios(self, name: str) -> tuple[float, ...]:
+        """Per-round speedups of ``name`` over the baseline: baseline time / mode time.
+
+        Only rounds in which both ran count (a mode that failed mid-run stops contributing).
+        """
+        base, mode = self.modes[self.baseline], self.modes[name]
+        return tuple(b / m for b, m in zip(base.times, mode.times, strict=False) if m > 0)
+
+    def speedup(self, name: str) -> float | None:
+        """Median of the per-round speedups (> 1: faster than the baseline); ``None`` if the
+        mode or the baseline produced no rounds."""
+        if not (self.modes[self.baseline].ok and self.modes[name].times):
+            return None
+        r = self.ratios(name)
+        return statistics.median(r) if r else None
+
+    def speedup_range(self, name: str) -> tuple[float, float] | None:
+        """(min, max) of the per-round speedups."""
+        r = self.ratios(name) if self.modes[self.baseline].ok else ()
+        return (min(r), max(r)) if r else None
+
+
+def interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    rounds: int = 7,
+    warmup: int = 1,
+    repeat: int = 1,
+    baseline: str | None = None,
+    sync: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    on_step: Callable[[int, str], None] | None = None,
+    rotate: bool = True,
+) -> Comparison:
+    """Time every callable in ``fns`` once per round, in turn, for ``rounds`` rounds.
+
+    - ``warmup`` untimed calls of each mode first (allocator, caches, lazy init, compile).
+    - each timed sample is ``repeat`` calls; the recorded value is seconds per call.
+    - ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each clock read.
+    - ``rotate``: the order rotates each round (A B C, B C A, C A B) so no mode always runs
+      right after the same neighbour.
+    - a mode that raises is recorded with its error and dropped from later rounds; the others
+      go on. ``on_step(round, name)`` is called before each timed sample (progress bars).
+    """
+    if not fns:
+        raise ValueError("interleaved() needs at least one callable")
+    if rounds < 1 or repeat < 1 or warmup < 0:
+        raise ValueError(f"rounds >= 1, repeat >= 1, warmup >= 0 needed; got {rounds}, {repeat}, {warmup}")
+    names = list(fns)
+    baseline = baseline or names[0]
+    if baseline not in fns:
+        raise ValueError(f"baseline {baseline!r} is not one of {names}")
+    sync = sync or (lambda: None)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    errors: dict[str, str] = {}
+
+    def run(name: str, calls: int) -> float | None:
+        try:
+            sync()
+            start = clock()
+            for _ in range(calls):
+                fns[name]()
+            sync()
+            return (clock() - start) / calls
+        except Exception as exc:  # a failing mode is a result, not a crash of the run
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    for name in names:
+        for _ in range(warmup):
+            if name in errors or run(name, 1) is None:
+                break
+    order_log: list[tuple[str, ...]] = []
+    for r in range(rounds):
+        live = [n for n in names if n not in errors]
+        if not live:
+            break
+        shift = r % len(live) if rotate else 0
+        order = tuple(live[shift:] + live[:shift])
+        order_log.append(order)
+        for name in order:
+            if on_step is not None:
+                on_step(r, name)
+            t = run(name, repeat)
+            if t is not None:
+                times[name].append(t)
+    modes = {n: ModeTiming(n, tuple(times[n]), errors.get(n)) for n in names}
+    return Comparison(modes, baseline, rounds, repeat, warmup, tuple(order_log))
+
+
+def geomean(values: Sequence[float]) -> float:
+    """Geometric mean of positive values (the mean to use for speedup ratios)."""
+    import math
+
+    if not values:
+        raise ValueError("geomean of no values")
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def device_sync(device: str) -> Callable[[], None]:
+    """The synchronize function for a device string (``cpu``: nothing to wait for)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.synchronize
+    return lambda: None

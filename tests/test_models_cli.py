@@ -1,0 +1,95 @@
+"""Model specs and the CLI skeleton."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from memlayout import Format, ModelSpecError
+from memlayout.cli import app
+from memlayout.inspection import inspect_model
+from memlayout.models import load_model
+from memlayout.tensors import format_name, format_of
+
+
+def test_torchvision_classification_spec():
+    spec = load_model("torchvision:resnet18", batch=2, image_size=32)
+    assert spec.kind == "classification" and spec.fmt is Format.CHANNELS_LAST
+    assert spec.module(spec.example_input).shape == (2, 1000)
+
+
+def test_video_spec_is_rank_5():
+    spec = load_model("torchvision:r3d_18", batch=1, image_size=32)
+    assert spec.example_input.dim() == 5 and spec.fmt is Format.CHANNELS_LAST_3D
+
+
+def test_segmentation_and_detection_build_without_downloads():
+    seg = load_model("torchvision:fcn_resnet50", batch=1, image_size=32)
+    assert seg.kind == "segmentation"
+    det = load_model("torchvision:fasterrcnn_mobilenet_v3_large_fpn", batch=1, image_size=64)
+    with torch.no_grad():
+        feats = det.module(det.example_input)
+    assert det.kind == "detection" and all(v.dim() == 4 for v in feats.values())
+
+
+def test_bad_spec_lists_close_matches():
+    with pytest.raises(ModelSpecError, match="torchvision:resnet18"):
+        load_model("torchvision:resnet81")
+    with pytest.raises(ModelSpecError, match="SOURCE:NAME"):
+        load_model("resnet18")
+    with pytest.raises(ModelSpecError, match="does not exist"):
+        load_model("nope.py:make")
+
+
+def test_file_spec(tmp_path):
+    path = tmp_path / "net.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        def make():
+            return nn.Sequential(nn.Conv2d(1, 2, 3)), torch.randn(3, 1, 8, 8)
+        def bad():
+            return 5
+    """))
+    spec = load_model(f"{path}:make")
+    assert tuple(spec.example_input.shape) == (3, 1, 8, 8) and spec.kind == "custom"
+    with pytest.raises(ModelSpecError, match="returned int"):
+        load_model(f"{path}:bad")
+    with pytest.raises(ModelSpecError, match="make"):
+        load_model(f"{path}:mkae")
+
+
+def test_inspect_reports_what_hooks_see():
+    spec = load_model("torchvision:resnet18", batch=2, image_size=32)
+    report = inspect_model(spec.module, spec.example_input, Format.CHANNELS_LAST)
+    by_path = {o.path: o for o in report.outputs}
+    # Second method: run the converted model by hand and check the module outputs directly.
+    assert by_path["layer1.0.conv1"].formats == ("channels_last",)
+    pooled = spec.module.avgpool(torch.randn(2, 512, 1, 1).to(memory_format=torch.channels_last))
+    assert by_path["avgpool"].formats == (format_name(format_of(pooled)),)
+    assert by_path["fc"].formats == ("contiguous",)
+    rank4 = next(g for g in report.params if g.rank == 4)
+    one_by_one = sum(1 for p in spec.module.parameters() if p.dim() == 4 and p.shape[2:] == (1, 1))
+    assert one_by_one > 0
+    assert dict(rank4.formats) == {"channels_last": rank4.tensors - one_by_one,
+                                   "ambiguous(channels_last|contiguous)": one_by_one}
+    assert spec.example_input.is_contiguous()  # caller's tensor untouched
+
+
+def test_cli_inspect_runs_and_prints_formats():
+    result = CliRunner().invoke(app, ["inspect", "torchvision:resnet18", "--batch", "1", "--image-size", "32"])
+    assert result.exit_code == 0, result.output
+    assert "channels_last" in result.output and "layer4.1.conv2" in result.output
+
+
+def test_cli_bad_spec_is_a_clean_error():
+    result = CliRunner().invoke(app, ["inspect", "torchvision:resnet81"])
+    assert result.exit_code == 2 and "did you mean" in result.output
+
+
+def test_cli_help():
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0 and "inspect" in result.output

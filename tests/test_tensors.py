@@ -1,0 +1,151 @@
+"""L1 bridge: format_of / to_format / convert_module / convert_batch against torch."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from torch import nn
+
+from memlayout import Format, LayoutError, convert_batch, convert_module, format_of, to_format
+from memlayout.layout import formats_for_rank, strides_for
+from tests.strategies import strided_tensors
+from tests.test_layout import TORCH_FORMATS, torch_formats
+
+
+@settings(max_examples=300, deadline=None)
+@given(strided_tensors())
+def test_format_of_agrees_with_is_contiguous(t):
+    answer = format_of(t)
+    expected = torch_formats(t)
+    if not expected:
+        assert answer is None
+    elif len(expected) == 1:
+        assert answer == next(iter(expected))
+    else:
+        assert answer == expected
+    for fmt, mf in TORCH_FORMATS.items():
+        if fmt.rank in (None, t.dim()):
+            found = answer is fmt or (isinstance(answer, frozenset) and fmt in answer)
+            assert found == t.is_contiguous(memory_format=mf)
+
+
+@settings(max_examples=300, deadline=None)
+@given(strided_tensors(min_rank=3))
+def test_to_format_keeps_values_and_gives_canonical_strides(t):
+    for fmt in formats_for_rank(t.dim()):
+        y = to_format(t, fmt)
+        assert torch.equal(y, t)
+        assert y.stride() == strides_for(t.shape, fmt)
+        if t.stride() == strides_for(t.shape, fmt):
+            assert y is t
+
+
+def test_to_format_fixes_ambiguous_strides_that_contiguous_keeps():
+    # The tutorial's trap: .contiguous(memory_format=channels_last) is a no-op on C == 1.
+    x = torch.randn(4, 1, 4, 4)
+    assert x.contiguous(memory_format=torch.channels_last).stride() == x.stride()
+    y = to_format(x, Format.CHANNELS_LAST)
+    assert y.stride() == torch.empty(4, 1, 4, 4, memory_format=torch.channels_last).stride()
+    assert y.data_ptr() == x.data_ptr()  # restrided, not copied
+    assert torch.equal(y, x)
+
+
+def test_to_format_is_differentiable():
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    y = to_format(x, Format.CHANNELS_LAST)
+    (y * torch.arange(y.numel()).reshape(y.shape)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(x.numel(), dtype=x.dtype).reshape(x.shape))
+
+
+def test_to_format_rank_error_names_shape_and_allowed():
+    with pytest.raises(LayoutError) as info:
+        to_format(torch.empty(2, 3, 4), Format.CHANNELS_LAST)
+    assert "rank 3" in str(info.value) and "CHANNELS_LAST_1D" in str(info.value)
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(3, 4, 3)
+        self.c2 = nn.Conv2d(3, 4, 3)
+        self.c3 = nn.Conv3d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+        self.tokens = nn.Parameter(torch.randn(1, 5, 4))  # rank 3 but no conv kernel
+
+    def forward(self, x1, x2, x3):
+        a = self.c1(x1).mean((2,))
+        b = self.bn(self.c2(x2)).mean((2, 3))
+        c = self.c3(x3).mean((2, 3, 4))
+        return self.fc(a + b + c + self.tokens.mean((0, 1)))
+
+
+def _inputs():
+    return torch.randn(2, 3, 9), torch.randn(2, 3, 9, 9), torch.randn(2, 3, 5, 5, 5)
+
+
+@pytest.mark.parametrize("fmt", [Format.CHANNELS_LAST, Format.CHANNELS_LAST_3D, Format.CHANNELS_LAST_1D])
+def test_convert_module_converts_matching_ranks_only(fmt):
+    model = Mixed().eval()
+    inputs = _inputs()
+    with torch.no_grad():
+        expected = model(*inputs)
+    before = {n: (p, p.stride()) for n, p in model.named_parameters()}
+    model.c2.weight.grad = torch.randn_like(model.c2.weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert convert_module(model, fmt) is model
+    for name, p in model.named_parameters():
+        old, old_stride = before[name]
+        assert p is old, f"{name} lost its identity"
+        assert p.requires_grad
+        converts = (p.dim() == fmt.rank) and (fmt is not Format.CHANNELS_LAST_1D or name == "c1.weight")
+        if converts:
+            assert p.stride() == strides_for(p.shape, fmt), name
+        else:
+            assert p.stride() == old_stride, name
+    if fmt is Format.CHANNELS_LAST:
+        assert model.c2.weight.grad.stride() == strides_for(model.c2.weight.shape, fmt)
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], model.parameters(), strict=True))
+    with torch.no_grad():
+        torch.testing.assert_close(model(*convert_batch(inputs, fmt)), expected)
+
+
+def test_convert_module_back_to_contiguous():
+    model = convert_module(nn.Conv2d(3, 4, 3), Format.CHANNELS_LAST)
+    convert_module(model, Format.CONTIGUOUS)
+    assert model.weight.is_contiguous()
+
+
+Pair = collections.namedtuple("Pair", "image label")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    video: torch.Tensor
+    name: str
+
+
+def test_convert_batch_walks_nested_structures():
+    x2, x3, x4, x5 = torch.randn(2, 3), torch.randn(2, 3, 4), torch.randn(2, 3, 4, 4), torch.randn(2, 3, 2, 4, 4)
+    batch = {
+        "pair": Pair(x4, 7),
+        "list": [x2, x3, (x4, "text")],
+        "sample": Sample(x5, "clip"),
+        "ordered": collections.OrderedDict(a=x4, b=None),
+    }
+    out = convert_batch(batch, Format.CHANNELS_LAST)
+    assert isinstance(out["pair"], Pair) and out["pair"].label == 7
+    assert out["pair"].image.stride() == strides_for(x4.shape, Format.CHANNELS_LAST)
+    assert out["list"][0] is x2 and out["list"][1] is x3 and out["list"][2][1] == "text"
+    assert out["list"][2][0].is_contiguous(memory_format=torch.channels_last)
+    assert out["sample"].video is x5 and out["sample"].name == "clip"
+    assert isinstance(out["ordered"], collections.OrderedDict) and out["ordered"]["b"] is None
+    assert batch["pair"].image is x4  # the input structure is not mutated
+    out3 = convert_batch(batch, Format.CHANNELS_LAST_3D)
+    assert out3["sample"].video.is_contiguous(memory_format=torch.channels_last_3d)
+    assert out3["pair"].image is x4
+    assert convert_batch(5, Format.CHANNELS_LAST) == 5
