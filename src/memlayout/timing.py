@@ -29,6 +29,9 @@ class ModeTiming:
     name: str
     times: tuple[float, ...]
     error: str | None = None
+    #: the type of the exception behind ``error``, so callers can react to a kind of failure
+    #: (out of memory: retry smaller) without matching message strings
+    error_type: type[BaseException] | None = None
 
     @property
     def ok(self) -> bool:
@@ -129,6 +132,7 @@ def interleaved(
     sync = sync or (lambda: None)
     times: dict[str, list[float]] = {n: [] for n in names}
     errors: dict[str, str] = {}
+    error_types: dict[str, type[BaseException]] = {}
 
     def run(name: str, calls: int) -> float | None:
         try:
@@ -140,6 +144,7 @@ def interleaved(
             return (clock() - start) / calls
         except Exception as exc:  # a failing mode is a result, not a crash of the run
             errors[name] = f"{type(exc).__name__}: {exc}"
+            error_types[name] = type(exc)
             return None
 
     for name in names:
@@ -160,7 +165,7 @@ def interleaved(
             t = run(name, repeat)
             if t is not None:
                 times[name].append(t)
-    modes = {n: ModeTiming(n, tuple(times[n]), errors.get(n)) for n in names}
+    modes = {n: ModeTiming(n, tuple(times[n]), errors.get(n), error_types.get(n)) for n in names}
     return Comparison(modes, baseline, rounds, repeat, warmup, tuple(order_log))
 
 

@@ -1,0 +1,166 @@
+"""The one timer (``memlayout.timing``), driven by a fake clock: known times in, known out.
+
+Every callable advances a fake clock by a duration the test chose, so the expected medians,
+spreads and per-round ratios are computed here from those durations (with ``statistics``),
+independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import scipy.stats
+
+from memlayout.timing import device_sync, geomean, interleaved
+
+
+class FakeClock:
+    """A clock that only moves when a timed callable says how long it took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: list[str] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self, name: str, durations: list[float]):
+        it = iter(durations)
+
+        def fn() -> None:
+            self.calls.append(name)
+            self.now += next(it)
+
+        return fn
+
+
+# Per-round durations chosen so that the median of per-round ratios (1.0) differs from the
+# ratio of the medians (3 / 2.5 = 1.2): the timer must pair rounds, not medians.
+BASE = [2.0, 4.0, 3.0, 1.0, 5.0]
+FAST = [1.0, 4.0, 3.0, 1.0, 2.5]
+
+
+def test_medians_spread_and_per_round_ratios_from_known_times():
+    clock = FakeClock()
+    c = interleaved({"base": clock.work("base", BASE), "fast": clock.work("fast", FAST)},
+                    rounds=5, warmup=0, clock=clock)
+    assert c["base"].times == tuple(BASE) and c["fast"].times == tuple(FAST)
+    assert c["base"].median == statistics.median(BASE)
+    assert c["fast"].median == statistics.median(FAST)
+    assert (c["fast"].min, c["fast"].max) == (min(FAST), max(FAST))
+    q = statistics.quantiles(FAST, n=4, method="inclusive")
+    assert c["fast"].iqr == (q[0], q[2])
+    assert c["fast"].spread == pytest.approx((max(FAST) - min(FAST)) / statistics.median(FAST))
+    expected = [b / f for b, f in zip(BASE, FAST, strict=True)]
+    assert c.ratios("fast") == pytest.approx(expected)
+    assert c.speedup("fast") == pytest.approx(statistics.median(expected))
+    assert c.speedup("fast") != pytest.approx(c["base"].median / c["fast"].median)
+    assert c.speedup_range("fast") == pytest.approx((min(expected), max(expected)))
+    assert c.speedup("base") == 1.0
+
+
+def test_repeat_records_seconds_per_call_and_warmup_is_untimed():
+    clock = FakeClock()
+    # warm-up call takes 100 s (compile); then 2 rounds x 3 calls of 1 s, 2 s, 3 s / 4 s, 5 s, 6 s
+    c = interleaved({"a": clock.work("a", [100.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])},
+                    rounds=2, warmup=1, repeat=3, clock=clock)
+    assert c["a"].times == (2.0, 5.0)
+    assert clock.calls == ["a"] * 7
+    assert (c.rounds, c.repeat, c.warmup) == (2, 3, 1)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_rotation_order_is_logged_and_followed(rotate):
+    clock = FakeClock()
+    names = ["a", "b", "c"]
+    c = interleaved({n: clock.work(n, [1.0] * 10) for n in names}, rounds=4, warmup=1,
+                    clock=clock, rotate=rotate)
+    expected = [names[r % 3:] + names[:r % 3] if rotate else names for r in range(4)]
+    assert [list(o) for o in c.order] == expected
+    timed_calls = clock.calls[len(names):]  # after one warm-up call each, in name order
+    assert clock.calls[:len(names)] == names
+    assert timed_calls == [n for order in expected for n in order]
+
+
+def test_on_step_sees_every_timed_sample_before_it_runs():
+    clock = FakeClock()
+    seen: list[tuple[int, str, int]] = []
+    c = interleaved({n: clock.work(n, [1.0] * 5) for n in "ab"}, rounds=2, warmup=0,
+                    clock=clock, on_step=lambda r, n: seen.append((r, n, len(clock.calls))))
+    assert [(r, n) for r, n, _ in seen] == [(r, n) for r, order in enumerate(c.order) for n in order]
+    assert [k for _, _, k in seen] == list(range(4))  # called before the sample, not after
+
+
+def test_sync_runs_before_every_clock_read():
+    log: list[str] = []
+    now = [0.0]
+
+    def clock() -> float:
+        log.append("clock")
+        now[0] += 1.0
+        return now[0]
+
+    interleaved({"a": lambda: log.append("a"), "b": lambda: log.append("b")}, rounds=2,
+                warmup=1, clock=clock, sync=lambda: log.append("sync"))
+    reads = [i for i, e in enumerate(log) if e == "clock"]
+    assert reads and all(log[i - 1] == "sync" for i in reads)
+    assert log.count("a") == log.count("b") == 3
+
+
+def test_failing_mode_is_recorded_and_the_others_go_on():
+    clock = FakeClock()
+    good = clock.work("good", [9.0, 1.0, 2.0, 3.0, 4.0])
+    calls = {"n": 0}
+
+    def flaky() -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # warm-up and round 0 work; round 1 fails
+            raise MemoryError("out of memory at batch 8")
+        clock.now += 0.5
+
+    c = interleaved({"good": good, "flaky": flaky}, rounds=4, warmup=1, clock=clock)
+    assert c["good"].ok and c["good"].times == (1.0, 2.0, 3.0, 4.0)
+    assert not c["flaky"].ok and c["flaky"].error == "MemoryError: out of memory at batch 8"
+    assert c["flaky"].error_type is MemoryError
+    assert c["flaky"].times == (0.5,)  # round 0 only; dropped after the failure
+    assert calls["n"] == 3
+    assert all("flaky" not in order for order in c.order[2:])
+    assert c.ratios("flaky") == (2.0,)  # the rounds both ran: round 0
+    assert c["good"].error is None and c["good"].error_type is None
+
+
+def test_failing_warmup_and_failing_baseline():
+    clock = FakeClock()
+
+    def broken() -> None:
+        raise RuntimeError("unsupported op")
+
+    c = interleaved({"base": broken, "other": clock.work("other", [1.0, 1.0, 1.0])},
+                    rounds=2, warmup=1, clock=clock)
+    assert c["base"].times == () and c["base"].error_type is RuntimeError
+    assert c["other"].times == (1.0, 1.0)
+    assert c.speedup("other") is None and c.speedup_range("other") is None
+
+    all_broken = interleaved({"x": broken}, rounds=3, warmup=0, clock=clock)
+    assert all_broken["x"].error and all_broken.order == (("x",),)  # tried once, then dropped
+
+
+def test_bad_arguments_raise_value_errors():
+    with pytest.raises(ValueError, match="at least one"):
+        interleaved({})
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        interleaved({"a": lambda: None}, rounds=0)
+    with pytest.raises(ValueError, match="baseline 'z'"):
+        interleaved({"a": lambda: None}, baseline="z")
+
+
+def test_geomean_agrees_with_scipy():
+    values = [1.25, 0.8, 2.0, 1.1]
+    assert geomean(values) == pytest.approx(float(scipy.stats.gmean(values)))
+    with pytest.raises(ValueError):
+        geomean([])
+
+
+def test_device_sync_on_cpu_is_a_no_op():
+    assert device_sync("cpu")() is None
