@@ -12,6 +12,7 @@ from memlayout.errors import (
     LayoutVerificationError,
     MemlayoutError,
     ModelSpecError,
+    PlanError,
 )
 from memlayout.layout import (
     Format,
@@ -24,6 +25,17 @@ from memlayout.tensors import convert_batch, convert_module, format_of, to_forma
 
 __version__ = "0.1.0"
 
+_PLANNER = {"optimize", "OptimizedModule", "Plan"}
+
+
+def __getattr__(name: str):
+    # The planner (torch.fx, scipy) loads on first use: `import memlayout` stays light.
+    if name in _PLANNER:
+        from memlayout.plan import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'memlayout' has no attribute {name!r}")
+
 __all__ = [
     "CaptureError",
     "Format",
@@ -32,12 +44,16 @@ __all__ = [
     "LayoutVerificationError",
     "MemlayoutError",
     "ModelSpecError",
+    "OptimizedModule",
+    "Plan",
+    "PlanError",
     "convert_batch",
     "convert_module",
     "dim_order",
     "format_of",
     "formats_of",
     "is_non_overlapping_and_dense",
+    "optimize",
     "strides_for",
     "to_format",
 ]

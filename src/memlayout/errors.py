@@ -28,3 +28,11 @@ class LayoutVerificationError(MemlayoutError):
 
 class LayoutDropError(MemlayoutError):
     """An operator dropped the memory format inside ``memlayout.strict``."""
+
+
+class CoverageUnavailableError(MemlayoutError):
+    """PyTorch's operator database (OpInfo), or a coverage matrix, is not available here."""
+
+
+class PlanError(MemlayoutError, ValueError):
+    """A bad argument to the planner (``memlayout.optimize``): dtype, formats, inputs."""

@@ -1,0 +1,272 @@
+"""``memlayout.optimize``: capture -> costs -> solve -> rewrite -> verify, as one call.
+
+>>> import torch
+>>> from torch import nn
+>>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3))
+>>> opt = optimize(net, torch.randn(1, 3, 12, 12), measure=False)
+>>> opt.plan.verification["ok"], opt.plan.measured
+(True, 0)
+>>> torch.equal(opt(torch.ones(1, 3, 12, 12)), opt(torch.ones(1, 3, 12, 12)))
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from memlayout.errors import MemlayoutError, PlanError
+from memlayout.layout import Format
+from memlayout.plan.capture import (
+    LAYOUT_RANKS,
+    autocast_context,
+    capture,
+    device_of,
+    iter_nodes,
+)
+from memlayout.plan.costs import CostCache, device_name, measure_costs
+from memlayout.plan.problem import baseline_labels, formulate
+from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan
+from memlayout.plan.rewrite import PlannedGraph, rewrite
+from memlayout.plan.solve import Problem, objective, solve_min_cut
+from memlayout.plan.verify import compare, verify
+
+_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None, "float32": None, "float": None,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+Progress = Callable[[int, int, str], None]
+
+
+class OptimizedModule(nn.Module):
+    """The planned model: runs eagerly with the planned layouts (under autocast when planned
+    with a dtype); ``state_dict`` keys are the original model's, so state dicts load both
+    ways. ``.plan`` is the :class:`Plan`."""
+
+    def __init__(self, module: nn.Module, plan: Plan, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.autocast_dtype = dtype
+        self._register_state_dict_hook(_strip_prefix)
+        self._register_load_state_dict_pre_hook(_add_prefix)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with autocast_context(device_of(args, self.module), self.autocast_dtype):
+            return self.module(*args, **kwargs)
+
+
+def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                  local_metadata: Any) -> None:
+    inner = prefix + "module."
+    items = list(state_dict.items())
+    state_dict.clear()
+    for k, v in items:
+        state_dict[prefix + k[len(inner):] if k.startswith(inner) else k] = v
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        for k in [k for k in meta if k.startswith(inner[:-1])]:
+            meta[prefix + k[len(inner):] if k.startswith(inner) else prefix[:-1]] = meta.pop(k)
+
+
+def _add_prefix(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    inner = prefix + "module."
+    for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``None``/fp32 (no autocast), bf16 or fp16 (autocast) from a name or ``torch.dtype``."""
+    if dtype is None or dtype == torch.float32:
+        return None
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.bfloat16, torch.float16):
+            return dtype
+    elif isinstance(dtype, str) and dtype.strip().lower() in _DTYPES:
+        return _DTYPES[dtype.strip().lower()]
+    raise PlanError(f"dtype {dtype!r} is not supported; use fp32, bf16 or fp16 "
+                    "(or torch.float32 / torch.bfloat16 / torch.float16)")
+
+
+def _label(fmt: str | Format | None, what: str) -> int | None:
+    if fmt is None:
+        return None
+    parsed = Format.parse(fmt)
+    if parsed is Format.CONTIGUOUS:
+        return 0
+    if parsed in (Format.CHANNELS_LAST, Format.CHANNELS_LAST_3D):
+        return 1
+    raise PlanError(f"{what} {fmt!r}: the planner handles contiguous and channels_last(_3d)")
+
+
+def _inputs(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs.clone(),)
+    if isinstance(example_inputs, (tuple, list)) and example_inputs:
+        return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    raise PlanError(
+        f"example_inputs must be a tensor or a non-empty tuple of forward's positional "
+        f"arguments, got {type(example_inputs).__name__}"
+    )
+
+
+def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,
+             input_format: str | Format | None = None, output_format: str | Format | None = "keep",
+             measure: bool = True, cache: bool | str | Path = True,
+             progress: Progress | None = None, rounds: int = 3, name: str | None = None,
+             ) -> OptimizedModule:
+    """Plan a format per layout-sensitive operation from costs measured here, apply it to a
+    copy of ``model`` and verify it; the caller's model is left unchanged.
+
+    - ``dtype``: plan and run under autocast (``"bf16"``, ``"fp16"``); ``None``/fp32: as is.
+    - ``input_format``: the format inputs arrive in (default: as the example is).
+    - ``output_format``: ``"keep"`` (as the original returns them), a format, or ``None``.
+    - ``measure=False``: an analytical cost model instead of timing; ``cache``: ``True`` (the
+      user cache, see ``memlayout.plan.costs.cache_path``), ``False``, or a database path.
+    - ``progress(done, total, what)`` is called while measuring.
+
+    Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
+    planned model would compute something else.
+    """
+    start = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    run_dtype = parse_dtype(dtype)
+    input_label = _label(input_format, "input_format")
+    if output_format == "keep":
+        output_label: int | str | None = "keep"
+    else:
+        output_label = _label(output_format, "output_format")
+    inputs = _inputs(example_inputs)
+    if input_label is not None:
+        from memlayout.tensors import to_format
+
+        inputs = tuple(to_format(x, _format(input_label, x.dim()))
+                       if isinstance(x, torch.Tensor) and x.dim() in LAYOUT_RANKS else x
+                       for x in inputs)
+    try:
+        work = copy.deepcopy(model).eval()
+    except Exception as exc:
+        raise PlanError(f"cannot copy {type(model).__name__} to plan on (copy.deepcopy "
+                        f"failed: {exc}); the planner never modifies the caller's model") from exc
+    store = _open_cache(cache) if measure else None
+    try:
+        captured = capture(work, inputs, dtype=run_dtype)
+        device = device_of(inputs, work)
+        planned_tree = copy.deepcopy(work)
+        nodes: list[NodeChoice] = []
+        conversions: list[Conversion] = []
+        predicted = {"planned": 0.0, "all_contiguous": 0.0, "all_channels_last": 0.0}
+        measured = cached = 0
+        checks = []
+        for region in captured.regions:
+            table = measure_costs(region.gm, region.inputs, dtype=run_dtype, measure=measure,
+                                  cache=store, rounds=rounds, progress=progress)
+            measured += table.measured
+            cached += table.cached
+            form = formulate(region.gm, table,
+                             input_label=input_label if region.path == "" else None,
+                             output_label=output_label if region.path == "" else "keep")
+            labels = solve_min_cut(form.integer).labels
+            relaxed = Problem(form.seconds.unary, form.seconds.tensors)
+            predicted["planned"] += objective(relaxed, labels) or 0.0
+            predicted["all_contiguous"] += objective(relaxed, baseline_labels(form.seconds, 0)) or 0.0
+            predicted["all_channels_last"] += objective(relaxed, baseline_labels(form.seconds, 1)) or 0.0
+            sub = planned_tree.get_submodule(region.path) if region.path else planned_tree
+            gm = _graph_module_on(sub, region.gm)
+            planned, made = rewrite(sub, gm, form, labels)
+            if region.path:
+                parent_path, _, child = region.path.rpartition(".")
+                parent = planned_tree.get_submodule(parent_path) if parent_path else planned_tree
+                setattr(parent, child, planned)
+            else:
+                planned_tree = planned
+            for n, c in table.nodes.items():
+                nodes.append(NodeChoice(region.path, n, c.op, FORMAT_NAMES[labels[n]],
+                                        dict(zip(FORMAT_NAMES, c.seconds, strict=True)), c.timed))
+            for value, to, served in made:
+                cost = table.conversions[value]
+                conversions.append(Conversion(
+                    region.path, value, FORMAT_NAMES[to], [list(s) for s in cost.shapes],
+                    cost.nbytes, cost.to_1 if to == 1 else cost.to_0, list(served)))
+            checks.append((region, planned))
+        verification = _verify(work, planned_tree, inputs, checks, run_dtype)
+        plan = Plan(
+            model=name or type(model).__name__, device=device_name(device),
+            torch_version=torch.__version__,
+            dtype=None if run_dtype is None else str(run_dtype).removeprefix("torch."),
+            input_format=None if input_label is None else FORMAT_NAMES[input_label],
+            output_format=output_label if output_label in (None, "keep") else FORMAT_NAMES[output_label],  # type: ignore[index]
+            nodes=nodes, conversions=conversions, predicted=predicted,
+            regions=[r.path for r in captured.regions],
+            uncaptured=[[p, r] for p, r in captured.uncaptured],
+            measured=measured, cached=cached, measure=measure,
+            planning_seconds=time.perf_counter() - start, verification=verification,
+        )
+    finally:
+        if store is not None:
+            store.close()
+    return OptimizedModule(planned_tree, plan, run_dtype)
+
+
+def _format(label: int, rank: int) -> Format:
+    from memlayout.plan.capture import label_format
+
+    return label_format(label, rank)
+
+
+def _open_cache(cache: bool | str | Path) -> CostCache | None:
+    if cache is False:
+        return None
+    try:
+        return CostCache(None if cache is True else Path(cache))
+    except Exception as exc:  # an unwritable cache must not stop planning: measure instead
+        import warnings
+
+        warnings.warn(f"memlayout: cost cache unavailable ({exc}); measuring without it",
+                      stacklevel=3)
+        return None
+
+
+def _graph_module_on(root: nn.Module, traced: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``traced``'s graph (names and meta kept) as a GraphModule over ``root``."""
+    graph = copy.deepcopy(traced.graph)
+    for n in iter_nodes(traced, "get_attr"):
+        head = n.target.split(".")[0]
+        if not hasattr(root, head):
+            setattr(root, head, copy.deepcopy(getattr(traced, head)))
+    return fx.GraphModule(root, graph)
+
+
+def _verify(work: nn.Module, planned_tree: nn.Module, inputs: tuple[Any, ...], checks: list,
+            dtype: torch.dtype | None) -> dict[str, Any]:
+    worst, tensors = 0.0, 0
+    for region, planned in checks:
+        assert isinstance(planned, PlannedGraph)
+        v = verify(region.gm, planned, region.inputs, dtype=dtype,
+                   planned_graph=planned.graph, where=region.path or "")
+        worst, tensors = max(worst, v.max_error), tensors + v.tensors
+        rtol = v.tolerance
+    if len(checks) != 1 or checks[0][0].path != "":
+        with torch.no_grad(), autocast_context(device_of(inputs, work), dtype):
+            ok, err, count = compare(work(*inputs), planned_tree(*inputs), dtype)
+        if not ok:
+            from memlayout.errors import LayoutVerificationError
+
+            raise LayoutVerificationError(
+                f"the planned model's outputs differ from the original's by {err:.3g} (relative) "
+                "although every planned region matched; the plan was not applied")
+        worst = max(worst, err)
+    return {"ok": True, "max_error": worst, "rtol": rtol if checks else 0.0,
+            "tensors": tensors}
+
+
+__all__ = ["MemlayoutError", "OptimizedModule", "Plan", "optimize", "parse_dtype"]

@@ -1,0 +1,266 @@
+"""Capture (L2 plan, step 1): a torch.fx graph with the layout of every value in node.meta.
+
+``capture`` traces the model with ``torch.fx.symbolic_trace`` and runs it once on the example
+inputs (no grad, under autocast when a dtype is given), recording for every node a
+:class:`ValueMeta` under ``node.meta["memlayout"]``: shape, strides, dtype and the full set of
+formats (``formats_of``) of each tensor in its output. When the whole model cannot be traced,
+the largest traceable submodules are captured instead, each with the inputs it received in
+one eager run, and the parts left eager are listed with the reason.
+
+>>> from torch import nn
+>>> cap = capture(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), (torch.randn(2, 3, 8, 8),))
+>>> [(r.path, [n.meta["memlayout"].label for n in r.gm.graph.nodes]) for r in cap.regions]
+[('', [0, 0, None, None])]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from memlayout.errors import CaptureError
+from memlayout.layout import Format, channels_last_for_rank, formats_of
+from memlayout.tensors import iter_tensors
+
+LAYOUT_RANKS = (4, 5)  # ranks with a channels-last format torch has kernels for
+META_KEY = "memlayout"
+FREE = "free"  # every layout tensor is in both formats (C == 1, H == W == 1): no copy needed
+NONE = "none"  # some layout tensor is in neither format (a permute, a slice)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    formats: tuple[str, ...]  # sorted format values; several when ambiguous, none for a slice
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ValueMeta:
+    """One node's output: every tensor inside it and the two-format label of the whole value:
+    0 (contiguous), 1 (channels-last), ``FREE``, ``NONE``, or ``None`` (no rank-4/5 tensor)."""
+
+    tensors: tuple[TensorMeta, ...]
+    label: int | str | None
+
+    @property
+    def layout_tensors(self) -> tuple[TensorMeta, ...]:
+        return tuple(t for t in self.tensors if len(t.shape) in LAYOUT_RANKS)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.layout_tensors)
+
+
+@dataclass
+class Region:
+    """A captured part of the model: its module path ("" for the whole model), the graph with
+    meta, and the example inputs it received."""
+
+    path: str
+    gm: fx.GraphModule
+    inputs: tuple[Any, ...]
+
+
+@dataclass
+class Captured:
+    regions: list[Region]
+    uncaptured: list[tuple[str, str]]  # (module path, why it stays eager)
+
+
+def label_of(tensors: tuple[TensorMeta, ...]) -> int | str | None:
+    """The two-format label of a value made of ``tensors`` (see :class:`ValueMeta`)."""
+    layout = [t for t in tensors if len(t.shape) in LAYOUT_RANKS]
+    if not layout:
+        return None
+    in0 = all(Format.CONTIGUOUS.value in t.formats for t in layout)
+    in1 = all(_cl(len(t.shape)).value in t.formats for t in layout)
+    if in0 and in1:
+        return FREE
+    if in0:
+        return 0
+    if in1:
+        return 1
+    return NONE
+
+
+def value_meta(value: Any) -> ValueMeta:
+    tensors = tuple(
+        TensorMeta(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
+                   tuple(sorted(f.value for f in formats_of(tuple(t.shape), tuple(t.stride())))))
+        for t in iter_tensors(value)
+    )
+    return ValueMeta(tensors, label_of(tensors))
+
+
+def autocast_context(device: torch.device | str, dtype: torch.dtype | None):
+    """``torch.autocast`` for ``dtype`` on ``device``, or a no-op context for ``None``."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def device_of(inputs: tuple[Any, ...], module: nn.Module) -> torch.device:
+    for t in iter_tensors(inputs):
+        return t.device
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def capture(model: nn.Module, inputs: tuple[Any, ...], *,
+            dtype: torch.dtype | None = None) -> Captured:
+    """Trace ``model`` (whole, or its largest traceable submodules) and record layouts.
+
+    ``model`` is not modified (tracing reads it; the run is under ``no_grad`` on the given
+    module, so pass a copy when its forward mutates state). Raises ``CaptureError`` naming the
+    node when the example inputs do not run, or when nothing at all can be captured.
+    """
+    try:
+        gm = fx.symbolic_trace(model)
+    except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+    else:
+        propagate(gm, inputs, dtype=dtype)
+        return Captured([Region("", gm, inputs)], [])
+    seen = _record_submodule_inputs(model, inputs, dtype)
+    regions: list[Region] = []
+    uncaptured: list[tuple[str, str]] = [("", reason)]
+    _capture_children(model, "", seen, dtype, regions, uncaptured)
+    if not regions:
+        raise CaptureError(
+            f"no part of {type(model).__name__} could be traced by torch.fx "
+            f"(whole model: {reason}); nothing to plan. Make the model's forward traceable "
+            "(no data-dependent control flow) or pass a traceable submodule"
+        )
+    return Captured(regions, uncaptured)
+
+
+def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
+              dtype: torch.dtype | None = None) -> Any:
+    """Run ``gm`` on ``inputs`` once, storing a :class:`ValueMeta` in every node's meta."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) > len(placeholders) or len(inputs) < sum(not n.args for n in placeholders):
+        raise CaptureError(
+            f"the model's forward takes {len(placeholders)} inputs "
+            f"({', '.join(n.target for n in placeholders)}), the example gave {len(inputs)}; "
+            "pass example_inputs as one tensor or a tuple of forward's positional arguments"
+        )
+    with torch.no_grad(), autocast_context(device_of(inputs, gm), dtype):
+        return _MetaProp(gm).run(*inputs)
+
+
+class _MetaProp(fx.Interpreter):
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise CaptureError(
+                f"node {n.name!r} ({node_target_name(self.module, n)}) failed on the example "
+                f"inputs: {type(exc).__name__}: {_first_line(exc)}; check the example input's "
+                "shape and dtype"
+            ) from exc
+        n.meta[META_KEY] = value_meta(result)
+        return result
+
+
+def node_target_name(root: nn.Module, n: fx.Node) -> str:
+    """A short readable name of what ``n`` runs: ``Conv2d``, ``torch.flatten``, ``.view``."""
+    if n.op == "call_module":
+        return type(root.get_submodule(n.target)).__name__
+    if n.op == "call_function":
+        mod = getattr(n.target, "__module__", None) or ""
+        name = getattr(n.target, "__name__", repr(n.target))
+        return f"{mod.replace('_operator', 'operator')}.{name}" if mod else name
+    if n.op == "call_method":
+        return f".{n.target}"
+    return n.op
+
+
+def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
+                             dtype: torch.dtype | None) -> dict[str, tuple[Any, ...]]:
+    seen: dict[str, tuple[Any, ...]] = {}
+    handles = []
+    for path, sub in model.named_modules():
+        if path:
+            def hook(_mod: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
+                seen.setdefault(path, tuple(copy.copy(args)))
+            handles.append(sub.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad(), autocast_context(device_of(inputs, model), dtype):
+            model(*inputs)
+    except Exception as exc:
+        raise CaptureError(
+            f"running {type(model).__name__} on the example inputs failed: "
+            f"{type(exc).__name__}: {_first_line(exc)}; check the example input's shape and dtype"
+        ) from exc
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any, ...]],
+                      dtype: torch.dtype | None, regions: list[Region],
+                      uncaptured: list[tuple[str, str]]) -> None:
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if path not in seen:
+            continue  # not called by forward: nothing runs, nothing to plan
+        if not any(len(p.shape) in LAYOUT_RANKS for p in child.parameters()) and not _has_children(child):
+            continue  # a leaf without layout parameters (activation, flatten): left as is
+        try:
+            gm = fx.symbolic_trace(child)
+            propagate(gm, seen[path], dtype=dtype)
+        except Exception as exc:
+            if _has_children(child):
+                uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
+                _capture_children(child, path, seen, dtype, regions, uncaptured)
+            else:
+                uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
+            continue
+        regions.append(Region(path, gm, seen[path]))
+
+
+def _has_children(m: nn.Module) -> bool:
+    return next(iter(m.children()), None) is not None
+
+
+def _cl(rank: int) -> Format:
+    fmt = channels_last_for_rank(rank)
+    assert fmt is not None
+    return fmt
+
+
+def label_format(label: int, rank: int) -> Format:
+    """The ``Format`` a two-format label means for a tensor of ``rank`` dims."""
+    return _cl(rank) if label == 1 and rank in LAYOUT_RANKS else Format.CONTIGUOUS
+
+
+def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:
+    return (n for n in gm.graph.nodes if n.op == op)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 4

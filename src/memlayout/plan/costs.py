@@ -1,0 +1,460 @@
+"""Costs (L2 plan, step 2): each layout node's time in each format, and each conversion's.
+
+A *layout node* is a graph node that takes a rank-4/5 tensor whose format is a choice (a value
+in one definite format, or a rank-4/5 parameter) or owns rank-4/5 parameters (a convolution).
+Each one is run with its inputs (and weights) in each format on the example's device, shape
+and dtype: what format its output really comes back in is recorded (GroupNorm, pads, views
+drop channels-last; a view may even fail), and, unless the op is layout-agnostic (elementwise,
+activations: same kernel either way), how long it takes, through ``memlayout.timing``. Each
+value in a definite format gets the time of converting it either way.
+
+Measurements are cached in SQLite (``cache_path()``), keyed by device name, thread count,
+torch version, autocast dtype, op, shapes, strides and dtype: a second plan of the same model
+measures nothing. ``measure=False`` runs each layout node once per format (formats only) and
+uses an analytical cost model instead of timing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import operator
+import os
+import platform
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from memlayout.layout import Format, strides_for
+from memlayout.plan.capture import (
+    FREE,
+    LAYOUT_RANKS,
+    META_KEY,
+    NONE,
+    ValueMeta,
+    autocast_context,
+    label_format,
+    node_target_name,
+)
+from memlayout.tensors import convert_module
+from memlayout.timing import device_sync, interleaved
+
+Progress = Callable[[int, int, str], None]
+
+# Ops whose kernel does the same work in either format: not timed, only run to see the format
+# of their output. Binary ops among them get their inputs in one format (a mismatch is a
+# conversion, costed as such).
+_AGNOSTIC_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh,
+    nn.LeakyReLU, nn.ELU, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout2d, nn.Dropout3d,
+)
+_AGNOSTIC_FUNCTIONS: frozenset[Any] = frozenset({
+    operator.add, operator.iadd, operator.mul, operator.imul, operator.sub, operator.truediv,
+    operator.getitem, torch.add, torch.mul, torch.sub, torch.relu, torch.sigmoid, torch.tanh,
+    torch.nn.functional.relu, torch.nn.functional.relu6, torch.nn.functional.silu,
+    torch.nn.functional.gelu, torch.nn.functional.hardswish, torch.nn.functional.hardsigmoid,
+    torch.nn.functional.sigmoid, torch.nn.functional.dropout, torch.nn.functional.mish,
+})
+_AGNOSTIC_METHODS: frozenset[str] = frozenset({
+    "relu", "relu_", "add", "add_", "mul", "mul_", "sub", "sub_", "div", "div_", "sigmoid",
+    "sigmoid_", "tanh", "clamp", "clamp_",
+})
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One layout node: seconds in label 0 / 1 (``None``: fails in that format), the label of
+    its output when run in each (``FREE``/``NONE``/``None`` as in ``ValueMeta``), and whether
+    the seconds were timed (``False``: agnostic op, or the analytical model)."""
+
+    name: str
+    op: str
+    seconds: tuple[float | None, float | None]
+    out: tuple[int | str | None, int | str | None]
+    timed: bool
+
+
+@dataclass(frozen=True)
+class ConversionCost:
+    value: str
+    to_1: float
+    to_0: float
+    nbytes: int
+    shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class CostTable:
+    nodes: dict[str, NodeCost] = field(default_factory=dict)
+    conversions: dict[str, ConversionCost] = field(default_factory=dict)
+    measured: int = 0  # timings taken in this call
+    cached: int = 0  # records read from the cache
+
+
+# ---------------------------------------------------------------- what is a layout node
+
+
+def input_kind(gm: fx.GraphModule, m: fx.Node) -> str | None:
+    """How a node's input ``m`` is handled: ``"param"`` (a rank-4/5 attribute, converted once
+    when the plan is applied), ``"term"`` (a value in one definite format: converted per plan),
+    ``"asis"`` (ambiguous or in no format: passed unchanged), ``None`` (no layout tensor)."""
+    meta: ValueMeta | None = m.meta.get(META_KEY)
+    if meta is None or meta.label is None:
+        return None
+    if m.op == "get_attr":
+        return "param"
+    if meta.label in (FREE, NONE):
+        return "asis"
+    return "term"
+
+
+def module_has_layout_params(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op != "call_module":
+        return False
+    sub = gm.get_submodule(n.target)
+    return any(t.dim() in LAYOUT_RANKS for t in [*sub.parameters(), *sub.buffers()])
+
+
+def is_layout_node(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op not in ("call_module", "call_function", "call_method"):
+        return False
+    meta: ValueMeta | None = n.meta.get(META_KEY)
+    if meta is None or not meta.tensors:
+        return False  # .size(), .dim(): no tensor out, nothing to decide
+    if module_has_layout_params(gm, n):
+        return True
+    return any(input_kind(gm, m) in ("term", "param") for m in n.all_input_nodes)
+
+
+def is_agnostic(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op == "call_module":
+        return isinstance(gm.get_submodule(n.target), _AGNOSTIC_MODULES)
+    if n.op == "call_function":
+        return n.target in _AGNOSTIC_FUNCTIONS
+    return n.op == "call_method" and n.target in _AGNOSTIC_METHODS
+
+
+# ---------------------------------------------------------------- converting values
+
+
+def convert_value(value: Any, label: int) -> Any:
+    """Every rank-4/5 tensor inside ``value`` in the format ``label`` means for its rank
+    (canonical strides: ``to_format``); other tensors and objects unchanged."""
+    from memlayout.tensors import to_format
+
+    if isinstance(value, torch.Tensor):
+        if value.dim() in LAYOUT_RANKS:
+            return to_format(value, label_format(label, value.dim()))
+        return value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(convert_value(v, label) for v in value)
+    if isinstance(value, list):
+        return [convert_value(v, label) for v in value]
+    return value
+
+
+def fresh_value(value: Any, label: int | None) -> Any:
+    """A copy of ``value`` (``label``: in that format; ``None``: same strides), so a timed op
+    that works in place never touches the real activations."""
+    if isinstance(value, torch.Tensor):
+        if label is not None and value.dim() in LAYOUT_RANKS:
+            strides = strides_for(tuple(value.shape), label_format(label, value.dim()))
+        else:
+            strides = value.stride()
+        return torch.empty_strided(value.shape, strides, dtype=value.dtype,
+                                   device=value.device).copy_(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(fresh_value(v, label) for v in value)
+    if isinstance(value, list):
+        return [fresh_value(v, label) for v in value]
+    return value
+
+
+def convert_module_to(module: nn.Module, label: int) -> nn.Module:
+    """``module``'s rank-4/5 weights in label's format, in place (returns ``module``)."""
+    if label == 1:
+        convert_module(module, Format.CHANNELS_LAST)
+        return convert_module(module, Format.CHANNELS_LAST_3D)
+    module._apply(lambda t: t.contiguous() if t.dim() in LAYOUT_RANKS else t)
+    return module
+
+
+# ---------------------------------------------------------------- the cache
+
+
+def cache_path() -> Path:
+    """``$MEMLAYOUT_CACHE_DIR/costs.sqlite``, else ``$XDG_CACHE_HOME/memlayout/costs.sqlite``
+    (``~/.cache`` when unset)."""
+    root = os.environ.get("MEMLAYOUT_CACHE_DIR")
+    if root:
+        return Path(root) / "costs.sqlite"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "memlayout" / "costs.sqlite"
+
+
+class CostCache:
+    """A key -> JSON record store in SQLite."""
+
+    def __init__(self, path: Path | str | None = None) -> None:
+        self.path = Path(path) if path is not None else cache_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path)
+        self._db.execute("CREATE TABLE IF NOT EXISTS costs (key TEXT PRIMARY KEY, value TEXT)")
+
+    def get(self, key: str) -> Any:
+        row = self._db.execute("SELECT value FROM costs WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def put(self, key: str, value: Any) -> None:
+        self._db.execute("INSERT OR REPLACE INTO costs VALUES (?, ?)", (key, json.dumps(value)))
+        self._db.commit()
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def device_name(device: torch.device) -> str:
+    """What the timings depend on: the accelerator or CPU model, and torch's thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{device.type}:{model}:threads={torch.get_num_threads()}"
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
+                  dtype: torch.dtype | None = None, measure: bool = True,
+                  cache: CostCache | None = None, rounds: int = 3,
+                  progress: Progress | None = None) -> CostTable:
+    """The cost table of every layout node and definite-format value of a captured graph."""
+    from memlayout.plan.capture import device_of
+
+    device = device_of(inputs, gm)
+    context = [device_name(device), torch.__version__, str(dtype)]
+    layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
+    values = [n for n in gm.graph.nodes if n.op != "get_attr"
+              and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in (0, 1)]
+    table = CostTable()
+    todo_nodes: dict[str, list[str]] = {}
+    todo_values: dict[str, list[str]] = {}
+    for n in layout_nodes:
+        keys = [json.dumps(["node", *context, _describe(gm, n, label), label]) for label in (0, 1)]
+        records = [cache.get(k) for k in keys] if cache is not None and measure else [None, None]
+        if all(r is not None for r in records):
+            table.cached += 1
+            table.nodes[n.name] = _node_cost(gm, n, records, True)
+        else:
+            todo_nodes[n.name] = keys
+    for v in values:
+        meta: ValueMeta = v.meta[META_KEY]
+        if not _consumed(gm, v):
+            continue
+        if not measure:
+            table.conversions[v.name] = _analytical_conversion(v.name, meta)
+            continue
+        shapes = [[list(t.shape), t.dtype] for t in meta.layout_tensors]
+        keys = [json.dumps(["convert", *context, shapes, to]) for to in (1, 0)]
+        records = [cache.get(k) for k in keys] if cache is not None else [None, None]
+        if all(r is not None for r in records):
+            table.cached += 1
+            table.conversions[v.name] = _conversion_cost(v.name, meta, records)
+        else:
+            todo_values[v.name] = keys
+    total = len(todo_nodes) + len(todo_values)
+    if total:
+        runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
+                           rounds=rounds, sync=device_sync(str(device)), progress=progress,
+                           total=total)
+        with torch.no_grad(), autocast_context(device, dtype):
+            runner.run(*inputs)
+    return table
+
+
+def _consumed(gm: fx.GraphModule, v: fx.Node) -> bool:
+    return any(u.op == "output" or is_layout_node(gm, u) for u in v.users)
+
+
+def _node_cost(gm: fx.GraphModule, n: fx.Node, records: list[Any], timed: bool) -> NodeCost:
+    seconds = tuple(r["s"] for r in records)
+    out = tuple(r["out"] for r in records)
+    return NodeCost(n.name, node_target_name(gm, n), seconds, out,  # type: ignore[arg-type]
+                    timed and not is_agnostic(gm, n))
+
+
+def _conversion_cost(name: str, meta: ValueMeta, records: list[Any]) -> ConversionCost:
+    return ConversionCost(name, records[0]["s"], records[1]["s"], meta.nbytes,
+                          tuple(t.shape for t in meta.layout_tensors))
+
+
+def _describe(gm: fx.GraphModule, n: fx.Node, label: int) -> str:
+    """The op and its inputs as they would be fed in ``label``: the cache key's op part."""
+    if n.op == "call_module":
+        sub = gm.get_submodule(n.target)
+        op = f"module:{type(sub).__module__}.{type(sub).__qualname__}:{sub!r}:train={sub.training}"
+    elif n.op == "call_function":
+        op = f"function:{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', repr(n.target))}"
+    else:
+        op = f"method:{n.target}"
+
+    def arg(m: fx.Node) -> str:
+        kind = input_kind(gm, m)
+        meta: ValueMeta | None = m.meta.get(META_KEY)
+        if meta is None:
+            return "?"
+        parts = []
+        for t in meta.tensors:
+            strides = t.strides
+            if kind in ("term", "param") and len(t.shape) in LAYOUT_RANKS:
+                strides = strides_for(t.shape, label_format(label, len(t.shape)))
+            parts.append(f"{t.dtype}{list(t.shape)}{list(strides)}")
+        return "T(" + ",".join(parts) + ")"
+
+    args = fx.node.map_arg((n.args, n.kwargs), arg)
+    return f"{op}{args!r}"
+
+
+def _label_of_result(value: Any) -> int | str | None:
+    from memlayout.plan.capture import value_meta
+
+    return value_meta(value).label
+
+
+class _Measurer(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, todo_nodes: dict[str, list[str]],
+                 todo_values: dict[str, list[str]], table: CostTable, *, measure: bool,
+                 cache: CostCache | None, rounds: int, sync: Callable[[], None],
+                 progress: Progress | None, total: int) -> None:
+        super().__init__(gm)
+        self.todo_nodes, self.todo_values, self.table = todo_nodes, todo_values, table
+        self.measure, self.cache, self.rounds, self.sync = measure, cache, rounds, sync
+        self.progress, self.total, self.done = progress, total, 0
+
+    def _step(self, what: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, what)
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name in self.todo_nodes:
+            self._measure_node(n)
+            self._step(n.name)
+        if n.name in self.todo_values:
+            self._measure_conversion(n, result)
+            self._step(f"{n.name} (conversion)")
+        return result
+
+    def _call(self, n: fx.Node, label: int) -> Callable[[], Any]:
+        gm = self.module
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda m: self._input(m, label))
+        if n.op == "call_module":
+            target = gm.get_submodule(n.target)
+            if module_has_layout_params(gm, n):
+                target = convert_module_to(copy.deepcopy(target), label)
+            return lambda: target(*args, **kwargs)
+        if n.op == "call_function":
+            return lambda: n.target(*args, **kwargs)
+        self_arg, *rest = args
+        return lambda: getattr(self_arg, n.target)(*rest, **kwargs)
+
+    def _input(self, m: fx.Node, label: int) -> Any:
+        kind = input_kind(self.module, m)
+        return fresh_value(self.env[m], label if kind in ("term", "param") else None)
+
+    def _measure_node(self, n: fx.Node) -> None:
+        gm = self.module
+        timed = self.measure and not is_agnostic(gm, n)
+        records: list[dict[str, Any]] = []
+        calls: dict[str, Callable[[], Any]] = {}
+        first: dict[str, float] = {}
+        for label in (0, 1):
+            import time
+
+            try:
+                fn = self._call(n, label)
+                self.sync()
+                start = time.perf_counter()
+                out = fn()
+                self.sync()
+                first[str(label)] = time.perf_counter() - start
+                records.append({"s": 0.0, "out": _label_of_result(out)})
+                calls[str(label)] = fn
+            except Exception as exc:  # this format does not work for this op: a fact
+                records.append({"s": None, "out": None, "error": f"{type(exc).__name__}"})
+        if timed and calls:
+            repeat = max(1, min(50, int(0.004 / max(min(first.values()), 1e-6))))
+            result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat,
+                                 sync=self.sync)
+            for label, timing in result.modes.items():
+                records[int(label)]["s"] = timing.median if timing.ok else None
+            self.table.measured += 1
+        elif not self.measure and calls:
+            for label in calls:
+                records[int(label)]["s"] = _analytical_seconds(gm, n, int(label))
+        self.table.nodes[n.name] = _node_cost(gm, n, records, self.measure)
+        if self.cache is not None and self.measure:
+            for key, record in zip(self.todo_nodes[n.name], records, strict=True):
+                self.cache.put(key, record)
+
+    def _measure_conversion(self, n: fx.Node, value: Any) -> None:
+        meta: ValueMeta = n.meta[META_KEY]
+        v0, v1 = fresh_value(value, 0), fresh_value(value, 1)
+        calls = {"to_1": lambda: convert_value(v0, 1), "to_0": lambda: convert_value(v1, 0)}
+        probe = interleaved(calls, rounds=1, warmup=1, sync=self.sync)
+        quick = min(t.median for t in probe.modes.values())
+        repeat = max(1, min(50, int(0.004 / max(quick, 1e-6))))
+        result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat, sync=self.sync)
+        records = [{"s": result["to_1"].median}, {"s": result["to_0"].median}]
+        self.table.measured += 1
+        self.table.conversions[n.name] = _conversion_cost(n.name, meta, records)
+        if self.cache is not None:
+            for key, record in zip(self.todo_values[n.name], records, strict=True):
+                self.cache.put(key, record)
+
+
+# ---------------------------------------------------------------- the analytical fallback
+
+_FLOPS = 5e10  # flop/s of a dense convolution, contiguous
+_CL_CONV_GAIN = 0.85  # channels-last dense convolution time relative to contiguous (oneDNN)
+_BANDWIDTH = 1e10  # bytes/s of a strided copy
+
+
+def _analytical_seconds(gm: fx.GraphModule, n: fx.Node, label: int) -> float:
+    """A rough model, used only with ``measure=False``: dense convolutions are FLOP-bound and
+    somewhat faster channels-last; everything else moves the same bytes either way."""
+    meta: ValueMeta = n.meta[META_KEY]
+    if n.op == "call_module":
+        sub = gm.get_submodule(n.target)
+        if isinstance(sub, nn.modules.conv._ConvNd) and meta.layout_tensors:
+            out = meta.layout_tensors[0]
+            kernel = 1
+            for k in sub.kernel_size:
+                kernel *= k
+            numel = 1
+            for s in out.shape:
+                numel *= s
+            flops = 2.0 * numel * kernel * sub.in_channels / sub.groups
+            gain = _CL_CONV_GAIN if sub.groups == 1 else 1.0
+            return flops / _FLOPS * (gain if label == 1 else 1.0)
+    return meta.nbytes / _BANDWIDTH
+
+
+def _analytical_conversion(name: str, meta: ValueMeta) -> ConversionCost:
+    seconds = 2.0 * meta.nbytes / _BANDWIDTH
+    return ConversionCost(name, seconds, seconds, meta.nbytes,
+                          tuple(t.shape for t in meta.layout_tensors))

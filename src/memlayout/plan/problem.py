@@ -1,0 +1,139 @@
+"""From a captured graph and its cost table to the solver's pure problem, and back.
+
+Labels: 0 contiguous, 1 channels-last. Variables are layout nodes (and one pinned variable per
+graph output whose format is kept). A layout node receives every decided input in its label's
+format; its output then comes back in the label its measurement saw: the same as its input
+(convolution, elementwise: identity), always one (GroupNorm, a pad dropping channels-last:
+constant), or anything else (pinned to contiguous, the format the op was written for).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from memlayout.plan.capture import FREE, META_KEY, ValueMeta
+from memlayout.plan.costs import CostTable, input_kind, is_layout_node
+from memlayout.plan.solve import Problem, Tensor
+
+OUTPUT_PREFIX = "output:"
+
+
+@dataclass
+class Formulation:
+    """The float problem (seconds), its integer twin for the solver, and the facts the
+    rewrite needs: each value's producer (a node name: its label; or a constant label) and
+    consumers."""
+
+    seconds: Problem
+    integer: Problem
+    producers: dict[str, str | int] = field(default_factory=dict)  # value -> producer
+    consumers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # value -> consumers
+    unit: float = 1.0
+
+
+def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | None,
+              output_label: int | str | None) -> Formulation:
+    """``input_label``: the format graph inputs arrive in (``None``: as captured).
+    ``output_label``: ``"keep"`` (as the original returns them), 0/1, or ``None`` (free)."""
+    unary: dict[str, tuple[float, float]] = {}
+    pins: dict[str, int] = {}
+    ties: list[tuple[str, str]] = []
+    producers: dict[str, str | int] = {}
+    for n in gm.graph.nodes:
+        if n.name not in table.nodes:
+            continue
+        cost = table.nodes[n.name]
+        s0, s1 = cost.seconds
+        ok = [label for label in (0, 1) if cost.seconds[label] is not None]
+        if not ok:
+            ok = [0]
+        if len(ok) == 1:
+            pins[n.name] = ok[0]
+            both = cost.seconds[ok[0]] or 0.0
+            unary[n.name] = (both, both)
+        else:
+            unary[n.name] = (float(s0), float(s1))  # type: ignore[arg-type]
+        o0, o1 = cost.out
+        if len(ok) == 1:
+            out = cost.out[ok[0]]
+            if out in (0, 1):
+                producers[n.name] = out  # type: ignore[assignment]
+        elif o0 in (0, FREE) and o1 in (1, FREE) and not (o0 == FREE and o1 == FREE):
+            producers[n.name] = n.name
+        elif o0 in (0, 1) and o1 in (o0, FREE):
+            producers[n.name] = o0  # type: ignore[assignment]
+        elif o1 in (0, 1) and o0 == FREE:
+            producers[n.name] = o1  # type: ignore[assignment]
+        elif o0 != FREE or o1 != FREE:
+            pins[n.name] = 0
+            if o0 in (0, 1):
+                producers[n.name] = o0  # type: ignore[assignment]
+    # values in a definite format that no layout node decides: inputs, rank-2 -> rank-4 views
+    for n in gm.graph.nodes:
+        meta: ValueMeta | None = n.meta.get(META_KEY)
+        if n.name in table.nodes or n.op in ("get_attr", "output") or meta is None:
+            continue
+        if meta.label in (0, 1):
+            label = meta.label
+            if n.op == "placeholder" and input_label is not None:
+                label = input_label
+            producers[n.name] = label
+    # ties: one module (its weights) or one parameter serves every node that uses it
+    by_owner: dict[str, list[str]] = {}
+    for n in gm.graph.nodes:
+        if n.name not in table.nodes:
+            continue
+        if n.op == "call_module":
+            by_owner.setdefault("module:" + n.target, []).append(n.name)
+        for m in n.all_input_nodes:
+            if input_kind(gm, m) == "param":
+                by_owner.setdefault("attr:" + m.target, []).append(n.name)
+    for names in by_owner.values():
+        ties.extend((names[0], other) for other in names[1:])
+    # consumers, the Potts terms, and output pins
+    consumers: dict[str, tuple[str, ...]] = {}
+    tensors: list[Tensor] = []
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    conv = {**table.conversions}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for value, producer in producers.items():
+        node = nodes[value]
+        if input_kind(gm, node) != "term":
+            continue
+        users = [u.name for u in node.users if u.name in table.nodes and is_layout_node(gm, u)]
+        if output in node.users and output_label is not None:
+            pin = node.meta[META_KEY].label if output_label == "keep" else output_label
+            name = OUTPUT_PREFIX + value
+            unary[name] = (0.0, 0.0)
+            pins[name] = int(pin)
+            users.append(name)
+        if not users or value not in conv:
+            continue
+        consumers[value] = tuple(users)
+        c = conv[value]
+        tensors.append(Tensor(producer, tuple(users), c.to_1, c.to_0))  # type: ignore[arg-type]
+    seconds = Problem(unary, tuple(tensors), pins, tuple(ties))
+    integer, unit = _integer(seconds)
+    return Formulation(seconds, integer, producers, consumers, unit)
+
+
+def _integer(p: Problem) -> tuple[Problem, float]:
+    """The same problem in integer units small enough for scipy's int32 max-flow."""
+    total = sum(sum(c) for c in p.unary.values())
+    total += sum(t.cost_to_0 + t.cost_to_1 for t in p.tensors)
+    unit = total / 1e8 if total > 0 else 1.0
+
+    def q(x: float) -> int:
+        return round(x / unit)
+
+    unary = {k: (q(a), q(b)) for k, (a, b) in p.unary.items()}
+    tensors = tuple(Tensor(t.producer, t.consumers, q(t.cost_to_1), q(t.cost_to_0))
+                    for t in p.tensors)
+    return Problem(unary, tensors, dict(p.pins), p.ties), unit
+
+
+def baseline_labels(p: Problem, label: int) -> dict[str, int]:
+    """Every variable in ``label``, except pinned ones (a failing format, a kept output)."""
+    return {name: p.pins.get(name, label) for name in p.unary}

@@ -1,0 +1,135 @@
+"""The plan as plain data (L2 plan): what each node runs in, what is converted, and why.
+
+>>> p = Plan(model="m", device="cpu", torch_version="2", dtype=None, input_format="contiguous",
+...          output_format="keep", nodes=[], conversions=[], predicted={"planned": 0.0})
+>>> Plan.from_json(p.to_json()) == p
+True
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_NAMES = ("contiguous", "channels_last")  # label 0, label 1
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    """One layout node: its region, name, op, chosen format and the cost of each format
+    (seconds; ``None`` where the op fails in that format). ``timed``: measured here (or read
+    from the cache), not agnostic or analytical."""
+
+    region: str
+    name: str
+    op: str
+    format: str
+    seconds: dict[str, float | None]
+    timed: bool
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One inserted conversion: the value converted, to which format, shapes, bytes, cost,
+    and the nodes (or ``output``) it serves."""
+
+    region: str
+    value: str
+    to: str
+    shapes: list[list[int]]
+    nbytes: int
+    seconds: float
+    consumers: list[str]
+
+
+@dataclass
+class Plan:
+    model: str
+    device: str
+    torch_version: str
+    dtype: str | None
+    input_format: str | None
+    output_format: str | None
+    nodes: list[NodeChoice]
+    conversions: list[Conversion]
+    predicted: dict[str, float]  # planned, all_contiguous, all_channels_last (seconds)
+    regions: list[str] = field(default_factory=lambda: [""])
+    uncaptured: list[list[str]] = field(default_factory=list)  # [path, reason]
+    measured: int = 0
+    cached: int = 0
+    measure: bool = True
+    planning_seconds: float = 0.0
+    verification: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Layout nodes per chosen format."""
+        out = {name: 0 for name in FORMAT_NAMES}
+        for n in self.nodes:
+            out[n.format] = out.get(n.format, 0) + 1
+        return out
+
+    @property
+    def conversion_bytes(self) -> int:
+        return sum(c.nbytes for c in self.conversions)
+
+    @property
+    def is_noop(self) -> bool:
+        """No layout node and no conversion: the model runs exactly as given."""
+        return not self.conversions and all(n.format == "contiguous" for n in self.nodes)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        data["nodes"] = [NodeChoice(**n) for n in data["nodes"]]
+        data["conversions"] = [Conversion(**c) for c in data["conversions"]]
+        return cls(**data)
+
+    def summary(self) -> str:
+        """One paragraph of plain text: counts, conversions, predictions."""
+        counts = self.counts
+        pred = self.predicted
+        lines = [
+            f"{self.model}: {len(self.nodes)} layout nodes "
+            f"({counts.get('channels_last', 0)} channels_last, {counts.get('contiguous', 0)} contiguous); "
+            f"{len(self.conversions)} conversions, {self.conversion_bytes / 1e6:.1f} MB",
+        ]
+        if pred:
+            parts = [f"{k} {v * 1e3:.2f} ms" for k, v in pred.items()]
+            lines.append("predicted: " + ", ".join(parts))
+        lines.append(f"measured {self.measured}, from cache {self.cached}, "
+                     f"planning took {self.planning_seconds:.1f} s")
+        for path, reason in self.uncaptured:
+            lines.append(f"left eager: {path or '(whole model)'}: {reason}")
+        return "\n".join(lines)
+
+    def explain(self, console: Any = None) -> None:
+        """Render the plan with rich: per node the choice and both costs, then conversions."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        table = Table(title=f"plan for {self.model} ({self.dtype or 'fp32'}, {self.device})")
+        for col in ("region", "node", "op", "format", "contiguous ms", "channels_last ms"):
+            table.add_column(col, justify="right" if col.endswith("ms") else "left")
+        for n in self.nodes:
+            def ms(v: float | None, timed: bool = n.timed) -> str:
+                if v is None:
+                    return "fails"
+                return f"{v * 1e3:.3f}" if timed else "-"
+            table.add_row(n.region or "-", n.name, n.op, n.format,
+                          ms(n.seconds.get("contiguous")), ms(n.seconds.get("channels_last")))
+        console.print(table)
+        if self.conversions:
+            conv = Table(title="conversions")
+            for col in ("value", "to", "shapes", "MB", "ms", "serves"):
+                conv.add_column(col)
+            for c in self.conversions:
+                conv.add_row(c.value, c.to, " ".join(str(tuple(s)) for s in c.shapes),
+                             f"{c.nbytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}", ", ".join(c.consumers))
+            console.print(conv)
+        console.print(self.summary())

@@ -1,0 +1,102 @@
+"""Rewrite (L2 plan, step 4): apply a solved labelling to a copy of the model.
+
+Conversions (``convert_value``: ``to_format`` on each rank-4/5 tensor) are inserted only where
+a value's format differs from what a consumer was planned for, one per value and target format
+however many consumers it serves. Convolution weights (and rank-4/5 attributes used by planned
+nodes) are converted once, here, never per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from memlayout.plan.capture import LAYOUT_RANKS
+from memlayout.plan.costs import convert_module_to, convert_value, module_has_layout_params
+from memlayout.plan.problem import OUTPUT_PREFIX, Formulation
+
+
+class PlannedGraph(nn.Module):
+    """A rewritten graph that owns the module tree it was traced from: same children,
+    parameters and buffers (so the same ``state_dict`` keys as the original module), with
+    ``forward`` the rewritten graph's code."""
+
+    def __init__(self, root: nn.Module, gm: fx.GraphModule) -> None:
+        super().__init__()
+        for name, child in root.named_children():
+            self.add_module(name, child)
+        for name, p in root.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in root.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in root._non_persistent_buffers_set)
+        for n in gm.graph.nodes:  # tensor constants the trace put on the graph module only
+            if n.op == "get_attr" and "." not in n.target and not hasattr(self, n.target):
+                value = getattr(gm, n.target)
+                if isinstance(value, torch.Tensor):
+                    self.register_buffer(n.target, value, persistent=False)
+                else:
+                    setattr(self, n.target, value)
+        self.training = root.training
+        self.__dict__["graph_module"] = gm  # not a child: its modules are already ours
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.graph_module).forward(self, *args, **kwargs)
+
+
+def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
+            labels: dict[str, int]) -> tuple[PlannedGraph, list[tuple[str, int, tuple[str, ...]]]]:
+    """Insert conversions into ``gm`` (traced from ``root``; both are modified: pass copies)
+    and convert weights. Returns the planned module and the conversions made
+    ``(value, to label, consumers served)``."""
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    made: list[tuple[str, int, tuple[str, ...]]] = []
+    output = next(n for n in graph.nodes if n.op == "output")
+    for value, users in form.consumers.items():
+        producer = form.producers[value]
+        out = labels[producer] if isinstance(producer, str) else producer
+        node = nodes[value]
+        for target in (0, 1):
+            served = [u for u in users if labels[u] == target and target != out]
+            if not served:
+                continue
+            user_nodes = [output if u.startswith(OUTPUT_PREFIX) else nodes[u] for u in served]
+            first = min(user_nodes, key=order.__getitem__)
+            with graph.inserting_before(first):
+                converted = graph.call_function(convert_value, (node, target))
+            for u in user_nodes:
+                u.replace_input_with(node, converted)
+            made.append((value, target, tuple(served)))
+    for n in graph.nodes:
+        if n.name not in labels:
+            continue
+        if n.op == "call_module" and module_has_layout_params(gm, n):
+            convert_module_to(root.get_submodule(n.target), labels[n.name])
+        for m in n.all_input_nodes:
+            if m.op == "get_attr":
+                _convert_attr(root, m.target, labels[n.name])
+    graph.lint()
+    gm.recompile()
+    return PlannedGraph(root, gm), made
+
+
+def _convert_attr(root: nn.Module, target: str, label: int) -> None:
+    owner_path, _, name = target.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    value = getattr(owner, name, None)
+    if not isinstance(value, torch.Tensor) or value.dim() not in LAYOUT_RANKS:
+        return
+    converted = convert_value(value.detach(), label)
+    if isinstance(value, nn.Parameter):
+        value.data = converted
+    elif name in owner._buffers:
+        owner._buffers[name] = converted
+    else:
+        setattr(owner, name, converted)
