@@ -1,0 +1,95 @@
+"""uint8 batch -> normalized model input, on the device, in one pass, staying channels-last.
+
+``(x / 255 - mean) / std`` (what ``ToTensor`` + ``Normalize`` compute) is ``x * scale + shift``
+with ``scale = 1 / (255 std)`` and ``shift = -mean / std``: one ``addcmul`` that reads uint8 and
+writes the model's dtype, computed in float32 and rounded once. Moving the batch to the device
+before converting moves 1 byte per value instead of 4.
+
+>>> x = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+>>> y = to_model_input(x, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+>>> y.dtype, y.stride(), y.unique().tolist()
+(torch.float32, (48, 1, 12, 3), [-1.0])
+
+Values agree with ``ToTensor`` + ``Normalize`` within float32 rounding (the two orders of
+operations round differently by about one unit in the last place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from memlayout.data.collate import DataPipelineError
+from memlayout.layout import Format, strides_for
+
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+Stat = float | Sequence[float] | torch.Tensor
+
+
+def _per_channel(name: str, value: Stat, channels: int) -> list[float]:
+    vals = value.flatten().tolist() if isinstance(value, torch.Tensor) else (
+        [float(value)] if isinstance(value, (int, float)) else [float(v) for v in value])
+    if len(vals) == 1:
+        vals = vals * channels
+    if len(vals) != channels:
+        raise DataPipelineError(
+            f"{name} has {len(vals)} values for a batch of {channels} channels; give one value "
+            f"or {channels} (e.g. the ImageNet {name} for RGB, one value for grayscale)"
+        )
+    return vals
+
+
+def to_model_input(
+    batch: torch.Tensor,
+    mean: Stat,
+    std: Stat,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    *,
+    non_blocking: bool = True,
+) -> torch.Tensor:
+    """``(batch / 255 - mean) / std`` as ``dtype`` on ``device`` (default: the batch's), with
+    canonical channels-last strides whatever the batch's strides (C == 1 included).
+
+    ``batch`` is a uint8 ``(N, C, H, W)`` tensor (the output of the channels-last collate);
+    ``mean`` and ``std`` are in the 0..1 units of ``torchvision.transforms.Normalize``.
+
+    On an accelerator this is one kernel over the whole batch. On CPU it runs image by image:
+    the CPU kernel converts a uint8 operand to float in a temporary first, and one image's
+    temporary stays in cache where the whole batch's would not.
+
+    >>> to_model_input(torch.zeros(1, 1, 2, 2, dtype=torch.uint8), 0.5, 0.25).stride()
+    (4, 1, 2, 1)
+    """
+    if not isinstance(batch, torch.Tensor) or batch.dtype != torch.uint8 or batch.dim() != 4:
+        got = (f"{batch.dtype} tensor of shape {tuple(batch.shape)}"
+               if isinstance(batch, torch.Tensor) else type(batch).__name__)
+        raise DataPipelineError(
+            f"to_model_input needs a uint8 (N, C, H, W) batch, got a {got}; pass the images "
+            "batch of memlayout.data.channels_last_loader / collate_channels_last"
+        )
+    if not dtype.is_floating_point:
+        raise DataPipelineError(f"dtype {dtype} is not a floating dtype; use float32, bfloat16 or float16")
+    channels = batch.shape[1]
+    means = _per_channel("mean", mean, channels)
+    stds = _per_channel("std", std, channels)
+    if any(s == 0 for s in stds):
+        raise DataPipelineError(f"std {stds} has a zero; every channel needs std != 0")
+    dev = torch.device(device) if device is not None else batch.device
+    x = batch.to(dev, non_blocking=non_blocking)
+    # float64 output computes in float64; every other dtype computes in float32, rounds once.
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = torch.tensor([1.0 / (255.0 * s) for s in stds], dtype=compute).view(-1, 1, 1)
+    shift = torch.tensor([-m / s for m, s in zip(means, stds, strict=True)], dtype=compute).view(-1, 1, 1)
+    scale, shift = scale.to(dev), shift.to(dev)
+    shape = tuple(x.shape)
+    out = torch.empty_strided(shape, strides_for(shape, Format.CHANNELS_LAST), dtype=dtype, device=dev)
+    if dev.type == "cpu":
+        for i in range(shape[0]):
+            torch.addcmul(shift, x[i], scale, out=out[i])
+    else:
+        torch.addcmul(shift, x, scale, out=out)
+    return out
