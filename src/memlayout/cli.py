@@ -75,6 +75,60 @@ def inspect(
     console.print("module outputs by format: " + ", ".join(f"{_styled(k)} {v}" for k, v in sorted(counts.items())))
 
 
+@app.command()
+def audit(
+    model: Annotated[str, typer.Argument(help="Model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
+    train: Annotated[bool, typer.Option("--train", help="Forward + backward of the outputs' sum, model in train mode. Default: forward only, eval mode, no grad.")] = False,
+    dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
+    batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
+    image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; video 112).")] = None,
+    format: Annotated[str | None, typer.Option("--format", help="channels_last or channels_last_3d. Default: the model's (video: channels_last_3d).")] = None,
+    device: Annotated[str, typer.Option(help="Device to run on. Default: cpu.")] = "cpu",
+    json_path: Annotated[str | None, typer.Option("--json", help="Write the whole report as JSON here. Default: none.")] = None,
+    html_path: Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page here. Default: none.")] = None,
+    top: Annotated[int, typer.Option(help="Rows of the terminal table. Default: 20.")] = 20,
+    overhead: Annotated[bool, typer.Option("--overhead", help="Instead: time audited vs plain runs interleaved and print the median per-round ratio. Default: off.")] = False,
+    rounds: Annotated[int, typer.Option(help="Rounds for --overhead. Default: 5.")] = 5,
+) -> None:
+    """Run MODEL once in channels-last and report every op that drops the format (forward and
+    backward), with module, phase and conversion bytes."""
+    from memlayout.audit import audit as run_audit
+    from memlayout.audit.render import render_terminal, write_html, write_json
+    from memlayout.layout import Format
+    from memlayout.models import load_model
+
+    try:
+        spec = load_model(model, batch=batch, image_size=image_size)
+        fmt = Format.parse(format) if format else spec.fmt
+        module = spec.module.to(device).train(train)
+        inputs = spec.example_input.to(device)
+        if overhead:
+            from memlayout.audit.overhead import overhead as measure
+
+            c = measure(module, inputs, train=train, fmt=fmt, dtype=dtype, rounds=rounds, device=device)
+            for name in ("plain", "audited"):
+                if not c[name].ok:
+                    _fail(MemlayoutError(f"the {name} run failed: {c[name].error}"))
+            ratio, (low, high) = c.speedup("plain"), c.speedup_range("plain")
+            what = "forward+backward" if train else "forward"
+            console.print(f"{model} batch {batch} {fmt.value} {dtype} {what}, {c.rounds} interleaved rounds: "
+                          f"plain median {c['plain'].median * 1e3:.1f} ms (spread {100 * c['plain'].spread:.0f} %), "
+                          f"audited median {c['audited'].median * 1e3:.1f} ms (spread {100 * c['audited'].spread:.0f} %)")
+            console.print(f"audited / plain: median per-round ratio {ratio:.2f}x (range {low:.2f}-{high:.2f})")
+            return
+        report = run_audit(module, inputs, train=train, fmt=fmt, dtype=dtype)
+    except MemlayoutError as exc:
+        _fail(exc)
+    title = f"memlayout audit {model} ({'train' if train else 'inference'}, batch {batch})"
+    render_terminal(report, console, title=title, top=top)
+    if json_path:
+        write_json(report, json_path)
+        console.print(f"JSON report: {json_path}")
+    if html_path:
+        write_html(report, html_path, title=title)
+        console.print(f"HTML report: {html_path}")
+
+
 @app.command("bench-data")
 def bench_data(
     images: Annotated[int, typer.Option(min=1, help="Synthetic JPEGs in the folder; one timed sample is one epoch over them. Default: 256.")] = 256,
@@ -147,6 +201,157 @@ def bench_data(
         }
         Path(json_path).write_text(json.dumps(record, indent=2))
         console.print(f"JSON: {json_path}")
+
+
+@app.command()
+def bench(
+    models: Annotated[list[str] | None, typer.Argument(metavar="[MODEL_SPEC]...", help="Model specs: torchvision:NAME, timm:NAME or file.py:factory. Default: none (use --zoo).")] = None,
+    zoo: Annotated[str | None, typer.Option(help="Add a model zoo: quick (3 small models at 64 px), classification (17 torchvision families) or all (+ segmentation, video, timm if installed). Default: none.")] = None,
+    modes: Annotated[str, typer.Option(help="Comma-separated modes, nchw (the baseline) required: nchw, nhwc, planned, compile, planned+compile. Default: all five.")] = "nchw,nhwc,planned,compile,planned+compile",
+    dtype: Annotated[str, typer.Option(help="Comma-separated dtypes: fp32, bf16 (torch.autocast). Default: fp32.")] = "fp32",
+    task: Annotated[str, typer.Option(help="Comma-separated tasks: infer (no grad), train (forward + backward + SGD step). Default: infer.")] = "infer",
+    batch: Annotated[int, typer.Option(help="Batch size; halved and retried on out of memory. Default: 8.")] = 8,
+    image_size: Annotated[int | None, typer.Option(help="Image height and width. Default: the zoo's (quick: 64), else the model's own (224; video 112).")] = None,
+    rounds: Annotated[int, typer.Option(help="Interleaved timed rounds; every mode runs once per round. Default: 7.")] = 7,
+    warmup: Annotated[int, typer.Option(help="Untimed calls per mode before the rounds, after the first (compiling) call. Default: 1.")] = 1,
+    threads: Annotated[int | None, typer.Option(help="torch.set_num_threads for the run. Default: torch's current setting.")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N. Default: cpu.")] = "cpu",
+    compile_backend: Annotated[str, typer.Option(help="torch.compile backend of the compile modes. Default: inductor.")] = "inductor",
+    gemm_size: Annotated[int | None, typer.Option(help="Side of the square matmul timed as the GEMM peak. Default: 2048 on CPU, 8192 on CUDA.")] = None,
+    out: Annotated[str, typer.Option(help="Folder for results.csv, results.json, speedup.png, summary.md. Default: bench-results.")] = "bench-results",
+) -> None:
+    """Time every layout strategy on each model, interleaved round by round in one process, and
+    report speedups over eager NCHW (median of per-round ratios), FLOP/s and compile times."""
+    import shlex
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from memlayout.bench import BenchConfig, BenchEvent, run_bench, write_outputs
+    from memlayout.bench import zoo as zoo_entries
+    from memlayout.bench.report import problems, summary_tables
+
+    specs = list(models or [])
+    sizes: list[tuple[str, int]] = []
+    try:
+        for entry in zoo_entries(zoo) if zoo else ():
+            specs.append(entry.spec)
+            if entry.image_size:
+                sizes.append((entry.spec, entry.image_size))
+        cfg = BenchConfig.from_strings(
+            list(dict.fromkeys(specs)), modes=modes, dtypes=dtype, tasks=task, batch=batch,
+            image_size=image_size, rounds=rounds, warmup=warmup, threads=threads, device=device,
+            compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=tuple(sizes))
+    except MemlayoutError as exc:
+        _fail(exc)
+    command = ["memlayout", "bench", *(models or [])]
+    for flag, value, default in (("--zoo", zoo, None), ("--modes", modes, None), ("--dtype", dtype, None),
+                                 ("--task", task, None), ("--batch", batch, None),
+                                 ("--image-size", image_size, None), ("--rounds", rounds, None),
+                                 ("--warmup", warmup, 1), ("--threads", threads, None),
+                                 ("--device", device, "cpu"), ("--compile-backend", compile_backend, "inductor"),
+                                 ("--gemm-size", gemm_size, None), ("--out", out, None)):
+        if value is not None and value != default:
+            command += [flag, str(value)]
+    layouts = {"nchw": "eager, contiguous (NCHW) model and input", "nhwc": "eager, model.to(memory_format=channels_last) + channels-last input (channels_last_3d for video)",
+               "planned": "memlayout.optimize(model, (x,), dtype=...)", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
+               "planned+compile": "torch.compile of the planned model"}
+    console.print(f"[bold]memlayout bench[/bold]: {len(cfg.models)} models x {','.join(cfg.dtypes)} x {','.join(cfg.tasks)}, "
+                  f"batch {cfg.batch}, {cfg.rounds} interleaved rounds, device {cfg.device}, threads {threads or 'default'}")
+    for mode in cfg.modes:
+        console.print(f"  {mode:16s} {layouts[mode]}")
+
+    per_case = len(cfg.modes) * cfg.rounds
+    total = len(cfg.models) * len(cfg.dtypes) * len(cfg.tasks) * per_case
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        bar = progress.add_task("starting", total=total)
+
+        def on_event(event: BenchEvent) -> None:
+            name = event.model.removeprefix("torchvision:")
+            where = f"{name} {event.dtype} {event.task} batch {event.batch}"
+            if event.phase == "setup":
+                progress.update(bar, description=f"{where}: building {event.mode}")
+            elif event.mode in cfg.modes:  # the GEMM timed alongside is not a step of the bar
+                progress.update(bar, advance=1, description=f"{where}: round {(event.round or 0) + 1}/{cfg.rounds} {event.mode}")
+
+        result = run_bench(cfg, on_event=on_event)
+        progress.update(bar, completed=total, description="done")
+
+    for table in summary_tables(result.records):
+        t = Table(title=f"{table.dtype} {table.task}: speedup over eager NCHW, median of per-round ratios (min-max)")
+        for col in table.header:
+            t.add_column(col, justify="left" if col == "model" else "right")
+        for row in table.rows:
+            t.add_row(*row)
+        console.print(t)
+    for line in problems(result.records):
+        console.print("note: " + line, markup=False, highlight=False)
+    paths = write_outputs(result, Path(out), command=shlex.join(command))
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+@app.command()
+def optimize(
+    model: Annotated[str, typer.Argument(help="Model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
+    dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
+    batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
+    image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; video 112).")] = None,
+    save: Annotated[str | None, typer.Option(help="Write the plan as JSON here. Default: none.")] = None,
+    measure: Annotated[bool, typer.Option("--measure/--no-measure", help="Time each layout node here (cached), or use the analytical model. Default: measure.")] = True,
+    explain: Annotated[bool, typer.Option("--explain", help="Print every node's choice and costs. Default: off.")] = False,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the speed comparison (0: skip it). Default: 7.")] = 7,
+    cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Use the cost cache ($MEMLAYOUT_CACHE_DIR or $XDG_CACHE_HOME/memlayout). Default: on.")] = True,
+) -> None:
+    """Plan NCHW / channels-last per operation from costs measured here, verify the planned
+    model equal to the original, and time it against eager NCHW and eager NHWC."""
+    from rich.progress import Progress
+
+    from memlayout.models import load_model
+    from memlayout.plan.api import compare_with_eager
+    from memlayout.plan.api import optimize as plan_model
+
+    try:
+        spec = load_model(model, batch=batch, image_size=image_size)
+        shape = tuple(spec.example_input.shape)
+        console.print(f"{model}: input {shape}, {dtype}, inference, torch threads {__import__('torch').get_num_threads()}")
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("measuring", total=None)
+
+            def progress(done: int, total: int, what: str) -> None:
+                bar.update(task, completed=done, total=total, description=f"measuring {what}")
+
+            opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
+                             cache=cache, progress=progress, name=model)
+    except MemlayoutError as exc:
+        _fail(exc)
+    plan = opt.plan
+    if explain:
+        plan.explain(console)
+    console.print(plan.summary())
+    v = plan.verification
+    console.print(f"verification: [green]equal[/green] to the original on the example input "
+                  f"(worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}, {v['tensors']} output tensors)")
+    if save:
+        from pathlib import Path
+
+        Path(save).write_text(plan.to_json())
+        console.print(f"plan written to {save}")
+    if rounds > 0:
+        result = compare_with_eager(spec.module, opt, spec.example_input, rounds=rounds)
+        c = result["comparison"]
+        for name in ("optimized", "eager_nchw", "eager_nhwc"):
+            t = c[name]
+            if not t.ok:
+                console.print(f"{name}: failed: {t.error}")
+                continue
+            console.print(f"{name:>10}: median {t.median * 1e3:8.1f} ms per batch (spread {100 * t.spread:.0f} %)")
+        for name in ("eager_nchw", "eager_nhwc"):
+            if name in result:
+                r = result[name]
+                console.print(f"optimized vs {name}: {r['median']:.3f}x (median of {len(r['ratios'])} "
+                              f"per-round ratios {name} / optimized, range {r['min']:.3f}-{r['max']:.3f})")
+
 
 if __name__ == "__main__":
     app()

@@ -270,3 +270,50 @@ def _verify(work: nn.Module, planned_tree: nn.Module, inputs: tuple[Any, ...], c
 
 
 __all__ = ["MemlayoutError", "OptimizedModule", "Plan", "optimize", "parse_dtype"]
+
+
+def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inputs: Any, *,
+                       rounds: int = 7, warmup: int = 1) -> dict[str, Any]:
+    """Time the optimized model against eager NCHW and eager NHWC copies of ``model``,
+    interleaved round by round (``memlayout.timing.interleaved``), under the plan's autocast.
+
+    Returns per mode the ``ModeTiming`` and, for each eager mode, the per-round ratios
+    ``eager / optimized`` (> 1: the optimized model is faster), their median and range.
+    """
+    from memlayout.tensors import convert_batch, convert_module
+    from memlayout.timing import device_sync, interleaved
+
+    inputs = _inputs(example_inputs)
+    dtype = optimized.autocast_dtype
+    device = device_of(inputs, model)
+    nchw = convert_module(copy.deepcopy(model).eval(), Format.CONTIGUOUS)
+    nhwc = copy.deepcopy(model).eval()
+    convert_module(nhwc, Format.CHANNELS_LAST)
+    convert_module(nhwc, Format.CHANNELS_LAST_3D)
+    x_nchw = convert_batch(inputs, Format.CONTIGUOUS)
+    x_nhwc = convert_batch(convert_batch(inputs, Format.CHANNELS_LAST), Format.CHANNELS_LAST_3D)
+    if optimized.plan.input_format is None:
+        x_opt = inputs
+    else:
+        x_opt = x_nchw if optimized.plan.input_format == "contiguous" else x_nhwc
+
+    def runner(module: nn.Module, xs: tuple[Any, ...]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad(), autocast_context(device, dtype):
+                return module(*xs)
+        return run
+
+    c = interleaved({"optimized": runner(optimized, x_opt), "eager_nchw": runner(nchw, x_nchw),
+                     "eager_nhwc": runner(nhwc, x_nhwc)},
+                    rounds=rounds, warmup=warmup, baseline="optimized",
+                    sync=device_sync(str(device)))
+    out: dict[str, Any] = {"comparison": c}
+    opt_times = c["optimized"].times
+    for name in ("eager_nchw", "eager_nhwc"):
+        ratios = [e / o for e, o in zip(c[name].times, opt_times, strict=False) if o > 0]
+        if ratios:
+            import statistics
+
+            out[name] = {"median": statistics.median(ratios), "min": min(ratios),
+                         "max": max(ratios), "ratios": ratios}
+    return out

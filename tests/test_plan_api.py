@@ -1,0 +1,240 @@
+"""memlayout.optimize on tiny models: same results, state dicts interchangeable, the caller's
+model untouched, the cache used, conversions only where planned, errors that say what."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import fx, nn
+
+import memlayout
+from memlayout import Format, format_of
+from memlayout.errors import CaptureError, LayoutVerificationError, PlanError
+from memlayout.plan.capture import capture
+from memlayout.plan.costs import CostCache, convert_value, measure_costs
+from memlayout.plan.verify import verify
+
+
+class Branchy(nn.Module):
+    """Convs, a residual add, GroupNorm (drops channels-last), a pad and a pooled head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1))
+        self.gn = nn.GroupNorm(2, 8)
+        self.tail = nn.Conv2d(8, 4, 3)
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.stem(x)))
+        x = x + self.body(x)
+        x = nn.functional.pad(self.gn(x), (1, 1, 1, 1))
+        x = self.tail(x)
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class Features(nn.Module):
+    """Returns a feature map: its format must come back as the original's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3)
+        self.b = nn.Conv2d(8, 8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class Untraceable(nn.Module):
+    """Data-dependent control flow at the top; traceable children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Features()
+        self.other = nn.Sequential(nn.Conv2d(3, 8, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.net(x)
+        return self.other(x)
+
+
+def _x(n: int = 2, size: int = 12) -> torch.Tensor:
+    return torch.randn(n, 3, size, size)
+
+
+def _snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
+    return {k: (v.clone(), tuple(v.stride())) for k, v in model.state_dict().items()}
+
+
+def _same(snap: dict, model: nn.Module) -> bool:
+    now = model.state_dict()
+    return snap.keys() == now.keys() and all(
+        torch.equal(v, now[k]) and s == tuple(now[k].stride()) for k, (v, s) in snap.items())
+
+
+@pytest.fixture
+def db(tmp_path):
+    return tmp_path / "costs.sqlite"
+
+
+def test_optimized_equals_original_and_leaves_it_unchanged(db) -> None:
+    model, x = Branchy().eval(), _x()
+    snap = _snapshot(model)
+    opt = memlayout.optimize(model, x, cache=db, rounds=1)
+    assert _same(snap, model)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert opt.plan.verification["ok"]
+    assert opt.plan.measured > 0
+
+
+def test_state_dicts_load_both_ways(db) -> None:
+    model = Branchy().eval()
+    opt = memlayout.optimize(model, _x(), cache=db, rounds=1)
+    assert list(opt.state_dict()) == list(model.state_dict())
+    other = Branchy().eval()
+    opt.load_state_dict(other.state_dict())  # strict
+    x = _x()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), other(x), rtol=1e-4, atol=1e-5)
+    fresh = Branchy()
+    fresh.load_state_dict(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                  other.state_dict().values(), strict=True))
+
+
+def test_second_plan_measures_nothing(db) -> None:
+    model = Branchy().eval()
+    first = memlayout.optimize(model, _x(), cache=db, rounds=1)
+    second = memlayout.optimize(model, _x(), cache=db, rounds=1)
+    assert first.plan.measured > 0
+    assert second.plan.measured == 0 and second.plan.cached >= first.plan.measured
+
+
+def test_default_cache_dir_follows_env(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "c"))
+    memlayout.optimize(Features().eval(), _x(1, 8), rounds=1)
+    assert (tmp_path / "c" / "costs.sqlite").is_file()
+
+
+def test_mlp_is_a_noop_measuring_nothing(db) -> None:
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    opt = memlayout.optimize(mlp, torch.randn(4, 16), cache=db)
+    assert opt.plan.nodes == [] and opt.plan.conversions == [] and opt.plan.is_noop
+    assert opt.plan.measured == 0 and opt.plan.cached == 0
+
+
+def test_conversions_only_where_planned_and_weights_follow_their_node(db) -> None:
+    opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1)
+    graph = opt.module.graph
+    inserted = [n for n in graph.nodes if n.target is convert_value]
+    assert len(inserted) == len(opt.plan.conversions)
+    chosen = {n.name: n.format for n in opt.plan.nodes}
+    for n in graph.nodes:
+        if n.op == "call_module" and isinstance(opt.module.get_submodule(n.target), nn.Conv2d):
+            weight = opt.module.get_submodule(n.target).weight
+            assert Format.parse(chosen[n.name]) in _formats(weight), n.name
+            # the conv's input arrives in its planned format: a conversion or a producer in it
+            src = n.args[0]
+            if src.target is convert_value:
+                assert src.args[1] == (chosen[n.name] == "channels_last")
+
+
+def _formats(t: torch.Tensor) -> set[Format]:
+    f = format_of(t)
+    return set(f) if isinstance(f, frozenset) else {f}
+
+
+def test_output_format_is_kept_unless_released(db) -> None:
+    model, x = Features().eval(), _x()
+    with torch.no_grad():
+        want = format_of(model(x))
+    opt = memlayout.optimize(model, x, cache=db, rounds=1)
+    with torch.no_grad():
+        assert format_of(opt(x)) == want
+    cl = memlayout.optimize(model, x, cache=db, output_format="channels_last", rounds=1)
+    with torch.no_grad():
+        assert format_of(cl(x)) == Format.CHANNELS_LAST
+
+
+def test_channels_last_input_needs_no_input_conversion(db) -> None:
+    model = Features().eval()
+    x = memlayout.to_format(_x(), Format.CHANNELS_LAST)
+    opt = memlayout.optimize(model, x, cache=db, input_format="channels_last",
+                             output_format=None, measure=False)
+    # analytical costs favour channels-last convolutions: nothing to convert at all
+    assert {n.format for n in opt.plan.nodes if n.op == "Conv2d"} == {"channels_last"}
+    assert [c.value for c in opt.plan.conversions if c.value == "x"] == []
+
+
+def test_plan_json_round_trip(db) -> None:
+    plan = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1).plan
+    again = memlayout.Plan.from_json(plan.to_json())
+    assert again == plan
+
+
+def test_groupnorm_is_modelled_as_what_it_does(db) -> None:
+    gm = capture(Branchy().eval(), (_x(),)).regions[0].gm
+    table = measure_costs(gm, (_x(),), cache=CostCache(db), rounds=1)
+    gn = nn.GroupNorm(2, 8)
+    for label, fmt in ((0, Format.CONTIGUOUS), (1, Format.CHANNELS_LAST)):
+        out = format_of(gn(memlayout.to_format(torch.randn(2, 8, 12, 12), fmt)))
+        expected = 0 if out is Format.CONTIGUOUS else 1 if out is Format.CHANNELS_LAST else out
+        assert table.nodes["gn"].out[label] == expected
+
+
+def test_fallback_to_traceable_submodules_says_so(db) -> None:
+    model, x = Untraceable().eval(), _x().abs()
+    snap = _snapshot(model)
+    opt = memlayout.optimize(model, x, cache=db, rounds=1)
+    assert opt.plan.uncaptured and opt.plan.uncaptured[0][0] == ""
+    assert "net" in opt.plan.regions and "other" not in opt.plan.regions  # never called
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert _same(snap, model)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(example_inputs=torch.randn(2, 5, 12, 12), error=CaptureError, names="stem"),
+    dict(example_inputs=torch.randn(2, 3, 12, 12), dtype="int8", error=PlanError, names="int8"),
+    dict(example_inputs=torch.randn(2, 3, 12, 12), input_format="nlc", error=PlanError,
+         names="input_format"),
+    dict(example_inputs="a picture", error=PlanError, names="str"),
+])
+def test_bad_input_is_a_clear_error_and_model_unchanged(db, bad) -> None:
+    model = Branchy().eval()
+    snap = _snapshot(model)
+    kwargs = {k: v for k, v in bad.items() if k in ("dtype", "input_format")}
+    with pytest.raises(bad["error"], match=bad["names"]):
+        memlayout.optimize(model, bad["example_inputs"], cache=db, **kwargs)
+    assert _same(snap, model)
+
+
+def test_verify_names_the_first_divergent_node() -> None:
+    model, x = Branchy().eval(), _x()
+    reference = fx.symbolic_trace(model)
+    broken = fx.symbolic_trace(copy.deepcopy(model))
+    for n in broken.graph.nodes:
+        if n.target is torch.relu:
+            n.target = torch.sigmoid  # a wrong rewrite at one node
+    broken.recompile()
+    with pytest.raises(LayoutVerificationError, match="first divergent node: relu "):
+        verify(reference, broken, (x,), planned_graph=broken.graph)
+    assert verify(reference, fx.symbolic_trace(model), (x,)).ok
+
+
+def test_bf16_plan_runs_under_autocast(db) -> None:
+    model, x = Features().eval(), _x()
+    opt = memlayout.optimize(model, x, dtype="bf16", cache=db, rounds=1)
+    assert opt.plan.dtype == "bfloat16"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+    with torch.no_grad():
+        got = opt(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
