@@ -5,6 +5,9 @@
 <Format.CHANNELS_LAST: 'channels_last'>
 """
 
+# ``memlayout.audit`` is the function (eager, so importing a submodule cannot rebind the name);
+# the package's modules are reached with ``from memlayout.audit.render import ...``.
+from memlayout.audit import AuditMode, AuditReport, audit, strict
 from memlayout.errors import (
     CaptureError,
     LayoutDropError,
@@ -37,6 +40,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'memlayout' has no attribute {name!r}")
 
 __all__ = [
+    "AuditMode",
+    "AuditReport",
     "CaptureError",
     "Format",
     "LayoutDropError",
@@ -47,6 +52,7 @@ __all__ = [
     "OptimizedModule",
     "Plan",
     "PlanError",
+    "audit",
     "convert_batch",
     "convert_module",
     "dim_order",
@@ -54,6 +60,7 @@ __all__ = [
     "formats_of",
     "is_non_overlapping_and_dense",
     "optimize",
+    "strict",
     "strides_for",
     "to_format",
 ]

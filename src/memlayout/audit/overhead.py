@@ -1,0 +1,38 @@
+"""What auditing costs: an audited run against a plain run, interleaved (L2).
+
+Both sides run the same model in the same format: ``plain`` is a forward (forward + backward
+with ``train``) of a converted copy; ``audited`` is the whole ``audit(...)`` call, model copy
+and conversion included. Timed with ``memlayout.timing.interleaved``; the ratio to quote is the
+median of the per-round ratios audited / plain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from memlayout.audit.recorder import audit, parse_dtype, prepare, run_once
+from memlayout.layout import Format
+from memlayout.timing import Comparison, device_sync, interleaved
+
+
+def overhead(model: nn.Module, inputs: Any, *, train: bool = False,
+             fmt: Format | str = Format.CHANNELS_LAST, dtype: Any = None,
+             rounds: int = 5, warmup: int = 1, device: str = "cpu") -> Comparison:
+    """Interleaved timings of ``audited`` and ``plain``; ``c.speedup("plain")`` is the median
+    per-round ratio audited time / plain time (the audit's overhead factor)."""
+    fmt = Format.parse(fmt)
+    autocast_dtype = parse_dtype(dtype)
+    plain_model, plain_inputs = prepare(model, inputs, fmt)
+
+    def plain() -> None:
+        run_once(plain_model, plain_inputs, train=train, dtype=autocast_dtype)
+        if train:
+            plain_model.zero_grad(set_to_none=True)
+
+    def audited() -> None:
+        audit(model, inputs, train=train, fmt=fmt, dtype=dtype)
+
+    return interleaved({"audited": audited, "plain": plain}, rounds=rounds, warmup=warmup,
+                       baseline="audited", sync=device_sync(device))

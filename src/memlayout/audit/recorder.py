@@ -1,0 +1,484 @@
+"""The recorder (L2): a thin ``TorchDispatchMode`` that records every aten call, owned by a
+plain context manager (``AuditMode``) that knows which module each call ran under.
+
+Attribution. Forward: global module pre/post hooks keep a stack of module calls; a call's ops
+belong to the innermost module. Backward: while recording the forward, the autograd node each
+op created (the ``grad_fn`` of its results, read right after the op) is labelled with the
+module call that made it; in backward ``torch._C._current_autograd_node()`` names the node
+the engine is running, so its ops go to that module. ``AccumulateGrad`` ops go to the module
+owning the parameter. No monkey-patching, nothing changes what the ops compute.
+
+>>> import torch
+>>> from torch import nn
+>>> from memlayout.layout import Format
+>>> from memlayout.tensors import to_format
+>>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+>>> model = model.to(memory_format=torch.channels_last)
+>>> x = to_format(torch.randn(2, 3, 8, 8), Format.CHANNELS_LAST)
+>>> with AuditMode(model) as rec:
+...     _ = model(x)
+>>> [(r.module, r.op, r.dropped, r.conversion) for r in rec.report.records]
+[('0', 'aten.convolution.default', False, False), ('1', 'aten.clone.default', True, True), ('1', 'aten._unsafe_view.default', False, False)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from functools import cache, lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memlayout.audit.report import AuditReport, ModuleCall, OpRecord, TensorInfo
+from memlayout.errors import LayoutDropError, MemlayoutError
+from memlayout.layout import Format, formats_of
+from memlayout.tensors import convert_batch, convert_module, format_name, iter_tensors
+
+aten = torch.ops.aten
+
+# Metadata queries and autograd bookkeeping: not compute, never recorded.
+_NOT_RECORDED_NAMES = (
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "dim",
+    "numel", "storage_offset", "is_contiguous", "is_strides_like_format",
+    "is_non_overlapping_and_dense", "is_same_size", "detach", "alias", "lift_fresh",
+    "_local_scalar_dense", "is_coalesced", "_nested_tensor_size",
+)
+NOT_RECORDED: frozenset[Any] = frozenset(
+    getattr(aten, n) for n in _NOT_RECORDED_NAMES if hasattr(aten, n))
+_NOT_RECORDED_NAMESPACES = frozenset({"profiler"})  # record_function markers
+
+# Copy ops: op packet -> which argument is the copy's source. A call of one of these is a
+# pure layout conversion when its result has the source's shape, dtype and device but other
+# strides. Filled by ``copy_op``.
+COPY_SOURCES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {}
+
+
+def copy_op(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(args, kwargs) -> source tensor`` for the aten copy ops ``names``.
+    Names this torch build lacks are skipped; a name that is no aten op at all is an error."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for name in names:
+            if not name.replace("_", "").isalnum():
+                raise ValueError(f"copy_op: {name!r} is not an aten op name")
+            packet = getattr(aten, name, None)
+            if packet is not None:
+                COPY_SOURCES[packet] = fn
+        return fn
+
+    return register
+
+
+@copy_op("clone", "_to_copy", "to_copy", "_reshape_copy")
+def _source_is_self(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("self")
+
+
+@copy_op("copy_", "copy", "_copy_from")
+def _source_is_src(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[1] if len(args) > 1 else kwargs.get("src")
+
+
+def _ranks(fmt: Format) -> frozenset[int]:
+    return frozenset({fmt.rank}) if fmt.rank is not None else frozenset({4, 5})
+
+
+@lru_cache(maxsize=8192)
+def _formats(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[frozenset[Format], str]:
+    found = formats_of(shape, strides)
+    answer = None if not found else next(iter(found)) if len(found) == 1 else found
+    return found, format_name(answer)
+
+
+@cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@cache
+def _alias_kind(func: Any) -> str:
+    """``view`` (a result aliases an input), ``inplace`` (writes an input), or ``new``."""
+    returns = getattr(getattr(func, "_schema", None), "returns", ())
+    kinds = {("inplace" if a.alias_info.is_write else "view")
+             for a in returns if getattr(a, "alias_info", None) is not None}
+    return "inplace" if "inplace" in kinds else "view" if kinds else "new"
+
+
+def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+    return out
+
+
+def _info(t: torch.Tensor) -> tuple[TensorInfo, frozenset[Format]]:
+    shape = tuple(t.shape)
+    try:
+        strides = tuple(t.stride())
+    except RuntimeError:  # sparse, nested: no strides, no format
+        return TensorInfo(shape, (), _dtype_name(t.dtype), "non-strided", 0), frozenset()
+    found, name = _formats(shape, strides)
+    return TensorInfo(shape, strides, _dtype_name(t.dtype), name, t.numel() * t.element_size()), found
+
+
+def _significant(info: TensorInfo) -> tuple[tuple[int, int], ...]:
+    return tuple((d, st) for d, (sz, st) in enumerate(zip(info.shape, info.strides, strict=True))
+                 if sz != 1)
+
+
+class _Recorder(TorchDispatchMode):
+    """Thin: runs the op, hands it to the owner, returns the result unchanged."""
+
+    def __init__(self, owner: AuditMode) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket not in NOT_RECORDED and func.namespace not in _NOT_RECORDED_NAMESPACES:
+            self.owner._record(func, args, kwargs, out)
+        return out
+
+
+_Label = tuple[int, str | None, str | None]  # (call index, module path, module type)
+_NO_MODULE: _Label = (-1, None, None)
+
+
+class AuditMode:
+    """Record every aten call run inside the block, with module, phase and formats.
+
+    ``model`` (optional) names modules by their path in it (``layer3.0.downsample.1``); modules
+    outside it are named on first call from their parent (or their type, at top level).
+    ``fmt`` is the format whose drops are flagged. ``raise_on_drop`` raises
+    ``LayoutDropError`` at the first drop (that is what ``strict`` does). After the block,
+    ``rec.report`` is the ``AuditReport``. Forward, backward and ``optimizer.step()`` (phase
+    ``optimizer``) are told apart.
+
+    >>> model = nn.Linear(3, 2)
+    >>> with AuditMode(model) as rec:
+    ...     model(torch.randn(4, 3)).sum().backward()
+    >>> sorted({(r.phase, r.module_type or "-") for r in rec.report.records})
+    [('backward', '-'), ('backward', 'Linear'), ('forward', '-'), ('forward', 'Linear')]
+    """
+
+    def __init__(self, model: nn.Module | None = None, fmt: Format | str = Format.CHANNELS_LAST,
+                 *, raise_on_drop: bool = False, meta: dict[str, Any] | None = None) -> None:
+        self.fmt = Format.parse(fmt)
+        self.raise_on_drop = raise_on_drop
+        self.meta = dict(meta or {})
+        self._ranks = _ranks(self.fmt)
+        self._model = model
+        self._records: list[OpRecord] = []
+        self._calls: list[list[Any]] = []  # [path, type, depth, output formats, output ranks]
+        self._stack: list[tuple[nn.Module, int]] = []
+        self._names: dict[nn.Module, str] = {}
+        self._roots = 0
+        self._last_call: dict[nn.Module, int] = {}
+        self._param_owner: dict[int, nn.Module] = {}
+        self._node_labels: dict[Any, _Label] = {}
+        self._pending: list[tuple[list[torch.Tensor], _Label]] = []
+        self._optimizer_depth = 0
+        self._handles: list[Any] = []
+        self._mode: _Recorder | None = None
+        self._report: AuditReport | None = None
+        if model is not None:
+            self._register(model, "")
+
+    # -- context manager ------------------------------------------------------------------
+    def __enter__(self) -> AuditMode:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        self._report = None
+        self._handles = [register_module_forward_pre_hook(self._pre_hook),
+                         register_module_forward_hook(self._post_hook)]
+        with contextlib.suppress(ImportError):  # torch < 2.0 has no global optimizer hooks
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+
+            self._handles += [register_optimizer_step_pre_hook(self._optimizer_pre),
+                              register_optimizer_step_post_hook(self._optimizer_post)]
+        self._mode = _Recorder(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+        self._mode = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._pending.clear()
+        self._node_labels.clear()  # autograd nodes keep the graph alive: let it go
+        self._stack.clear()
+        self._optimizer_depth = 0
+        self._report = self._build()
+
+    @property
+    def report(self) -> AuditReport:
+        """The ``AuditReport`` of everything recorded (so far, when read inside the block)."""
+        return self._report if self._report is not None else self._build()
+
+    def _build(self) -> AuditReport:
+        calls = [ModuleCall(i, *call) for i, call in enumerate(self._calls)]
+        meta = {"torch": torch.__version__, **self.meta}
+        return AuditReport.from_records(self.fmt.value, self._records, calls, meta)
+
+    # -- module and optimizer tracking ----------------------------------------------------
+    def _register(self, module: nn.Module, prefix: str) -> None:
+        for name, sub in module.named_modules(remove_duplicate=False):
+            if sub not in self._names:
+                self._names[sub] = f"{prefix}.{name}" if prefix and name else (prefix or name)
+                for p in sub.parameters(recurse=False):
+                    self._param_owner.setdefault(id(p), sub)
+
+    def _name(self, module: nn.Module) -> str:
+        name = self._names.get(module)
+        if name is not None:
+            return name
+        if self._stack:
+            parent, _ = self._stack[-1]
+            parent_path = self._names[parent]
+            child = next((n for n, c in parent.named_children() if c is module),
+                         type(module).__name__)
+            prefix = f"{parent_path}.{child}" if parent_path else child
+        else:
+            self._roots += 1
+            prefix = "" if self._roots == 1 and self._model is None else type(module).__name__
+            taken = set(self._names.values())
+            base, n = prefix, 1
+            while prefix in taken and prefix:
+                n += 1
+                prefix = f"{base}#{n}"
+        self._register(module, prefix)
+        return self._names[module]
+
+    def _pre_hook(self, module: nn.Module, _args: Any) -> None:
+        self._flush()
+        index = len(self._calls)
+        self._calls.append([self._name(module), type(module).__name__, len(self._stack), (), ()])
+        self._stack.append((module, index))
+        self._last_call[module] = index
+
+    def _post_hook(self, module: nn.Module, _args: Any, output: Any) -> None:
+        self._flush()
+        while self._stack:  # unwind past calls that raised (their post hook never ran)
+            top, index = self._stack.pop()
+            if top is module:
+                outs = [t for t in iter_tensors(output) if isinstance(t, torch.Tensor)]
+                self._calls[index][3] = tuple(_info(t)[0].format for t in outs)
+                self._calls[index][4] = tuple(t.dim() for t in outs)
+                break
+
+    def _optimizer_pre(self, *_: Any) -> None:
+        self._optimizer_depth += 1
+
+    def _optimizer_post(self, *_: Any) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+
+    def _label_now(self) -> _Label:
+        if not self._stack:
+            return _NO_MODULE
+        module, index = self._stack[-1]
+        return (index, self._names[module], type(module).__name__)
+
+    def _flush(self) -> None:
+        """Label the autograd nodes the last forward op created with its module call."""
+        for outs, label in self._pending:
+            for t in outs:
+                node = t.grad_fn
+                if node is not None and node not in self._node_labels:
+                    self._node_labels[node] = label
+        self._pending.clear()
+
+    def _backward_label(self) -> _Label:
+        node = torch._C._current_autograd_node() if hasattr(torch._C, "_current_autograd_node") else None
+        if node is not None:
+            label = self._node_labels.get(node)
+            if label is not None:
+                return label
+            variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter's module
+            owner = self._param_owner.get(id(variable)) if variable is not None else None
+            if owner is not None:
+                return (self._last_call.get(owner, -1), self._names[owner], type(owner).__name__)
+        return self._label_now()  # e.g. activation checkpointing re-running a forward
+
+    # -- the record -----------------------------------------------------------------------
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        self._flush()
+        if torch._C._current_graph_task_id() != -1:
+            phase, label = "backward", self._backward_label()
+        else:
+            phase = "optimizer" if self._optimizer_depth else "forward"
+            label = self._label_now()
+        ins = _tensors(args, [])
+        if kwargs:
+            _tensors(tuple(kwargs.values()), ins)
+        outs = _tensors(out, [])
+        if phase == "forward" and outs:  # grad mode may be off: custom Function.forward
+            self._pending.append((outs, label))
+        in_pairs = [_info(t) for t in ins]
+        out_pairs = [_info(t) for t in outs]
+        kind = _alias_kind(func)
+        target = frozenset({self.fmt})
+        dropped = (kind == "new"
+                   and any(len(i.shape) in self._ranks and f == target for i, f in in_pairs)
+                   and any(len(o.shape) in self._ranks and self.fmt not in f for o, f in out_pairs))
+        conversion = False
+        source_of = COPY_SOURCES.get(func.overloadpacket)
+        if source_of is not None and outs:
+            src = source_of(args, kwargs)
+            dst = args[0] if kind == "inplace" and args else outs[0]
+            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
+                si, di = _info(src)[0], _info(dst)[0]
+                conversion = (si.shape == di.shape and si.dtype == di.dtype
+                              and src.device == dst.device and _significant(si) != _significant(di))
+        record = OpRecord(
+            index=len(self._records), phase=phase, module=label[1], module_type=label[2],
+            call=label[0], op=str(func), inputs=tuple(i for i, _ in in_pairs),
+            outputs=tuple(o for o, _ in out_pairs), dropped=dropped, conversion=conversion,
+            view=kind == "view", bytes=0 if kind == "view" else sum(o.nbytes for o, _ in out_pairs))
+        self._records.append(record)
+        if dropped and self.raise_on_drop:
+            raise LayoutDropError(_drop_message(record, self.fmt))
+
+
+def _drop_message(r: OpRecord, fmt: Format) -> str:
+    lines = [f"{r.op} dropped {fmt.value} in {r.phase} at {r.where()}: an input is "
+             f"{fmt.value} but a rank-{fmt.rank or '4/5'} result is not."]
+    lines += [f"  input {i}: {t.describe()}" for i, t in enumerate(r.inputs)]
+    lines += [f"  output {i}: {t.describe()}" for i, t in enumerate(r.outputs)]
+    lines.append("Convert back after this module (memlayout.to_format), replace the op, or run "
+                 "`memlayout audit` / memlayout.audit(...) to see every drop and its cost.")
+    return "\n".join(lines)
+
+
+def strict(fmt: Format | str = Format.CHANNELS_LAST, *, model: nn.Module | None = None) -> AuditMode:
+    """A context in which the first op that takes an input unambiguously in ``fmt`` and returns
+    a result of that rank not in ``fmt`` raises ``LayoutDropError`` (forward and backward).
+
+    >>> from memlayout.tensors import to_format
+    >>> x = to_format(torch.randn(1, 2, 4, 4), Format.CHANNELS_LAST)
+    >>> with strict(Format.CHANNELS_LAST):
+    ...     _ = torch.relu(x)          # keeps channels-last: fine
+    ...     _ = x.contiguous()         # a copy to NCHW: a drop
+    Traceback (most recent call last):
+    ...
+    memlayout.errors.LayoutDropError: aten.clone.default dropped channels_last in forward at (outside modules): ...
+    """
+    return AuditMode(model, fmt, raise_on_drop=True)
+
+
+# -- one-call audit ---------------------------------------------------------------------------
+_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The autocast dtype for ``fp32`` / ``bf16`` / ``fp16`` (``None``: no autocast)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return None if dtype is torch.float32 else dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise MemlayoutError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
+    return _DTYPES[key]
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(*inputs)`` for a tuple or list, ``model(inputs)`` otherwise."""
+    return model(*inputs) if isinstance(inputs, (list, tuple)) else model(inputs)
+
+
+def scalar_loss(outputs: Any) -> torch.Tensor:
+    """The sum of every floating-point output that requires grad: what ``train=True`` backpropagates."""
+    parts = [t.sum() for t in iter_tensors(outputs) if t.requires_grad and t.is_floating_point()]
+    if not parts:
+        raise MemlayoutError(
+            "train=True needs an output that requires grad; the model returned none "
+            "(are all its parameters frozen?). Audit with train=False, or unfreeze a parameter.")
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def _device_of(model: nn.Module, inputs: Any) -> torch.device:
+    for t in iter_tensors(inputs):
+        return t.device
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def autocast_for(model: nn.Module, inputs: Any, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` on the inputs' device for bf16/fp16; a no-op context for fp32."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(_device_of(model, inputs).type, dtype=dtype)
+
+
+def prepare(model: nn.Module, inputs: Any, fmt: Format) -> tuple[nn.Module, Any]:
+    """Copies of ``model`` and ``inputs`` in ``fmt``; inputs that require grad are detached
+    leaves of their own, so nothing flows back into the caller's tensors or graph."""
+    model = convert_module(copy.deepcopy(model), fmt)
+    inputs = convert_batch(inputs, fmt)
+    return model, _fresh_leaves(inputs)
+
+
+def _fresh_leaves(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().requires_grad_() if obj.requires_grad else obj
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        out.update({k: _fresh_leaves(v) for k, v in obj.items()})
+        return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_fresh_leaves(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fresh_leaves(v) for v in obj)
+    return obj
+
+
+def run_once(model: nn.Module, inputs: Any, *, train: bool, dtype: torch.dtype | None) -> Any:
+    """One forward (no grad unless ``train``), then backward of ``scalar_loss`` when ``train``."""
+    with torch.set_grad_enabled(train):
+        with autocast_for(model, inputs, dtype):
+            out = call_model(model, inputs)
+        if train:
+            scalar_loss(out).backward()
+    return out
+
+
+def audit(model: nn.Module, inputs: Any, *, train: bool = False,
+          fmt: Format | str = Format.CHANNELS_LAST,
+          dtype: torch.dtype | str | None = None) -> AuditReport:
+    """Audit one run of ``model`` on ``inputs`` in ``fmt`` (on copies: the caller's model and
+    tensors are left as they were): forward, plus backward of the outputs' sum when ``train``,
+    under autocast when ``dtype`` is bf16/fp16. The model runs in the mode it is in.
+
+    >>> from torch import nn
+    >>> m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
+    >>> report = audit(m, torch.randn(2, 3, 16, 16), train=True)
+    >>> [(r.phase, r.where(), r.op, r.bytes) for r in report.drops]
+    [('forward', '1 (Flatten)', 'aten.clone.default', 12544)]
+    """
+    fmt = Format.parse(fmt)
+    autocast_dtype = parse_dtype(dtype)
+    run_model, run_inputs = prepare(model, inputs, fmt)
+    meta = {"model": type(model).__name__, "train": train,
+            "dtype": _dtype_name(autocast_dtype) if autocast_dtype else "float32",
+            "inputs": [list(t.shape) for t in iter_tensors(run_inputs)],
+            "device": str(_device_of(run_model, run_inputs))}
+    with AuditMode(run_model, fmt, meta=meta) as rec:
+        run_once(run_model, run_inputs, train=train, dtype=autocast_dtype)
+    return rec.report
+
