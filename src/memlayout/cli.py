@@ -353,5 +353,65 @@ def optimize(
                               f"per-round ratios {name} / optimized, range {r['min']:.3f}-{r['max']:.3f})")
 
 
+@app.command()
+def coverage(
+    device: Annotated[str, typer.Option(help="Device: cpu or cuda. Default: cpu.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Comma-separated dtypes, e.g. float32,bfloat16. Default: float32.")] = "float32",
+    format: Annotated[str, typer.Option("--format", help="channels_last (4-D) or channels_last_3d (5-D). Default: channels_last.")] = "channels_last",
+    ops: Annotated[str | None, typer.Option(help="Comma-separated globs over OpInfo names, e.g. 'nn.functional.conv2d,*pad*'. Default: every op.")] = None,
+    out: Annotated[str, typer.Option(help="Directory for coverage.json and coverage.md. Default: memlayout-coverage.")] = "memlayout-coverage",
+    max_samples: Annotated[int, typer.Option(help="Samples per op at most (spread over OpInfo's). Default: 24.")] = 24,
+    jobs: Annotated[int, typer.Option(help="Worker processes (0: in this process, no hang/crash isolation). Default: 1.")] = 1,
+    op_timeout: Annotated[float, typer.Option(help="Seconds per op before its worker is killed. Default: 120.")] = 120.0,
+    cache: Annotated[bool, typer.Option(help="Merge the results into the per-user cache that lookup() reads. Default: on.")] = True,
+) -> None:
+    """Which OpInfo ops keep channels-last (forward and backward) and agree in value, on this build."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from memlayout.coverage import CoverageConfig, document, run_coverage, save_to_cache, write_json
+    from memlayout.coverage.render import summary_line
+    from memlayout.layout import Format
+
+    try:
+        config = CoverageConfig(
+            device=device, dtypes=tuple(d.strip() for d in dtype.split(",") if d.strip()),
+            fmt=Format.parse(format), ops=ops, max_samples=max_samples, jobs=jobs,
+            op_timeout=op_timeout)
+        command = "memlayout " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=False) as progress:
+            task = progress.add_task("starting (importing OpInfo)", total=None)
+
+            def on_record(dt: str, rec) -> None:
+                progress.update(task, advance=1, description=f"{dt} {rec.name[:36]:<36}")
+
+            reports = run_coverage(config, command=command,
+                                   on_start=lambda n: progress.update(task, total=n),
+                                   on_record=on_record)
+    except MemlayoutError as exc:
+        _fail(exc)
+    out_dir = Path(out)
+    write_json(reports, out_dir / "coverage.json")
+    (out_dir / "coverage.md").write_text(document(reports))
+    for r in reports:
+        console.print(f"[bold]{r.device} {r.dtype} {r.fmt}[/bold], torch {r.torch_version}: "
+                      f"{len(r.ops)} ops in {r.seconds:g} s")
+        console.print(f"  forward:  {summary_line(r, 'forward')}")
+        console.print(f"  backward: {summary_line(r, 'backward')}")
+        bad = r.disagreements()
+        if bad:
+            console.print(f"  [bold red]{len(bad)} value disagreements (bugs in torch or memlayout):[/bold red]")
+            for name, d in bad:
+                console.print(f"    {name} sample {d.sample} {d.what}: max abs err {d.max_abs:.3g} "
+                              f"({d.mismatched}/{d.numel}) on {d.call}")
+        if cache:
+            console.print(f"  cached: {save_to_cache(r)}")
+    console.print(f"wrote {out_dir / 'coverage.json'} and {out_dir / 'coverage.md'}")
+
+
 if __name__ == "__main__":
     app()
