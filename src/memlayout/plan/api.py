@@ -198,7 +198,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
                     region.path, value, FORMAT_NAMES[to], [list(s) for s in cost.shapes],
                     cost.nbytes, cost.to_1 if to == 1 else cost.to_0, list(served)))
             checks.append((region, planned))
+        verify_start = time.perf_counter()
         verification = _verify(work, planned_tree, inputs, checks, run_dtype)
+        verification["seconds"] = time.perf_counter() - verify_start
         plan = Plan(
             model=name or type(model).__name__, device=device_name(device),
             torch_version=torch.__version__,
@@ -276,6 +278,8 @@ def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inp
                        rounds: int = 7, warmup: int = 1) -> dict[str, Any]:
     """Time the optimized model against eager NCHW and eager NHWC copies of ``model``,
     interleaved round by round (``memlayout.timing.interleaved``), under the plan's autocast.
+    All three get the same input (as the example, or in the plan's ``input_format``); the eager
+    modes convert it to their format inside the timed call, as a user of them would.
 
     Returns per mode the ``ModeTiming`` and, for each eager mode, the per-round ratios
     ``eager / optimized`` (> 1: the optimized model is faster), their median and range.
@@ -290,21 +294,24 @@ def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inp
     nhwc = copy.deepcopy(model).eval()
     convert_module(nhwc, Format.CHANNELS_LAST)
     convert_module(nhwc, Format.CHANNELS_LAST_3D)
-    x_nchw = convert_batch(inputs, Format.CONTIGUOUS)
-    x_nhwc = convert_batch(convert_batch(inputs, Format.CHANNELS_LAST), Format.CHANNELS_LAST_3D)
-    if optimized.plan.input_format is None:
-        x_opt = inputs
-    else:
-        x_opt = x_nchw if optimized.plan.input_format == "contiguous" else x_nhwc
+    if optimized.plan.input_format is not None:
+        inputs = convert_batch(inputs, Format.parse(optimized.plan.input_format))
 
-    def runner(module: nn.Module, xs: tuple[Any, ...]) -> Callable[[], Any]:
+    def runner(module: nn.Module, fmt: Format | None) -> Callable[[], Any]:
+        # Every mode gets the same input; an eager mode converts it as its user would.
         def run() -> Any:
+            xs = inputs
+            if fmt is not None:
+                xs = convert_batch(xs, fmt)
+                if fmt is Format.CHANNELS_LAST:
+                    xs = convert_batch(xs, Format.CHANNELS_LAST_3D)
             with torch.no_grad(), autocast_context(device, dtype):
                 return module(*xs)
         return run
 
-    c = interleaved({"optimized": runner(optimized, x_opt), "eager_nchw": runner(nchw, x_nchw),
-                     "eager_nhwc": runner(nhwc, x_nhwc)},
+    c = interleaved({"optimized": runner(optimized, None),
+                     "eager_nchw": runner(nchw, Format.CONTIGUOUS),
+                     "eager_nhwc": runner(nhwc, Format.CHANNELS_LAST)},
                     rounds=rounds, warmup=warmup, baseline="optimized",
                     sync=device_sync(str(device)))
     out: dict[str, Any] = {"comparison": c}

@@ -152,7 +152,8 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *,
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
               dtype: torch.dtype | None = None) -> Any:
-    """Run ``gm`` on ``inputs`` once, storing a :class:`ValueMeta` in every node's meta."""
+    """Store a :class:`ValueMeta` in every node's meta: from fake tensors (no compute) when
+    every node supports them, else from one real run on ``inputs``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(inputs) > len(placeholders) or len(inputs) < sum(not n.args for n in placeholders):
         raise CaptureError(
@@ -160,8 +161,34 @@ def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
             f"({', '.join(n.target for n in placeholders)}), the example gave {len(inputs)}; "
             "pass example_inputs as one tensor or a tuple of forward's positional arguments"
         )
+    fake = _fake_propagate(gm, inputs, dtype)
+    if fake:
+        return None
     with torch.no_grad(), autocast_context(device_of(inputs, gm), dtype):
         return _MetaProp(gm).run(*inputs)
+
+
+def _fake_propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> bool:
+    """Shapes and strides without computing (FakeTensorMode); ``False`` when any node cannot
+    run fake, and then the caller runs for real (which also words the errors)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:
+        return False
+    saved = {n: n.meta.get(META_KEY) for n in gm.graph.nodes}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+            with torch.no_grad(), autocast_context(device_of(inputs, gm), dtype):
+                _MetaProp(gm).run(*fakes)
+        return True
+    except Exception:  # any fake-mode gap: fall back to a real run
+        for n, meta in saved.items():
+            if meta is None:
+                n.meta.pop(META_KEY, None)
+            else:
+                n.meta[META_KEY] = meta
+        return False
 
 
 class _MetaProp(fx.Interpreter):

@@ -343,6 +343,7 @@ class _Measurer(fx.Interpreter):
         self.todo_nodes, self.todo_values, self.table = todo_nodes, todo_values, table
         self.measure, self.cache, self.rounds, self.sync = measure, cache, rounds, sync
         self.progress, self.total, self.done = progress, total, 0
+        self.memo: dict[str, Any] = {}  # key -> record measured in this run
 
     def _step(self, what: str) -> None:
         self.done += 1
@@ -352,10 +353,20 @@ class _Measurer(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n.name in self.todo_nodes:
-            self._measure_node(n)
+            keys = self.todo_nodes[n.name]
+            if all(k in self.memo for k in keys):  # an identical op measured in this run
+                self.table.nodes[n.name] = _node_cost(self.module, n, [self.memo[k] for k in keys],
+                                                      self.measure)
+            else:
+                self._measure_node(n)
             self._step(n.name)
         if n.name in self.todo_values:
-            self._measure_conversion(n, result)
+            keys = self.todo_values[n.name]
+            if all(k in self.memo for k in keys):
+                self.table.conversions[n.name] = _conversion_cost(
+                    n.name, n.meta[META_KEY], [self.memo[k] for k in keys])
+            else:
+                self._measure_conversion(n, result)
             self._step(f"{n.name} (conversion)")
         return result
 
@@ -407,8 +418,9 @@ class _Measurer(fx.Interpreter):
             for label in calls:
                 records[int(label)]["s"] = _analytical_seconds(gm, n, int(label))
         self.table.nodes[n.name] = _node_cost(gm, n, records, self.measure)
-        if self.cache is not None and self.measure:
-            for key, record in zip(self.todo_nodes[n.name], records, strict=True):
+        for key, record in zip(self.todo_nodes[n.name], records, strict=True):
+            self.memo[key] = record
+            if self.cache is not None and self.measure:
                 self.cache.put(key, record)
 
     def _measure_conversion(self, n: fx.Node, value: Any) -> None:
@@ -422,8 +434,9 @@ class _Measurer(fx.Interpreter):
         records = [{"s": result["to_1"].median}, {"s": result["to_0"].median}]
         self.table.measured += 1
         self.table.conversions[n.name] = _conversion_cost(n.name, meta, records)
-        if self.cache is not None:
-            for key, record in zip(self.todo_values[n.name], records, strict=True):
+        for key, record in zip(self.todo_values[n.name], records, strict=True):
+            self.memo[key] = record
+            if self.cache is not None:
                 self.cache.put(key, record)
 
 

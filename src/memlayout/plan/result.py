@@ -101,8 +101,10 @@ class Plan:
         if pred:
             parts = [f"{k} {v * 1e3:.2f} ms" for k, v in pred.items()]
             lines.append("predicted: " + ", ".join(parts))
+        verify = self.verification.get("seconds")
+        of_which = f" (of which verification {verify:.1f} s)" if verify is not None else ""
         lines.append(f"measured {self.measured}, from cache {self.cached}, "
-                     f"planning took {self.planning_seconds:.1f} s")
+                     f"planning took {self.planning_seconds:.1f} s{of_which}")
         for path, reason in self.uncaptured:
             lines.append(f"left eager: {path or '(whole model)'}: {reason}")
         return "\n".join(lines)
