@@ -219,7 +219,7 @@ def test_collate_writes_each_image_once_without_permute(files):
         samples = [load(p) for p in paths]
         with CopyCounter() as c:
             collate_images(samples)
-        assert dict(c.calls) == {"copy_": n}
+        assert dict(c.calls) == {"numpy.copyto": n}
         assert c.copy_bytes == nbytes
         assert c.layout_copies == 0 and c.arithmetic_bytes == 0
     # the same counter sees the standard path's permutes (so the check above can fail)
@@ -238,7 +238,7 @@ def test_v2_pipeline_output_is_written_once_and_equal(files):
         x = collate_images(samples)
     assert torch.equal(x, standard_uint8(samples))
     assert x.stride() == torch_cl_strides(tuple(x.shape))
-    assert dict(c.calls) == {"copy_": len(samples)}  # no per-sample contiguous() or clone
+    assert dict(c.calls) == {"numpy.copyto": len(samples)}  # no per-sample contiguous() or clone
     # transforms that keep HWC memory (resize of a whole image, flips, center crops): plain copies
     keep = v2.Compose([v2.Resize((10, 12), antialias=True), v2.RandomHorizontalFlip(1.0), v2.CenterCrop(8)])
     samples = [keep(decode_image(read_file(str(p)))) for p in files["rgb"]]
@@ -302,7 +302,10 @@ def test_bench_data_command(tmp_path):
     ml, tv = record["pipelines"]["memlayout"], record["pipelines"]["torchvision"]
     assert ml["strides"] == tv["strides"] == list(torch_cl_strides((2, 3, 16, 16)))
     assert ml["layout_copy_bytes"] == 0 < tv["layout_copy_bytes"]
-    assert ml["copy_bytes"] == 2 * 3 * 16 * 16  # one uint8 write per image
+    values = 2 * 3 * 16 * 16
+    # into the batch: one uint8 write per image; to_model_input on CPU: a cast copy + a multiply-add
+    assert ml["copy_bytes"] == values + 4 * values
+    assert ml["arithmetic_bytes"] == 4 * values
 
 
 def test_collate_object_in_a_users_dataloader_fits_mixed_sizes(files):
@@ -314,3 +317,35 @@ def test_collate_object_in_a_users_dataloader_fits_mixed_sizes(files):
     resize = v2.Resize((H, W), antialias=True)
     assert torch.equal(x, standard_uint8([F.pil_to_tensor(resize(pil(p).convert("RGB"))) for p in paths]))
     assert torch.equal(y, torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize(("cast_first", "dtype"), [(True, torch.float32), (False, torch.float32),
+                                                    (False, torch.bfloat16)])
+def test_both_normalize_paths_agree_with_the_formula(cast_first, dtype):
+    # cast_first: the CPU float32 path; one addcmul: the accelerator path (run on CPU here)
+    from memlayout.data.normalize import _affine_into
+
+    x = torch.randint(0, 256, (3, 5, 6, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    out = torch.empty(x.shape, dtype=dtype, memory_format=torch.channels_last)
+    _affine_into(out, x, 1 / (255 * std), -mean / std, cast_first=cast_first)
+    expected = ((x.float() / 255 - mean) / std).to(dtype)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=torch.finfo(dtype).eps, atol=1e-6)
+    assert out.stride() == torch_cl_strides(tuple(out.shape))
+
+
+def test_to_model_input_on_the_meta_device_keeps_channels_last():
+    # the accelerator branch's shapes, dtypes and strides, without an accelerator
+    x = torch.zeros(2, 3, 4, 5, dtype=torch.uint8)
+    out = to_model_input(x, IMAGENET_MEAN, IMAGENET_STD, torch.float16, device="meta")
+    assert out.device.type == "meta" and out.dtype == torch.float16
+    assert out.stride() == torch_cl_strides((2, 3, 4, 5))
+
+
+def test_device_tensors_are_collated_on_their_device():
+    # non-CPU images go through torch's copy_ on their device (meta stands in for an accelerator)
+    imgs = [torch.empty(3, 4, 5, dtype=torch.uint8, device="meta").permute(0, 1, 2)] * 2
+    x = collate_images(imgs)
+    assert x.device.type == "meta" and x.stride() == torch_cl_strides((2, 3, 4, 5))
+    with pytest.raises(DataPipelineError, match="several devices"):
+        collate_images([imgs[0], torch.zeros(3, 4, 5, dtype=torch.uint8)])

@@ -179,8 +179,9 @@ def _epoch(loader: DataLoader, finish: Callable[[torch.Tensor], torch.Tensor]) -
 
 
 def _count_one_batch(name: str, loader: DataLoader, finish: Callable[[torch.Tensor], torch.Tensor]) -> tuple[PipelineCopies, torch.Tensor]:
+    batches = iter(loader)  # outside the count: the iterator draws its seed (8 bytes)
     with CopyCounter() as c:
-        x, _ = next(iter(loader))
+        x, _ = next(batches)
         out = finish(x)
     return PipelineCopies(name, out.shape[0], c.copy_bytes, c.layout_copy_bytes, c.layout_copies,
                           c.arithmetic_bytes, tuple(sorted(c.calls.items()))), out

@@ -29,6 +29,7 @@ from PIL import Image, ImageMode
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchvision import tv_tensors
 
+from memlayout.data.copies import note_copy, order_of
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format, strides_for
 
@@ -89,28 +90,42 @@ def _chw_size(x: Any) -> tuple[int, int, int]:
     return (c, h, w)
 
 
-def _as_chw(x: Any) -> torch.Tensor:
-    """A (C, H, W) tensor over the image's HWC pixels: a view for arrays and tensors; for a PIL
-    image the one packing copy PIL makes (its RGB storage is 4 bytes per pixel)."""
-    if isinstance(x, torch.Tensor):
-        return x.as_subclass(torch.Tensor) if type(x) is not torch.Tensor else x
+def _hwc_array(x: Image.Image | np.ndarray) -> np.ndarray:
+    """The (H, W, C) pixels of a PIL image (after the one packing copy PIL makes: its RGB storage
+    is 4 bytes per pixel) or of an array (itself)."""
     arr = np.asarray(x)
-    if arr.ndim == 2:  # single-band PIL image
-        arr = arr[:, :, None]
-    if any(s < 0 for s in arr.strides):  # torch cannot view negative strides (a flipped array)
-        arr = np.ascontiguousarray(arr)
-    with warnings.catch_warnings():
-        # PIL's array is read-only; torch warns once, but the view is only ever read from.
-        warnings.simplefilter("ignore", UserWarning)
-        hwc = torch.from_numpy(arr)
-    return hwc.permute(2, 0, 1)
+    return arr[:, :, None] if arr.ndim == 2 else arr  # single-band PIL image: (H, W)
+
+
+def _as_chw_array(x: Any) -> np.ndarray:
+    """A (C, H, W) numpy view over a CPU image's HWC pixels (no copy beyond PIL's packing)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().as_subclass(torch.Tensor).numpy()
+    return _hwc_array(x).transpose(2, 0, 1)
+
+
+def _as_chw_tensor(x: Image.Image | np.ndarray) -> torch.Tensor:
+    """A (C, H, W) tensor view over the HWC pixels (copied only if read-only or not dense)."""
+    return torch.from_numpy(np.require(_hwc_array(x), requirements=["C", "W"])).permute(2, 0, 1)
+
+
+def _write(dst: torch.Tensor, x: Any) -> None:
+    """Write image ``x`` into ``dst``, a (C, H, W) slot of the batch: one pass, no permute copy
+    of the source, whatever its strides."""
+    if dst.device.type == "cpu" and not (isinstance(x, torch.Tensor) and x.device.type != "cpu"):
+        src, out = _as_chw_array(x), dst.numpy()
+        np.copyto(out, src)  # single-threaded: see memlayout.data.copies
+        note_copy("numpy.copyto", out.nbytes,
+                  layout=order_of(src.shape, src.strides) != order_of(out.shape, out.strides))
+        return
+    dst.copy_(x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else _as_chw_tensor(x))
 
 
 def _fit(x: Any, size: tuple[int, int], fit: str) -> Any:
     from torchvision.transforms.v2 import functional as F
 
     if isinstance(x, np.ndarray):
-        x = _as_chw(x)
+        x = _as_chw_tensor(x)
     if fit == "resize":
         return F.resize(x, list(size), antialias=True)
     return F.center_crop(x, list(size))
@@ -226,7 +241,7 @@ def collate_images(
         pin = False
     out = empty_channels_last_batch(len(images), c, h, w, device=device, pin_memory=pin)
     for i, x in enumerate(images):
-        out[i].copy_(_as_chw(x))
+        _write(out[i], x)
     return out
 
 

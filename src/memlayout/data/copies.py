@@ -11,8 +11,12 @@ Allocations (``empty*``) and metadata changes (``set_``, ``resize_``) write no d
   source (``dim_order`` over the dims of size > 1): the per-image HWC -> CHW permute, the
   batch's NCHW -> NHWC conversion.
 
-Not seen: anything outside torch (JPEG decoding, PIL's packing into an array) and temporaries
-an aten kernel makes internally.
+Copies memlayout's own code makes outside torch (the collate writes CPU images with
+``numpy.copyto``: one single-threaded memcpy-like pass, which stays fast when the cores are
+oversubscribed, where 64 small multi-threaded ``copy_`` calls per batch do not) are reported to
+the active counters with :func:`note_copy`, under the name ``"numpy.copyto"``. Not seen:
+anything else outside torch (JPEG decoding, PIL's packing into an array, numpy copies inside
+torchvision) and temporaries an aten kernel makes internally.
 
 >>> x = torch.zeros(2, 3, 4, 5)
 >>> with CopyCounter() as c:
@@ -25,6 +29,7 @@ an aten kernel makes internally.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,9 +53,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _order(t: torch.Tensor) -> tuple[int, ...]:
-    shape, strides = tuple(t.shape), tuple(t.stride())
+_ACTIVE = threading.local()  # the CopyCounters open in this thread
+
+
+def order_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """``dim_order`` over the dims of size > 1 (size-1 dims' strides carry no layout).
+
+    >>> order_of((3, 1, 4), (1, 99, 3))
+    (2, 0)
+    """
     return tuple(d for d in dim_order(shape, strides) if shape[d] > 1)
+
+
+def _order(t: torch.Tensor) -> tuple[int, ...]:
+    return order_of(tuple(t.shape), tuple(t.stride()))
+
+
+def note_copy(name: str, nbytes: int, *, layout: bool) -> None:
+    """Record a copy made outside torch in every :class:`CopyCounter` open in this thread."""
+    for counter in getattr(_ACTIVE, "counters", ()):
+        counter.calls[name] += 1
+        counter.copy_bytes += nbytes
+        if layout:
+            counter.layout_copy_bytes += nbytes
+            counter.layout_copies += 1
 
 
 def _sources(name: str, args: tuple[Any, ...], written: torch.Tensor) -> list[torch.Tensor]:
@@ -123,9 +149,11 @@ class CopyCounter:
     def __enter__(self) -> CopyCounter:
         self._mode = _Mode(self)
         self._mode.__enter__()
+        _ACTIVE.counters = (*getattr(_ACTIVE, "counters", ()), self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _ACTIVE.counters = tuple(c for c in _ACTIVE.counters if c is not self)
         self._mode.__exit__(*exc)
         self._mode = None
 

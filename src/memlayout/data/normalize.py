@@ -57,9 +57,12 @@ def to_model_input(
     ``batch`` is a uint8 ``(N, C, H, W)`` tensor (the output of the channels-last collate);
     ``mean`` and ``std`` are in the 0..1 units of ``torchvision.transforms.Normalize``.
 
-    On an accelerator this is one kernel over the whole batch. On CPU it runs image by image:
-    the CPU kernel converts a uint8 operand to float in a temporary first, and one image's
-    temporary stays in cache where the whole batch's would not.
+    On an accelerator this is one kernel over the whole batch. On CPU, whose kernels convert a
+    uint8 operand to float in a whole-size temporary first, it is two passes with no temporary:
+    a cast copy into the output, then an in-place multiply-add (float32 / float64 outputs; for
+    bf16 / fp16 the one addcmul, temporaries and all, so that the value is rounded once).
+    Both are whole-batch ops: per-image ops open one parallel region per image, which costs
+    little on idle cores and a lot on oversubscribed ones.
 
     >>> to_model_input(torch.zeros(1, 1, 2, 2, dtype=torch.uint8), 0.5, 0.25).stride()
     (4, 1, 2, 1)
@@ -87,9 +90,16 @@ def to_model_input(
     scale, shift = scale.to(dev), shift.to(dev)
     shape = tuple(x.shape)
     out = torch.empty_strided(shape, strides_for(shape, Format.CHANNELS_LAST), dtype=dtype, device=dev)
-    if dev.type == "cpu":
-        for i in range(shape[0]):
-            torch.addcmul(shift, x[i], scale, out=out[i])
+    return _affine_into(out, x, scale, shift, cast_first=dev.type == "cpu" and dtype == compute)
+
+
+def _affine_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                 *, cast_first: bool) -> torch.Tensor:
+    """``out = x * scale + shift``: one addcmul reading uint8, or (``cast_first``) a cast copy
+    into ``out`` and an in-place addcmul there (``out`` must then have ``scale``'s dtype)."""
+    if cast_first:
+        out.copy_(x)
+        torch.addcmul(shift, out, scale, out=out)
     else:
         torch.addcmul(shift, x, scale, out=out)
     return out
