@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets.folder import pil_loader
 
 from memlayout.data.collate import channels_last_loader
 from memlayout.data.copies import CopyCounter
@@ -147,8 +148,6 @@ class JpegFiles(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
-        from torchvision.datasets.folder import pil_loader
-
         img = pil_loader(str(self.paths[i]))
         return (self.transform(img) if self.transform is not None else img), i % 10
 

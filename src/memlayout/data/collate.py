@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - guarded private path
 
 Fit = Literal["error", "resize", "center_crop"]
 FITS: tuple[str, ...] = ("error", "resize", "center_crop")
-HWC = tuple[int, int, int]
+CHW = tuple[int, int, int]  # (C, H, W) sizes
 
 
 class DataPipelineError(MemlayoutError, ValueError):
@@ -137,14 +137,13 @@ def _indices(idx: list[int], limit: int = 8) -> str:
     return f"sample{'s' if len(idx) > 1 else ''} {shown}{more}"
 
 
-def _mixed_error(sizes: list[HWC], expected: tuple[int, int] | None, fit: str) -> MixedImageSizeError:
-    groups: dict[HWC, list[int]] = {}
+def _mixed_error(sizes: list[CHW], expected: tuple[int, int] | None) -> MixedImageSizeError:
+    groups: dict[CHW, list[int]] = {}
     for i, s in enumerate(sizes):
         groups.setdefault(s, []).append(i)
     got = "; ".join(f"{s} for {_indices(idx)}" for s, idx in groups.items())
     target = f" (H, W) = {expected} was asked for;" if expected is not None else ""
-    channels = {s[0] for s in sizes}
-    if len(channels) > 1 or fit != "error":
+    if len({s[0] for s in sizes}) > 1:
         todo = ("convert every image to the same mode in the loader (e.g. img.convert('RGB')); "
                 "fit='resize'/'center_crop' changes H and W, never C")
     else:
@@ -227,7 +226,7 @@ def collate_images(
     target = tuple(size) if size is not None else (h, w)
     if any(s != (c, *target) for s in sizes):
         if fit == "error" or any(s[0] != c for s in sizes):
-            raise _mixed_error(sizes, tuple(size) if size is not None else None, fit)
+            raise _mixed_error(sizes, tuple(size) if size is not None else None)
         images = [x if s[1:] == target else _fit(x, target, fit) for x, s in zip(images, sizes, strict=True)]
         h, w = target
     devices = {x.device for x in images if isinstance(x, torch.Tensor)}
