@@ -12,7 +12,6 @@ from PIL import Image
 from torch.utils.data import DataLoader, default_collate
 from torchvision import transforms as T
 from torchvision import tv_tensors
-from torchvision.io import decode_image, read_file
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 from typer.testing import CliRunner
@@ -69,6 +68,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
     return out
 
 
+def decode(path: Path) -> torch.Tensor:
+    """torchvision.io's decode: a (C, H, W) uint8 tensor over HWC memory."""
+    try:
+        from torchvision.io import decode_image, read_file
+    except ImportError:  # torchvision releases after the TorchCodec move may drop them
+        pytest.skip("torchvision.io has no image decoders")
+    return decode_image(read_file(str(path)))
+
+
 def pil(path: Path) -> Image.Image:
     with Image.open(path) as img:
         img.load()
@@ -83,9 +91,9 @@ def standard_uint8(chw: list[torch.Tensor]) -> torch.Tensor:
 SOURCES = {
     "pil": (pil, lambda p: T.PILToTensor()(pil(p))),
     "numpy_hwc": (lambda p: np.asarray(pil(p)).reshape(H, W, -1), lambda p: T.PILToTensor()(pil(p))),
-    "decode_image": (lambda p: decode_image(read_file(str(p))), lambda p: decode_image(read_file(str(p))).contiguous()),
+    "decode_image": (decode, lambda p: decode(p).contiguous()),
     "contiguous_chw": (lambda p: T.PILToTensor()(pil(p)).contiguous(), lambda p: T.PILToTensor()(pil(p))),
-    "tv_image": (lambda p: tv_tensors.Image(decode_image(read_file(str(p)))), lambda p: decode_image(read_file(str(p)))),
+    "tv_image": (lambda p: tv_tensors.Image(decode(p)), decode),
 }
 
 
@@ -150,7 +158,7 @@ def test_mixed_sizes_raise_naming_samples_and_sizes(files):
 @pytest.mark.parametrize("fit", ["resize", "center_crop"])
 def test_fit_resizes_or_crops_like_torchvision(files, fit):
     size = (H - 4, W - 4)
-    imgs = [pil(files["rgb"][0]), pil(files["small"][0]), decode_image(read_file(str(files["small"][1])))]
+    imgs = [pil(files["rgb"][0]), pil(files["small"][0]), decode(files["small"][1])]
     x = collate_images(imgs, fit=fit, size=size)
     op = v2.Resize(size, antialias=True) if fit == "resize" else v2.CenterCrop(size)
     expected = standard_uint8([F.pil_to_tensor(op(i)) if isinstance(i, Image.Image) else op(i) for i in imgs])
@@ -215,7 +223,7 @@ def test_pinned_batches_keep_channels_last(files, workers):
 def test_collate_writes_each_image_once_without_permute(files):
     paths = files["rgb"]
     n, nbytes = len(paths), len(paths) * 3 * H * W
-    for load in (pil, lambda p: decode_image(read_file(str(p)))):
+    for load in (pil, decode):
         samples = [load(p) for p in paths]
         with CopyCounter() as c:
             collate_images(samples)
@@ -233,7 +241,7 @@ def test_v2_pipeline_output_is_written_once_and_equal(files):
     tf = v2.Compose([v2.RandomResizedCrop((8, 8), antialias=True), v2.RandomHorizontalFlip(0.5),
                      v2.ColorJitter(brightness=0.3)])
     torch.manual_seed(1)
-    samples = [tf(decode_image(read_file(str(p)))) for p in files["rgb"]]
+    samples = [tf(decode(p)) for p in files["rgb"]]
     with CopyCounter() as c:
         x = collate_images(samples)
     assert torch.equal(x, standard_uint8(samples))
@@ -241,7 +249,7 @@ def test_v2_pipeline_output_is_written_once_and_equal(files):
     assert dict(c.calls) == {"numpy.copyto": len(samples)}  # no per-sample contiguous() or clone
     # transforms that keep HWC memory (resize of a whole image, flips, center crops): plain copies
     keep = v2.Compose([v2.Resize((10, 12), antialias=True), v2.RandomHorizontalFlip(1.0), v2.CenterCrop(8)])
-    samples = [keep(decode_image(read_file(str(p)))) for p in files["rgb"]]
+    samples = [keep(decode(p)) for p in files["rgb"]]
     with CopyCounter() as c:
         x = collate_images(samples)
     assert torch.equal(x, standard_uint8(samples))
