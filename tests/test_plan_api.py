@@ -238,3 +238,28 @@ def test_bf16_plan_runs_under_autocast(db) -> None:
         got = opt(x)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+
+
+class Viewing(nn.Module):
+    """``.view`` of a conv output: fails on a channels-last tensor, so it must be fed NCHW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 10 * 10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.fc(y.view(y.size(0), -1))
+
+
+def test_an_op_failing_in_one_format_is_pinned_to_the_other(db) -> None:
+    model, x = Viewing().eval(), _x()
+    cl = memlayout.to_format(torch.randn(2, 4, 10, 10), Format.CHANNELS_LAST)
+    with pytest.raises(RuntimeError):  # what torch itself says: a view cannot do it
+        cl.view(2, -1)
+    opt = memlayout.optimize(model, x, cache=db, rounds=1)
+    view = next(n for n in opt.plan.nodes if n.op == ".view")
+    assert view.format == "contiguous" and view.seconds["channels_last"] is None
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)

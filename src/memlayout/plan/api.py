@@ -121,7 +121,7 @@ def _inputs(example_inputs: Any) -> tuple[Any, ...]:
 def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,
              input_format: str | Format | None = None, output_format: str | Format | None = "keep",
              measure: bool = True, cache: bool | str | Path = True,
-             progress: Progress | None = None, rounds: int = 3, name: str | None = None,
+             progress: Progress | None = None, rounds: int = 5, name: str | None = None,
              ) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.

@@ -8,6 +8,9 @@ drop channels-last; a view may even fail), and, unless the op is layout-agnostic
 activations: same kernel either way), how long it takes, through ``memlayout.timing``. Each
 value in a definite format gets the time of converting it either way.
 
+Each op's time is the fastest of its interleaved rounds: on a shared machine the noise only ever
+adds time, so the minimum is the least disturbed estimate of the op itself.
+
 Measurements are cached in SQLite (``cache_path()``), keyed by device name, thread count,
 torch version, autocast dtype, op, shapes, strides and dtype: a second plan of the same model
 measures nothing. ``measure=False`` runs each layout node once per format (formats only) and
@@ -239,7 +242,7 @@ def device_name(device: torch.device) -> str:
 
 def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                   dtype: torch.dtype | None = None, measure: bool = True,
-                  cache: CostCache | None = None, rounds: int = 3,
+                  cache: CostCache | None = None, rounds: int = 5,
                   progress: Progress | None = None) -> CostTable:
     """The cost table of every layout node and definite-format value of a captured graph."""
     from memlayout.plan.capture import device_of
@@ -412,7 +415,7 @@ class _Measurer(fx.Interpreter):
             result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat,
                                  sync=self.sync)
             for label, timing in result.modes.items():
-                records[int(label)]["s"] = timing.median if timing.ok else None
+                records[int(label)]["s"] = timing.min if timing.ok else None
             self.table.measured += 1
         elif not self.measure and calls:
             for label in calls:
@@ -431,7 +434,7 @@ class _Measurer(fx.Interpreter):
         quick = min(t.median for t in probe.modes.values())
         repeat = max(1, min(50, int(0.004 / max(quick, 1e-6))))
         result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat, sync=self.sync)
-        records = [{"s": result["to_1"].median}, {"s": result["to_0"].median}]
+        records = [{"s": result["to_1"].min}, {"s": result["to_0"].min}]
         self.table.measured += 1
         self.table.conversions[n.name] = _conversion_cost(n.name, meta, records)
         for key, record in zip(self.todo_values[n.name], records, strict=True):
