@@ -227,7 +227,9 @@ def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
     for path, sub in model.named_modules():
         if path:
             def hook(_mod: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
-                seen.setdefault(path, tuple(copy.copy(args)))
+                if path not in seen:  # a copy: later in-place ops must not change it
+                    seen[path] = tuple(a.clone() if isinstance(a, torch.Tensor) else copy.copy(a)
+                                       for a in args)
             handles.append(sub.register_forward_pre_hook(hook))
     try:
         with torch.no_grad(), autocast_context(device_of(inputs, model), dtype):

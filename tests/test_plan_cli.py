@@ -1,0 +1,29 @@
+"""`memlayout optimize` end to end on a tiny resnet18."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from memlayout.cli import app
+from memlayout.plan.result import Plan
+
+
+def test_optimize_command_plans_verifies_and_times(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["optimize", "torchvision:resnet18", "--batch", "1",
+                                      "--image-size", "32", "--rounds", "1", "--no-measure",
+                                      "--save", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "verification: equal" in result.output
+    assert "optimized vs eager_nchw" in result.output and "optimized vs eager_nhwc" in result.output
+    plan = Plan.from_json(out.read_text())
+    assert plan.verification["ok"] and plan.nodes and plan.measured == 0
+
+
+def test_optimize_command_rejects_an_unknown_dtype(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
+    result = CliRunner().invoke(app, ["optimize", "torchvision:resnet18", "--dtype", "int8",
+                                      "--batch", "1", "--image-size", "32"])
+    assert result.exit_code == 2
+    assert "dtype 'int8' is not supported" in result.output
