@@ -218,6 +218,7 @@ def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N. Default: cpu.")] = "cpu",
     compile_backend: Annotated[str, typer.Option(help="torch.compile backend of the compile modes. Default: inductor.")] = "inductor",
     gemm_size: Annotated[int | None, typer.Option(help="Side of the square matmul timed as the GEMM peak. Default: 2048 on CPU, 8192 on CUDA.")] = None,
+    plan_costs: Annotated[str, typer.Option(help="Planner costs for the planned modes: measured (on this machine, cached) or analytic (no timing, faster). Default: measured.")] = "measured",
     out: Annotated[str, typer.Option(help="Folder for results.csv, results.json, speedup.png, summary.md. Default: bench-results.")] = "bench-results",
 ) -> None:
     """Time every layout strategy on each model, interleaved round by round in one process, and
@@ -227,13 +228,15 @@ def bench(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from memlayout.bench import BenchConfig, BenchEvent, run_bench, write_outputs
+    from memlayout.bench import BenchConfig, BenchConfigError, BenchEvent, run_bench, write_outputs
     from memlayout.bench import zoo as zoo_entries
     from memlayout.bench.report import problems, summary_tables
 
     specs = list(models or [])
     sizes: list[tuple[str, int]] = []
     try:
+        if plan_costs not in ("measured", "analytic"):
+            raise BenchConfigError(f"--plan-costs {plan_costs!r} is neither measured nor analytic")
         for entry in zoo_entries(zoo) if zoo else ():
             specs.append(entry.spec)
             if entry.image_size:
@@ -241,7 +244,8 @@ def bench(
         cfg = BenchConfig.from_strings(
             list(dict.fromkeys(specs)), modes=modes, dtypes=dtype, tasks=task, batch=batch,
             image_size=image_size, rounds=rounds, warmup=warmup, threads=threads, device=device,
-            compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=tuple(sizes))
+            compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=tuple(sizes),
+            plan_measure=plan_costs == "measured")
     except MemlayoutError as exc:
         _fail(exc)
     command = ["memlayout", "bench", *(models or [])]
@@ -250,11 +254,12 @@ def bench(
                                  ("--image-size", image_size, None), ("--rounds", rounds, None),
                                  ("--warmup", warmup, 1), ("--threads", threads, None),
                                  ("--device", device, "cpu"), ("--compile-backend", compile_backend, "inductor"),
-                                 ("--gemm-size", gemm_size, None), ("--out", out, None)):
+                                 ("--gemm-size", gemm_size, None), ("--plan-costs", plan_costs, "measured"),
+                                 ("--out", out, None)):
         if value is not None and value != default:
             command += [flag, str(value)]
     layouts = {"nchw": "eager, contiguous (NCHW) model and input", "nhwc": "eager, model.to(memory_format=channels_last) + channels-last input (channels_last_3d for video)",
-               "planned": "memlayout.optimize(model, (x,), dtype=...)", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
+               "planned": f"memlayout.optimize(model, (x,), dtype=..., measure={plan_costs == 'measured'})", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
                "planned+compile": "torch.compile of the planned model"}
     console.print(f"[bold]memlayout bench[/bold]: {len(cfg.models)} models x {','.join(cfg.dtypes)} x {','.join(cfg.tasks)}, "
                   f"batch {cfg.batch}, {cfg.rounds} interleaved rounds, device {cfg.device}, threads {threads or 'default'}")

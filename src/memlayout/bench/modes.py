@@ -1,0 +1,206 @@
+"""The five layout strategies as ready-to-time callables, plus FLOP counting and the GEMM peak.
+
+Each mode gets its own deep copy of the model (conversion and SGD steps are in place), its own
+input in its own layout, and one untimed first call whose duration is kept: for ``compile``
+modes that call is the compilation (reported as compile time, never mixed into the rounds).
+
+- ``nchw``: eager, contiguous model and input (the baseline).
+- ``nhwc``: eager, the PyTorch tutorial's recipe ``model.to(memory_format=channels_last)`` and
+  ``x.contiguous(memory_format=channels_last)`` (``channels_last_3d`` for video), converted once
+  outside the timed region.
+- ``planned``: ``memlayout.optimize(model, (x,), dtype=..., measure=...)`` on the NCHW model
+  and input; planning time (cost measurements included, unless cached) is ``setup_s``.
+- ``compile``: ``torch.compile`` (default mode; Inductor picks layouts) on the NCHW model.
+- ``planned+compile``: ``torch.compile`` of the planned model.
+
+Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
+fp32, matmuls and convolutions run in bf16); the backward pass runs outside autocast as the
+PyTorch AMP recipe says. Task ``train`` is forward + backward + ``SGD.step``, with the loss
+``sum(0.5 * mean(y ** 2))`` over every floating output tensor (any model, and stable for the
+few steps a benchmark takes).
+
+>>> import torch
+>>> from torch import nn
+>>> m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+>>> p = prepare_mode("nhwc", m, torch.randn(2, 3, 8, 8), dtype="fp32", task="infer")
+>>> p.input_format, tuple(p.step().shape)
+('channels_last', (2, 4, 6, 6))
+>>> count_flops(m, torch.randn(2, 3, 8, 8), dtype="fp32", task="infer") == 2 * (2 * 4 * 6 * 6) * 27
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlayout.bench.config import ModeUnavailable
+from memlayout.layout import Format
+from memlayout.tensors import format_name, format_of, iter_tensors, torch_memory_format
+from memlayout.timing import device_sync
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LEARNING_RATE = 1e-3
+
+#: what counts as "out of memory" (by type, not by message): CUDA's and Python's.
+#: CPU allocation failures surface as a plain RuntimeError and are recorded as errors.
+OUT_OF_MEMORY: tuple[type[BaseException], ...] = (
+    getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),
+    MemoryError,
+)
+
+
+@dataclass
+class PreparedMode:
+    """A mode ready to time: ``step()`` runs one inference or one training step."""
+
+    name: str
+    step: Callable[[], object]
+    setup_s: float
+    first_call_s: float
+    input_format: str
+    peak_mem_bytes: int | None = None
+    note: str = ""
+    #: the mode's own copy of the model (converted, planned and/or compiled)
+    module: nn.Module | None = None
+
+
+def autocast_context(dtype: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context every forward runs in: nothing for fp32, autocast for bf16."""
+    if dtype == "fp32":
+        return contextlib.nullcontext
+    device_type = torch.device(device).type
+    return lambda: torch.autocast(device_type, dtype=TORCH_DTYPES[dtype])
+
+
+def training_loss(out: Any) -> torch.Tensor:
+    """``sum(0.5 * mean(y ** 2))`` over every floating tensor in a model's output (tensor, dict,
+    namedtuple of aux logits, ...), computed in fp32."""
+    terms = [0.5 * t.float().square().mean() for t in iter_tensors(out) if t.is_floating_point()]
+    if not terms:
+        raise TypeError(f"model output {type(out).__name__} holds no floating tensor to train on")
+    return torch.stack(terms).sum()
+
+
+def find_optimize() -> Callable[..., nn.Module]:
+    """``memlayout.optimize`` (the planner), or ``ModeUnavailable`` when it is not installed."""
+    import memlayout
+
+    fn = getattr(memlayout, "optimize", None)
+    if fn is None:
+        try:
+            from memlayout.plan import optimize as fn  # type: ignore[attr-defined, no-redef]
+        except ImportError as exc:
+            raise ModeUnavailable(
+                "memlayout.optimize (the layout planner) is not available in this build; "
+                "the planned modes are reported as unavailable, not faked"
+            ) from exc
+    return fn
+
+
+def _step_fn(model: nn.Module, x: torch.Tensor, dtype: str, task: str,
+             device: str) -> Callable[[], object]:
+    ctx = autocast_context(dtype, device)
+    if task == "infer":
+        def infer() -> object:
+            with torch.no_grad(), ctx():
+                return model(x)
+        return infer
+
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                lr=LEARNING_RATE)
+
+    def train() -> object:
+        optimizer.zero_grad(set_to_none=True)
+        with ctx():
+            out = model(x)
+        loss = training_loss(out)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return train
+
+
+def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
+                 fmt: Format = Format.CHANNELS_LAST, device: str = "cpu",
+                 compile_backend: str = "inductor", plan_measure: bool = True) -> PreparedMode:
+    """Copy ``module``, apply ``mode``, make one untimed first call and return the timed step.
+
+    Raises ``ModeUnavailable`` when the mode cannot exist here (no planner); any other
+    exception is the mode failing on this model, for the caller to record.
+    """
+    start = time.perf_counter()
+    model = copy.deepcopy(module).to(device)
+    model.train(task == "train")
+    x = x.to(device)
+    note = ""
+    if mode == "nhwc":
+        memory_format = torch_memory_format(fmt)
+        model = model.to(memory_format=memory_format)
+        x = x.contiguous(memory_format=memory_format)
+    elif mode in ("planned", "planned+compile"):
+        optimize = find_optimize()
+        model = optimize(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure)
+        model.train(task == "train")
+    if mode in ("compile", "planned+compile"):
+        model = torch.compile(model, backend=compile_backend)
+        note = f"torch.compile(backend={compile_backend!r}); first call = compile time"
+    step = _step_fn(model, x, dtype, task, device)
+    setup_s = time.perf_counter() - start
+
+    sync = device_sync(device)
+    start = time.perf_counter()
+    step()
+    sync()
+    first_call_s = time.perf_counter() - start
+    peak = None
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        sync()
+        peak = torch.cuda.max_memory_allocated(device)
+    return PreparedMode(mode, step, setup_s, first_call_s, format_name(format_of(x)), peak, note,
+                        model)
+
+
+def count_flops(module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
+                device: str = "cpu") -> int:
+    """FLOPs of one step (forward; forward + backward for ``train``) by
+    ``torch.utils.flop_counter.FlopCounterMode``: matmuls and convolutions, the same in every
+    layout, so one count serves every mode. The optimizer step is not counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = copy.deepcopy(module).to(device)
+    model.train(task == "train")
+    x = x.to(device)
+    ctx = autocast_context(dtype, device)
+    with FlopCounterMode(display=False) as counter:
+        if task == "infer":
+            with torch.no_grad(), ctx():
+                model(x)
+        else:
+            with ctx():
+                out = model(x)
+            training_loss(out).backward()
+    return int(counter.get_total_flops())
+
+
+def gemm_step(side: int, dtype: str, device: str = "cpu") -> tuple[Callable[[], object], int]:
+    """A ``side`` x ``side`` matmul in ``dtype`` (real bf16 tensors for bf16) and its FLOPs:
+    the machine's practical peak, timed in the same interleaved rounds as the models."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(side, side, generator=gen).to(device=device, dtype=TORCH_DTYPES[dtype])
+            for _ in range(2))
+    out = torch.empty_like(a)
+
+    def gemm() -> object:
+        return torch.mm(a, b, out=out)
+    return gemm, 2 * side ** 3
+

@@ -1,0 +1,131 @@
+"""Benchmark results as plain data: one flat record per model x dtype x task x mode.
+
+>>> env = Environment.collect("cpu", threads=2)
+>>> r = BenchRecord(env=env, model="torchvision:resnet18", dtype="fp32", task="infer",
+...                 mode="planned", status="unavailable", error="no planner")
+>>> flat = r.to_flat()
+>>> flat["model"], flat["status"], flat["threads"], flat["speedup"]
+('torchvision:resnet18', 'unavailable', 2, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATUSES = ("ok", "error", "unavailable")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Versions and machine, repeated in every flat record so each row stands alone."""
+
+    device: str
+    device_name: str
+    threads: int
+    torch: str
+    torchvision: str
+    memlayout: str
+    python: str
+    platform: str
+    timestamp: str
+
+    @classmethod
+    def collect(cls, device: str, threads: int | None = None) -> Environment:
+        return cls(
+            device=device,
+            device_name=device_name(device),
+            threads=threads if threads is not None else torch.get_num_threads(),
+            torch=torch.__version__,
+            torchvision=_version("torchvision"),
+            memlayout=_version("memlayout"),
+            python=platform.python_version(),
+            platform=platform.platform(),
+            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        )
+
+
+@dataclass(frozen=True)
+class BenchRecord:
+    """One model x dtype x task x mode. Times are seconds per step; ``speedup`` is the median of
+    the per-round ratios NCHW time / mode time from the same interleaved rounds (> 1: faster)."""
+
+    env: Environment
+    model: str
+    dtype: str
+    task: str
+    mode: str
+    status: str
+    error: str | None = None
+    kind: str = ""
+    batch: int | None = None
+    requested_batch: int | None = None
+    input_shape: str = ""
+    input_format: str = ""
+    rounds: int = 0
+    median_s: float | None = None
+    min_s: float | None = None
+    max_s: float | None = None
+    q1_s: float | None = None
+    q3_s: float | None = None
+    spread: float | None = None
+    speedup: float | None = None
+    speedup_min: float | None = None
+    speedup_max: float | None = None
+    round_times_s: tuple[float, ...] = ()
+    round_speedups: tuple[float, ...] = ()
+    setup_s: float | None = None
+    first_call_s: float | None = None
+    compile_s: float | None = None
+    flops: int | None = None
+    flops_per_s: float | None = None
+    gemm_flops_per_s: float | None = None
+    peak_fraction: float | None = None
+    peak_mem_bytes: int | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+    def to_flat(self) -> dict[str, Any]:
+        """One flat dict: the record's fields, then the environment's (no nesting)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "env"}
+        out["round_times_s"] = list(self.round_times_s)
+        out["round_speedups"] = list(self.round_speedups)
+        out.update(dataclasses.asdict(self.env))
+        return out
+
+
+FLAT_FIELDS: tuple[str, ...] = tuple(
+    [f.name for f in dataclasses.fields(BenchRecord) if f.name != "env"]
+    + [f.name for f in dataclasses.fields(Environment)]
+)
+
+
+def device_name(device: str) -> str:
+    """``NVIDIA H100 ...`` for CUDA; the CPU model name (``/proc/cpuinfo``) for CPU."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or sys.platform
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"

@@ -1,0 +1,193 @@
+"""Writers for benchmark results: flat CSV and JSON, a markdown summary, table rows.
+
+Renderers only read the records. The summary quotes ratios (median of per-round ratios against
+eager NCHW, with the min-max over rounds), not absolute times.
+
+>>> fmt_speedup(1.2345, 1.1, 1.31)
+'1.23x (1.10-1.31)'
+>>> fmt_speedup(None, None, None)
+'-'
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memlayout.bench.config import BASELINE
+from memlayout.bench.records import FLAT_FIELDS, BenchRecord
+from memlayout.bench.runner import BenchResult
+from memlayout.timing import geomean
+
+
+def write_csv(records: Sequence[BenchRecord], path: Path) -> Path:
+    """One row per record, columns ``FLAT_FIELDS``; per-round lists as space-separated numbers."""
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(FLAT_FIELDS))
+        writer.writeheader()
+        for record in records:
+            row = record.to_flat()
+            for key in ("round_times_s", "round_speedups"):
+                row[key] = " ".join(repr(v) for v in row[key])
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    return path
+
+
+def write_json(records: Sequence[BenchRecord], path: Path) -> Path:
+    """A JSON list of flat records (``null`` for a missing value, never NaN)."""
+    rows = [{k: _finite(v) for k, v in r.to_flat().items()} for r in records]
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class SummaryTable:
+    """The rows of one dtype x task table, as display strings."""
+
+    dtype: str
+    task: str
+    header: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+
+def fmt_speedup(value: float | None, low: float | None, high: float | None) -> str:
+    if value is None:
+        return "-"
+    if low is None or high is None:
+        return f"{value:.2f}x"
+    return f"{value:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def summary_tables(records: Sequence[BenchRecord]) -> list[SummaryTable]:
+    """One table per dtype x task: a row per model, a speedup column per non-baseline mode,
+    then NCHW's fraction of the GEMM peak, NCHW's round spread and compile times; a last
+    row with the geometric mean speedup of each mode over the models where it ran."""
+    tables = []
+    modes = _ordered({r.mode for r in records} - {BASELINE}, [r.mode for r in records])
+    for dtype, task in _ordered({(r.dtype, r.task) for r in records},
+                                [(r.dtype, r.task) for r in records]):
+        case = [r for r in records if (r.dtype, r.task) == (dtype, task)]
+        models = _ordered({r.model for r in case}, [r.model for r in case])
+        compile_modes = [m for m in modes if "compile" in m]
+        header = ("model", "batch", *modes, "NCHW % of GEMM peak", "NCHW spread",
+                  *(f"{m} s" if m != "compile" else "compile s" for m in compile_modes))
+        rows = []
+        for model in models:
+            by_mode = {r.mode: r for r in case if r.model == model}
+            base = by_mode.get(BASELINE)
+            batch = str(base.batch) if base and base.batch else "-"
+            if base and base.requested_batch and base.batch and base.batch != base.requested_batch:
+                batch += f" (asked {base.requested_batch})"
+            cells = [_cell(by_mode.get(m)) for m in modes]
+            peak = (f"{100 * base.peak_fraction:.1f} %" if base and base.peak_fraction else "-")
+            spread = (f"{100 * base.spread:.0f} %" if base and base.spread is not None else "-")
+            if base and base.status != "ok":
+                peak = spread = "error"
+            compiles = [f"{by_mode[m].compile_s:.1f}" if m in by_mode and by_mode[m].compile_s
+                        else "-" for m in compile_modes]
+            rows.append((_short(model), batch, *cells, peak, spread, *compiles))
+        means = []
+        for m in modes:
+            values = [r.speedup for r in case if r.mode == m and r.status == "ok" and r.speedup]
+            means.append(f"{geomean(values):.2f}x" if values else "-")
+        rows.append(("geomean", "", *means, "", "", *("" for _ in compile_modes)))
+        tables.append(SummaryTable(dtype, task, header, tuple(rows)))
+    return tables
+
+
+def problems(records: Sequence[BenchRecord]) -> list[str]:
+    """One line per distinct error or unavailable mode (with the cases it hit) and per note
+    about an out-of-memory retry, for under the tables."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    notes: list[str] = []
+    for r in records:
+        if r.status != "ok":
+            model = "" if r.status == "unavailable" else _short(r.model)
+            groups.setdefault((model, r.status, r.error or ""), []).append(
+                f"{r.dtype} {r.task} {r.mode}")
+        if r.note and "out of memory" in r.note and r.mode == BASELINE:
+            notes.append(f"{_short(r.model)} {r.dtype} {r.task}: {r.note}")
+    n_cases = len({(r.dtype, r.task, r.mode) for r in records})
+    lines = []
+    for (model, status, error), where in groups.items():
+        scope = "every case" if len(where) == n_cases else ", ".join(where)
+        if status == "unavailable":
+            modes = ", ".join(dict.fromkeys(w.rsplit(" ", 1)[-1] for w in where))
+            lines.append(f"{modes}: unavailable: {error}")
+        else:
+            lines.append(f"{model} ({scope}): {status}: {error}")
+    return lines + notes
+
+
+def write_markdown(result: BenchResult, path: Path, *, command: str = "",
+                   plot_name: str | None = "speedup.png") -> Path:
+    """``summary.md``: command, machine and versions, one table per dtype x task, problems."""
+    env, cfg = result.env, result.config
+    lines = ["# memlayout bench results", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += [
+        f"- machine: {env.device_name}, device `{env.device}`, {env.threads} threads; {env.platform}",
+        f"- versions: torch {env.torch}, torchvision {env.torchvision}, memlayout {env.memlayout}, "
+        f"Python {env.python}; {env.timestamp}",
+        f"- {cfg.rounds} interleaved rounds after {cfg.warmup} warm-up call(s) per mode; "
+        f"GEMM peak: {cfg.gemm_side()}x{cfg.gemm_side()} matmul in the same dtype, timed in the "
+        "same rounds",
+        "- cells: speedup over eager NCHW = median of per-round ratios (NCHW time / mode time), "
+        "(min-max over rounds); > 1 is faster. bf16 = `torch.autocast` (weights fp32). "
+        "train = forward + backward + SGD step.",
+        "",
+    ]
+    for table in summary_tables(result.records):
+        lines += [f"## {table.dtype} {table.task}", "", _md_row(table.header),
+                  _md_row(tuple("---" for _ in table.header))]
+        lines += [_md_row(row) for row in table.rows]
+        lines.append("")
+    issues = problems(result.records)
+    if issues:
+        lines += ["## Errors, unavailable modes, retries", ""]
+        lines += [f"- {_md_escape(line)}" for line in issues]
+        lines.append("")
+    if plot_name:
+        lines += [f"![speedup vs NCHW]({plot_name})", ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _cell(record: BenchRecord | None) -> str:
+    if record is None:
+        return "-"
+    if record.status == "unavailable":
+        return "unavailable"
+    if record.status == "error":
+        return "error"
+    return fmt_speedup(record.speedup, record.speedup_min, record.speedup_max)
+
+
+def _short(model: str) -> str:
+    return model.removeprefix("torchvision:")
+
+
+def _ordered(items: set, in_order: list) -> list:
+    return [x for x in dict.fromkeys(in_order) if x in items]
+
+
+def _md_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(_md_escape(c) for c in cells) + " |"
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,248 @@
+"""Run a benchmark: per model x dtype x task, every mode and a GEMM interleaved round by round.
+
+For each case the runner builds every mode (one untimed first call each: compile time), then
+hands all of them plus a square matmul in the same dtype to :func:`memlayout.timing.interleaved`
+(the one timer), so the modes and the machine's GEMM peak are measured in the same rounds,
+in rotating order. A mode that fails is recorded and the others go on; a mode that runs out of
+memory makes the whole case retry at half the batch (all modes at the same batch, so ratios
+stay comparable), and the records say so.
+
+>>> from memlayout.bench.config import BenchConfig
+>>> cfg = BenchConfig.from_strings(["torchvision:squeezenet1_1"], modes="nchw,nhwc",
+...                                batch=1, image_size=32, rounds=2)
+>>> result = run_bench(cfg)  # doctest: +SKIP
+>>> [(r.mode, r.status) for r in result.records]  # doctest: +SKIP
+[('nchw', 'ok'), ('nhwc', 'ok')]
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from memlayout.bench.config import BASELINE, BenchConfig, ModeUnavailable
+from memlayout.bench.modes import (
+    OUT_OF_MEMORY,
+    PreparedMode,
+    count_flops,
+    gemm_step,
+    prepare_mode,
+)
+from memlayout.bench.records import BenchRecord, Environment
+from memlayout.models import ModelSpec, load_model
+from memlayout.timing import Comparison, device_sync, interleaved
+
+#: name of the matmul timed alongside the modes (not a mode: it yields no record of its own)
+GEMM = "gemm"
+_MAX_ERROR = 600  # characters of an error message kept in a record (Inductor's run to pages)
+
+
+@dataclass(frozen=True)
+class BenchEvent:
+    """Progress: ``phase`` is ``setup`` (building / compiling ``mode``) or ``round`` (about to
+    time ``mode`` in round ``round``)."""
+
+    model: str
+    dtype: str
+    task: str
+    mode: str
+    phase: str
+    round: int | None = None
+    batch: int | None = None
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Everything a run produced: the config, the environment and the flat records."""
+
+    config: BenchConfig
+    env: Environment
+    records: tuple[BenchRecord, ...]
+
+
+class _OutOfMemory(Exception):
+    def __init__(self, mode: str, message: str) -> None:
+        super().__init__(f"{mode}: {message}")
+        self.mode = mode
+
+
+def run_bench(config: BenchConfig, *, on_event: Callable[[BenchEvent], None] | None = None,
+              clock: Callable[[], float] = time.perf_counter) -> BenchResult:
+    """Run every case of ``config``; never raises for a failing model or mode (they become
+    ``error`` / ``unavailable`` records). ``clock`` goes to the timer (tests inject a fake)."""
+    emit = on_event or (lambda event: None)
+    with _threads(config.threads):
+        env = Environment.collect(config.device)
+        records: list[BenchRecord] = []
+        for spec_text in config.models:
+            spec, load_error = _load(spec_text, config)
+            for dtype in config.dtypes:
+                for task in config.tasks:
+                    if spec is None:
+                        records.extend(_failed_case(env, spec_text, dtype, task, config,
+                                                    "error", load_error))
+                        continue
+                    records.extend(_run_case(config, env, spec, dtype, task, emit, clock))
+    return BenchResult(config, env, tuple(records))
+
+
+def _load(spec_text: str, config: BenchConfig) -> tuple[ModelSpec | None, str]:
+    try:
+        return load_model(spec_text, batch=config.batch,
+                          image_size=config.image_size_for(spec_text)), ""
+    except Exception as exc:  # a model that cannot be built is a result of the run
+        return None, _describe(exc)
+
+
+def _run_case(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str, task: str,
+              emit: Callable[[BenchEvent], None],
+              clock: Callable[[], float]) -> list[BenchRecord]:
+    batch = config.batch
+    notes: list[str] = []
+    while True:
+        try:
+            return _measure(config, env, spec, dtype, task, batch, notes, emit, clock)
+        except _OutOfMemory as oom:
+            _release_memory()
+            if batch == 1:
+                return _failed_case(env, spec.spec, dtype, task, config, "error",
+                                    f"out of memory at batch 1 ({oom})", notes)
+            notes.append(f"out of memory at batch {batch} in {oom.mode}; retried at batch {batch // 2}")
+            batch //= 2
+
+
+def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str, task: str,
+             batch: int, notes: list[str], emit: Callable[[BenchEvent], None],
+             clock: Callable[[], float]) -> list[BenchRecord]:
+    x = spec.example_input[:batch]
+    common = {"env": env, "model": spec.spec, "dtype": dtype, "task": task, "kind": spec.kind,
+              "batch": batch, "requested_batch": config.batch,
+              "input_shape": "x".join(str(s) for s in x.shape)}
+    flops: int | None = None
+    try:
+        flops = count_flops(spec.module, x, dtype=dtype, task=task, device=config.device)
+    except OUT_OF_MEMORY as exc:
+        raise _OutOfMemory("flop count", _describe(exc)) from exc
+    except Exception as exc:  # FLOPs are a column, not a reason to skip the case
+        notes = [*notes, f"FLOP count failed: {_describe(exc)}"]
+    if any("compile" in m for m in config.modes):
+        _reset_dynamo()  # fresh compile caches per case: no recompile limit, honest compile time
+
+    prepared: dict[str, PreparedMode] = {}
+    failed: dict[str, tuple[str, str]] = {}
+    for mode in config.modes:
+        emit(BenchEvent(spec.spec, dtype, task, mode, "setup", batch=batch))
+        try:
+            prepared[mode] = prepare_mode(mode, spec.module, x, dtype=dtype, task=task,
+                                          fmt=spec.fmt, device=config.device,
+                                          compile_backend=config.compile_backend,
+                                          plan_measure=config.plan_measure)
+        except ModeUnavailable as exc:
+            failed[mode] = ("unavailable", str(exc))
+        except OUT_OF_MEMORY as exc:
+            raise _OutOfMemory(mode, _describe(exc)) from exc
+        except Exception as exc:  # the mode fails on this model: record it, go on
+            failed[mode] = ("error", _describe(exc))
+
+    comparison: Comparison | None = None
+    gemm_flops = 0
+    if prepared:
+        gemm, gemm_flops = gemm_step(config.gemm_side(), dtype, config.device)
+        fns: dict[str, Callable[[], object]] = {m: p.step for m, p in prepared.items()}
+        fns[GEMM] = gemm
+        comparison = interleaved(
+            fns, rounds=config.rounds, warmup=config.warmup,
+            baseline=BASELINE if BASELINE in fns else next(iter(fns)),
+            sync=device_sync(config.device), clock=clock,
+            on_step=lambda r, m: emit(BenchEvent(spec.spec, dtype, task, m, "round", r, batch)),
+        )
+        for name, timing in comparison.modes.items():
+            if timing.error_type is not None and issubclass(timing.error_type, OUT_OF_MEMORY):
+                raise _OutOfMemory(name, timing.error or "")
+
+    note = "; ".join(notes)
+    records = []
+    for mode in config.modes:
+        if mode in failed:
+            status, error = failed[mode]
+            records.append(BenchRecord(**common, mode=mode, status=status, error=error,
+                                       flops=flops, note=note))
+            continue
+        assert comparison is not None
+        records.append(_timed_record(common, mode, prepared[mode], comparison, flops,
+                                     gemm_flops, note))
+    del prepared, comparison
+    _release_memory()
+    return records
+
+
+def _timed_record(common: dict, mode: str, prep: PreparedMode, comparison: Comparison,
+                  flops: int | None, gemm_flops: int, note: str) -> BenchRecord:
+    t = comparison[mode]
+    gemm = comparison[GEMM]
+    gemm_rate = gemm_flops / gemm.median if gemm.ok and gemm.median > 0 else None
+    has_baseline = comparison.baseline == BASELINE
+    timed = bool(t.times)
+    median = t.median if timed else None
+    rate = flops / median if flops and median else None
+    iqr = t.iqr if timed else (None, None)
+    speed_range = comparison.speedup_range(mode) if has_baseline else None
+    return BenchRecord(
+        **common, mode=mode, status="ok" if t.ok else "error", error=t.error,
+        input_format=prep.input_format, rounds=len(t.times),
+        median_s=median, min_s=t.min if timed else None, max_s=t.max if timed else None,
+        q1_s=iqr[0], q3_s=iqr[1], spread=t.spread if timed else None,
+        speedup=comparison.speedup(mode) if has_baseline else None,
+        speedup_min=speed_range[0] if speed_range else None,
+        speedup_max=speed_range[1] if speed_range else None,
+        round_times_s=t.times,
+        round_speedups=comparison.ratios(mode) if has_baseline and comparison[BASELINE].ok else (),
+        setup_s=prep.setup_s, first_call_s=prep.first_call_s,
+        compile_s=prep.first_call_s if "compile" in mode else None,
+        flops=flops, flops_per_s=rate, gemm_flops_per_s=gemm_rate,
+        peak_fraction=rate / gemm_rate if rate and gemm_rate else None,
+        peak_mem_bytes=prep.peak_mem_bytes, note="; ".join(n for n in (prep.note, note) if n),
+    )
+
+
+def _failed_case(env: Environment, model: str, dtype: str, task: str, config: BenchConfig,
+                 status: str, error: str, notes: list[str] | None = None) -> list[BenchRecord]:
+    return [BenchRecord(env=env, model=model, dtype=dtype, task=task, mode=mode, status=status,
+                        error=error, requested_batch=config.batch, note="; ".join(notes or ()))
+            for mode in config.modes]
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) <= _MAX_ERROR else text[:_MAX_ERROR] + " ..."
+
+
+def _reset_dynamo() -> None:
+    dynamo = getattr(torch, "_dynamo", None)
+    if dynamo is not None and hasattr(dynamo, "reset"):
+        dynamo.reset()
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` intra-op threads and restore the caller's setting afterwards."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,386 @@
+"""The benchmark harness: records for every mode, outputs that parse, ratios from the rounds.
+
+No timing assertions: expectations come from the raw per-round times in the records, from a
+fake clock whose durations the test chooses, and from a FLOP count done by hand with hooks.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import statistics
+import textwrap
+
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+from typer.testing import CliRunner
+
+from memlayout.bench import BenchConfig, BenchConfigError, ModeUnavailable, run_bench, zoo
+from memlayout.bench.modes import count_flops, find_optimize, training_loss
+from memlayout.bench.report import summary_tables
+from memlayout.cli import app
+
+ALL_MODES = ("nchw", "nhwc", "planned", "compile", "planned+compile")
+
+
+@pytest.fixture(autouse=True)
+def _planner_cache(tmp_path, monkeypatch):
+    # the planner caches measured costs; keep the user's cache out of the tests
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _planner_available() -> bool:
+    try:
+        find_optimize()
+    except ModeUnavailable:
+        return False
+    return True
+
+
+def _models_file(tmp_path):
+    path = tmp_path / "nets.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def tiny():
+            return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                 nn.Conv2d(8, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(8, 4))
+
+        class Broken(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(3, 4, 3)
+            def forward(self, x):
+                raise NotImplementedError("aten::made_up_op has no kernel for this layout")
+
+        def broken():
+            return Broken()
+
+        class NchwOnly(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(3, 4, 3)
+            def forward(self, x):
+                if not x.is_contiguous():
+                    raise RuntimeError("this model only takes NCHW input")
+                return self.conv(x)
+
+        def nchw_only():
+            return NchwOnly()
+
+        class Hungry(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(3, 4, 3)
+            def forward(self, x):
+                if x.shape[0] > 2:
+                    raise torch.OutOfMemoryError(f"pretend: batch {x.shape[0]} does not fit")
+                return self.conv(x)
+
+        def hungry():
+            return Hungry()
+
+        class Starved(nn.Module):
+            def forward(self, x):
+                raise torch.OutOfMemoryError("pretend: nothing fits")
+
+        def starved():
+            return Starved()
+    """))
+    return path
+
+
+def test_quick_zoo_cli_writes_every_record_and_output(tmp_path):
+    out = tmp_path / "out"
+    args = ["bench", "--zoo", "quick", "--image-size", "32", "--batch", "2", "--rounds", "2",
+            "--modes", ",".join(ALL_MODES), "--task", "infer", "--threads", "2",
+            # dynamo's own backend keeps the compile modes' plumbing in the test without minutes
+            # of Inductor C++ builds; test_inductor_compile_mode covers Inductor itself
+            "--compile-backend", "eager", "--gemm-size", "256", "--plan-costs", "analytic",
+            "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "results.json").read_text())
+    models = [e.spec for e in zoo("quick")]
+    assert {(r["model"], r["task"], r["mode"]) for r in rows} == {
+        (m, "infer", mode) for m in models for mode in ALL_MODES}
+    assert len(rows) == len(models) * len(ALL_MODES)
+    planner = _planner_available()
+    for r in rows:
+        assert r["status"] in ("ok", "error", "unavailable"), r
+        if r["status"] == "unavailable":
+            assert r["mode"] in ("planned", "planned+compile") and not planner
+        if r["status"] != "ok":
+            assert r["error"], r
+            continue
+        assert r["rounds"] == 2 and len(r["round_times_s"]) == 2
+        assert r["input_shape"] == "2x3x32x32" and r["threads"] == 2
+        assert r["median_s"] == statistics.median(r["round_times_s"])
+        assert r["flops"] > 0 and r["flops_per_s"] == pytest.approx(r["flops"] / r["median_s"])
+        assert r["compile_s"] is not None if "compile" in r["mode"] else r["compile_s"] is None
+    nchw_rows = [r for r in rows if r["mode"] == "nchw"]
+    assert all(r["status"] == "ok" for r in nchw_rows)
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        base = next(b for b in nchw_rows if (b["model"], b["task"]) == (r["model"], r["task"]))
+        # ratios come from the same rounds: round i of NCHW over round i of the mode
+        expected = [b / m for b, m in zip(base["round_times_s"], r["round_times_s"], strict=True)]
+        assert r["round_speedups"] == pytest.approx(expected)
+        assert r["speedup"] == pytest.approx(statistics.median(expected))
+    nhwc = [r for r in rows if r["mode"] == "nhwc"]
+    assert {r["input_format"] for r in nhwc} == {"channels_last"}
+    assert {r["input_format"] for r in nchw_rows} == {"contiguous"}
+
+    with (out / "results.csv").open() as fh:
+        csv_rows = list(csv.DictReader(fh))
+    assert len(csv_rows) == len(rows)
+    for c, j in zip(csv_rows, rows, strict=True):
+        assert (c["model"], c["mode"], c["status"]) == (j["model"], j["mode"], j["status"])
+        if j["status"] == "ok":
+            assert float(c["speedup"]) == pytest.approx(j["speedup"])
+            assert [float(v) for v in c["round_times_s"].split()] == j["round_times_s"]
+
+    with Image.open(out / "speedup.png") as png:
+        assert png.format == "PNG" and png.width > 300 and png.height > 300
+
+    md = (out / "summary.md").read_text()
+    assert "memlayout bench --zoo quick" in md and "![speedup vs NCHW](speedup.png)" in md
+    table_lines = [line for line in md.splitlines() if line.startswith("| resnet18 |")]
+    assert len(table_lines) == 1
+    widths = {line.count(" | ") for line in md.splitlines() if line.startswith("| ")}
+    assert len(widths) == 1  # every row of every table has the header's column count
+    r18 = next(r for r in rows if r["model"] == "torchvision:resnet18" and r["task"] == "infer"
+               and r["mode"] == "nhwc")
+    if r18["status"] == "ok":
+        assert f"{r18['speedup']:.2f}x ({r18['speedup_min']:.2f}-{r18['speedup_max']:.2f})" in table_lines[0]
+    assert "resnet18" in result.output and "wrote" in result.output
+
+
+def test_every_mode_trains_or_reports_why(tmp_path):
+    # train (forward + backward + SGD step) through all five modes on a tiny model; the quick
+    # zoo test above covers inference on real torchvision models
+    path = _models_file(tmp_path)
+    cfg = BenchConfig.from_strings([f"{path}:tiny"], modes=",".join(ALL_MODES), tasks="train",
+                                   dtypes="fp32,bf16", batch=2, image_size=8, rounds=2,
+                                   gemm_size=32, compile_backend="eager", plan_measure=False)
+    records = run_bench(cfg).records
+    assert [(r.dtype, r.mode) for r in records] == [(d, m) for d in ("fp32", "bf16") for m in ALL_MODES]
+    planner = _planner_available()
+    for r in records:
+        if r.mode.startswith("planned") and not planner:
+            assert r.status == "unavailable"
+        else:
+            assert r.status == "ok", (r.mode, r.error)
+            assert r.rounds == 2 and r.flops and r.speedup is not None
+
+
+def test_train_step_updates_the_weights_of_its_own_copy():
+    from memlayout.bench.modes import prepare_mode
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    prepared = prepare_mode("nhwc", model, torch.randn(2, 3, 8, 8), dtype="fp32", task="train")
+    prepared.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    copied = list(prepared.module.parameters())
+    assert not any(torch.equal(a, p) for a, p in zip(before, copied, strict=True))
+    assert copied[0].is_contiguous(memory_format=torch.channels_last)
+    assert prepared.input_format == "channels_last"
+
+
+class _StepClock:
+    """A fake clock that advances by a chosen duration per (mode, round) sample.
+
+    ``on_event`` learns which sample is next; of the two clock reads per sample (warm-up is
+    off) the second one moves time forward.
+    """
+
+    def __init__(self, durations: dict[str, list[float]]) -> None:
+        self.durations = durations
+        self.now = 0.0
+        self.reads = 0
+        self.pending = 0.0
+
+    def on_event(self, event) -> None:
+        if event.phase == "round":
+            self.pending = self.durations[event.mode][event.round]
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:
+            self.now += self.pending
+        return self.now
+
+
+def test_fake_clock_known_times_give_known_medians_ratios_and_peak(tmp_path):
+    path = _models_file(tmp_path)
+    durations = {"nchw": [4.0, 2.0, 6.0], "nhwc": [2.0, 2.0, 2.0], "gemm": [0.5, 1.0, 2.0]}
+    clock = _StepClock(durations)
+    cfg = BenchConfig.from_strings([f"{path}:tiny"], modes="nchw,nhwc", batch=2, image_size=8,
+                                   rounds=3, warmup=0, gemm_size=32)
+    result = run_bench(cfg, on_event=clock.on_event, clock=clock)
+    nchw, nhwc = result.records
+    assert nchw.round_times_s == (4.0, 2.0, 6.0) and nhwc.round_times_s == (2.0, 2.0, 2.0)
+    assert (nchw.median_s, nhwc.median_s) == (4.0, 2.0)
+    assert nhwc.round_speedups == (2.0, 1.0, 3.0)
+    assert nhwc.speedup == 2.0 and (nhwc.speedup_min, nhwc.speedup_max) == (1.0, 3.0)
+    assert nchw.speedup == 1.0
+    assert nchw.spread == pytest.approx((6.0 - 2.0) / 4.0)
+    gemm_rate = 2 * 32 ** 3 / statistics.median(durations["gemm"])
+    assert nhwc.gemm_flops_per_s == pytest.approx(gemm_rate)
+    assert nhwc.flops_per_s == pytest.approx(nhwc.flops / 2.0)
+    assert nhwc.peak_fraction == pytest.approx(nhwc.flops / 2.0 / gemm_rate)
+    table = summary_tables(result.records)[0]
+    assert table.rows[0][2] == "2.00x (1.00-3.00)"
+
+
+def _flops_by_hooks(model: nn.Module, x: torch.Tensor) -> int:
+    """Multiply-adds of every Conv2d and Linear, counted from their output shapes by hand."""
+    total = 0
+
+    def hook(module, inputs, output):
+        nonlocal total
+        if isinstance(module, nn.Conv2d):
+            k = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            total += 2 * output.numel() * k
+        elif isinstance(module, nn.Linear):
+            total += 2 * output.numel() * module.in_features
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return total
+
+
+def _grouped_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 16, 3, stride=2), nn.Conv2d(16, 16, 3, groups=16),
+                         nn.Conv2d(16, 32, 1, groups=4), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("name", ["resnet18", "grouped"])
+def test_flop_count_matches_a_count_by_hand(name):
+    import torchvision
+
+    model = _grouped_net() if name == "grouped" else getattr(torchvision.models, name)()
+    model.eval()
+    x = torch.randn(2, 3, 32, 32)
+    expected = _flops_by_hooks(model, x)
+    assert count_flops(model, x, dtype="fp32", task="infer") == expected
+    assert count_flops(model, x, dtype="bf16", task="infer") == expected  # autocast: same ops
+    # backward of conv / linear: gradients w.r.t. input and weight, each the forward's cost,
+    # except the first layer, whose input needs no gradient
+    assert count_flops(model, x, dtype="fp32", task="train") > 2 * expected
+
+
+def test_erroring_models_and_modes_do_not_stop_the_run(tmp_path):
+    path = _models_file(tmp_path)
+    specs = [f"{path}:broken", f"{path}:nchw_only", "torchvision:not_a_model", f"{path}:tiny"]
+    cfg = BenchConfig.from_strings(specs, modes="nchw,nhwc", tasks="infer,train", batch=2,
+                                   image_size=8, rounds=2, gemm_size=32)
+    records = run_bench(cfg).records
+    status = {(r.model.split(":")[-1], r.task, r.mode): (r.status, r.error) for r in records}
+    assert len(records) == len(specs) * 2 * 2
+    for task in ("infer", "train"):
+        for mode in ("nchw", "nhwc"):
+            s, err = status[("broken", task, mode)]
+            assert s == "error" and "NotImplementedError: aten::made_up_op" in err
+            s, err = status[("not_a_model", task, mode)]
+            assert s == "error" and "ModelSpecError" in err
+            assert status[("tiny", task, mode)] == ("ok", None)
+        assert status[("nchw_only", task, "nchw")] == ("ok", None)
+        s, err = status[("nchw_only", task, "nhwc")]
+        assert s == "error" and "only takes NCHW" in err
+    partial = next(r for r in records if r.model.endswith("nchw_only") and r.mode == "nchw")
+    assert partial.speedup == 1.0  # the baseline still times and compares with itself
+
+
+def test_out_of_memory_retries_at_half_batch(tmp_path):
+    path = _models_file(tmp_path)
+    cfg = BenchConfig.from_strings([f"{path}:hungry", f"{path}:starved"], modes="nchw,nhwc",
+                                   batch=8, image_size=8, rounds=2, gemm_size=32)
+    records = run_bench(cfg).records
+    hungry = [r for r in records if r.model.endswith("hungry")]
+    assert [r.status for r in hungry] == ["ok", "ok"]
+    for r in hungry:
+        assert (r.batch, r.requested_batch, r.input_shape) == (2, 8, "2x3x8x8")
+        assert "out of memory at batch 8" in r.note and "retried at batch 4" in r.note
+        assert "retried at batch 2" in r.note
+    starved = [r for r in records if r.model.endswith("starved")]
+    assert [r.status for r in starved] == ["error", "error"]
+    assert all("out of memory at batch 1" in (r.error or "") for r in starved)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor on CPU needs a C++ compiler")
+def test_inductor_compile_mode_on_a_tiny_model(tmp_path):
+    path = _models_file(tmp_path)
+    cfg = BenchConfig.from_strings([f"{path}:tiny"], modes="nchw,compile", batch=2, image_size=8,
+                                   rounds=2, gemm_size=32)
+    nchw, compiled = run_bench(cfg).records
+    assert compiled.status == "ok", compiled.error
+    assert compiled.compile_s is not None and compiled.compile_s == compiled.first_call_s
+    assert compiled.rounds == 2 and nchw.compile_s is None
+
+
+def test_planned_mode_is_used_or_reported_unavailable(tmp_path):
+    path = _models_file(tmp_path)
+    cfg = BenchConfig.from_strings([f"{path}:tiny"], modes="nchw,planned", batch=2, image_size=8,
+                                   rounds=2, gemm_size=32)
+    planned = run_bench(cfg).records[1]
+    if _planner_available():
+        assert planned.status in ("ok", "error") and planned.setup_s is not None or planned.error
+    else:
+        assert planned.status == "unavailable" and "not available" in planned.error
+
+
+def test_training_loss_walks_every_output_structure():
+    a, b = torch.ones(2, 3), torch.full((4,), 2.0)
+    assert training_loss({"out": a, "aux": [b, "label"]}).item() == pytest.approx(0.5 + 2.0)
+    with pytest.raises(TypeError, match="no floating tensor"):
+        training_loss({"n": torch.ones(2, dtype=torch.int64)})
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"modes": "nhwc,compile"}, "lacks 'nchw'"),
+    ({"modes": "nchw,fast"}, "unknown mode 'fast'"),
+    ({"dtypes": "fp64"}, "unknown dtype 'fp64'"),
+    ({"tasks": "serve"}, "unknown task 'serve'"),
+    ({"batch": 0}, "--batch must be >= 1, got 0"),
+    ({"image_size": 0}, "--image-size must be >= 1"),
+    ({"device": "tpu"}, "unknown device 'tpu'"),
+])
+def test_bad_config_names_what_was_given(kwargs, match):
+    with pytest.raises(BenchConfigError, match=match):
+        BenchConfig.from_strings(["torchvision:resnet18"], **kwargs)
+
+
+def test_cli_errors_are_clean():
+    runner = CliRunner()
+    result = runner.invoke(app, ["bench", "--zoo", "huge"])
+    assert result.exit_code == 2 and "unknown zoo 'huge'" in result.output
+    result = runner.invoke(app, ["bench"])
+    assert result.exit_code == 2 and "no models given" in result.output
+    result = runner.invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0 and "Default: 8." in result.output
+
+
+def test_zoos_are_buildable_specs():
+    import torchvision
+
+    known = set(torchvision.models.list_models())
+    for name in ("quick", "classification", "all"):
+        for entry in zoo(name):
+            source, _, model = entry.spec.partition(":")
+            assert source in ("torchvision", "timm")
+            if source == "torchvision":
+                assert model in known, entry.spec
