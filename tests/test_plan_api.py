@@ -263,3 +263,22 @@ def test_an_op_failing_in_one_format_is_pinned_to_the_other(db) -> None:
     assert view.format == "contiguous" and view.seconds["channels_last"] is None
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class Opaque(nn.Module):
+    """Data-dependent control flow and no submodules: nothing torch.fx can capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3, 3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.conv2d(x, self.w) if x.sum() > 0 else x
+
+
+def test_an_uncapturable_model_is_a_capture_error(db) -> None:
+    model = Opaque()
+    snap = _snapshot(model)
+    with pytest.raises(CaptureError, match="no part of Opaque could be traced"):
+        memlayout.optimize(model, _x(), cache=db)
+    assert _same(snap, model)
