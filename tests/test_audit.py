@@ -319,6 +319,11 @@ def test_report_summary_and_json_round_trip():
     assert s.conversions == len(report.conversions)
     assert s.conversion_bytes == sum(r.bytes for r in report.conversions)
     assert sum(g.total_drops for g in s.groups) == s.drops
+    # bytes moved: each call once, a conversion's bytes else its results written out of format
+    moved = sum(r.bytes if r.conversion else sum(
+        o.nbytes for o in r.outputs if o.rank == 4 and not o.format.startswith(("channels_last", "ambiguous(channels_last")))
+        for r in report.records if r.dropped or r.conversion)
+    assert sum(g.bytes for g in s.groups) == moved
     assert 0 < s.activation_share <= 1
     assert AuditReport.from_dict(report.to_dict()) == report
     assert set(report.to_dict()) == {"schema", "format", "meta", "summary", "calls", "records"}
@@ -331,13 +336,24 @@ def test_ambiguous_outputs_are_shown_and_not_drops():
     assert any(o.format.startswith("ambiguous(") for r in pool for o in r.outputs)
 
 
-def test_bf16_autocast_and_video_model():
-    seg = audit(torchvision.models.segmentation.fcn_resnet50(weights=None, weights_backbone=None,
-                                                             num_classes=3, aux_loss=False),
-                torch.randn(1, 3, 32, 32), dtype="bf16")
-    assert any(o.dtype == "bfloat16" for r in seg.records for o in r.outputs)
-    video = torchvision.models.video.r3d_18(num_classes=4).train()
-    x = torch.randn(2, 3, 4, 16, 16)
-    report = audit(video, x, train=True, fmt=Format.CHANNELS_LAST_3D)
-    assert report.fmt == "channels_last_3d"
-    assert {(r.module, r.phase) for r in report.drops} == expected_drops(video, x, Format.CHANNELS_LAST_3D)
+def test_segmentation_model_under_bf16_autocast():
+    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3)
+    report = audit(model.eval(), torch.randn(1, 3, 32, 32), dtype="bf16")
+    assert report.meta["dtype"] == "bfloat16"
+    assert any(o.dtype == "bfloat16" for r in report.records for o in r.outputs)
+    assert {r.module for r in report.records if r.op == "aten.convolution.default"} <= {
+        n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+
+
+def test_video_models_in_channels_last_3d():
+    small = nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.BatchNorm3d(8), nn.ReLU(),
+                          nn.MaxPool3d(2), nn.Conv3d(8, 8, 3, padding=1), nn.Upsample(scale_factor=2),
+                          nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(8, 2))
+    x = torch.randn(2, 3, 4, 8, 8)
+    report = audit(small, x, train=True, fmt=Format.CHANNELS_LAST_3D)
+    assert report.fmt == "channels_last_3d" and report.summary.activation_share is not None
+    assert {(r.module, r.phase) for r in report.drops} == expected_drops(small, x, Format.CHANNELS_LAST_3D)
+    r3d = audit(torchvision.models.video.r3d_18(num_classes=4).eval(), torch.randn(1, 3, 2, 16, 16),
+                fmt=Format.CHANNELS_LAST_3D)
+    assert any(o.format == "channels_last_3d" for r in r3d.records for o in r.outputs)

@@ -180,7 +180,7 @@ h2{font-size:16px;margin:0 0 10px}
 .strip i.conv{box-shadow:inset 0 7px 0 #e4572e}
 .striplabel{font-size:12px;color:#5b6475}
 table{border-collapse:collapse;width:100%}
-th{text-align:left;font-size:12px;color:#5b6475;font-weight:600;text-transform:uppercase;
+th{white-space:nowrap;text-align:left;font-size:12px;color:#5b6475;font-weight:600;text-transform:uppercase;
  letter-spacing:.03em;border-bottom:2px solid #e3e6ec;padding:6px 8px;position:sticky;top:0;background:#fff}
 td{border-bottom:1px solid #eef0f4;padding:5px 8px;vertical-align:top}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
@@ -273,7 +273,7 @@ def render_html(report: AuditReport, title: str = "memlayout audit") -> str:
             f'<td></td><td class="fw">{_chips(fw, fmt, ranks)}{_badges(fw)}</td>'
             f'<td class="bw">{_chips(bw, fmt, ranks)}{_badges(bw)}</td></tr>')
     module_table = (
-        '<table><thead><tr><th>#</th><th>module (execution order)</th><th>type</th>'
+        '<table><thead><tr><th>#</th><th>module, in execution order</th><th>type</th>'
         '<th>output layout</th><th>forward ops</th><th>backward / optimizer ops</th></tr></thead>'
         f'<tbody>{"".join(rows)}</tbody></table>') if rows else "<p>No module ran.</p>"
 

@@ -92,7 +92,10 @@ class ModuleCall:
 
 @dataclass(frozen=True)
 class OpGroup:
-    """Drops and conversions of one (module type, op), counted over all its calls."""
+    """Drops and conversions of one (module type, op), counted over all its calls.
+
+    ``dropped_bytes``: bytes its drops wrote out of format; ``bytes``: bytes it moved into the
+    wrong place, each call counted once (a conversion's bytes, else a drop's bytes)."""
 
     module_type: str | None
     op: str
@@ -100,19 +103,16 @@ class OpGroup:
     conversions: int
     conversion_bytes: int
     dropped_bytes: int
+    bytes: int
 
     @property
     def total_drops(self) -> int:
         return sum(self.drops.values())
 
-    @property
-    def bytes(self) -> int:
-        return self.conversion_bytes + self.dropped_bytes
-
 
 @dataclass(frozen=True)
 class Offender:
-    """One module instance and op (and phase) that drops or converts, with its bytes."""
+    """One module instance and op (and phase) that drops or converts; bytes as in ``OpGroup``."""
 
     phase: str
     module: str | None
@@ -122,10 +122,7 @@ class Offender:
     conversions: int
     conversion_bytes: int
     dropped_bytes: int
-
-    @property
-    def bytes(self) -> int:
-        return self.conversion_bytes + self.dropped_bytes
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -246,7 +243,7 @@ def summarize(records: tuple[OpRecord, ...], fmt: str, top: int = 10) -> AuditSu
     act_total = act_in = 0
     groups: dict[tuple[str | None, str], dict[str, Any]] = {}
     offenders: dict[tuple[str, str | None, str | None, str], list[int]] = defaultdict(
-        lambda: [0, 0, 0, 0])
+        lambda: [0, 0, 0, 0, 0])
     for r in records:
         ops[r.phase] = ops.get(r.phase, 0) + 1
         if not r.view:
@@ -261,8 +258,11 @@ def summarize(records: tuple[OpRecord, ...], fmt: str, top: int = 10) -> AuditSu
                             if t.rank in ranks and not in_format_name(t.format, fmt)) if r.dropped else 0
         g = groups.setdefault((r.module_type, r.op), {"drops": {p: 0 for p in PHASES},
                                                       "conversions": 0, "conversion_bytes": 0,
-                                                      "dropped_bytes": 0})
+                                                      "dropped_bytes": 0, "bytes": 0})
         o = offenders[(r.phase, r.module, r.module_type, r.op)]
+        moved = r.bytes if r.conversion else dropped_bytes
+        g["bytes"] += moved
+        o[4] += moved
         if r.dropped:
             drops_by_phase[r.phase] = drops_by_phase.get(r.phase, 0) + 1
             g["drops"][r.phase] = g["drops"].get(r.phase, 0) + 1
