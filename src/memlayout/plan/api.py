@@ -161,7 +161,10 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     try:
         captured = capture(work, inputs, dtype=run_dtype)
         device = device_of(inputs, work)
-        planned_tree = copy.deepcopy(work)
+        # The planned copy shares every parameter and buffer with ``work`` (the rewrite puts
+        # converted weights in new tensors), so planning holds the weights once, not twice.
+        shared = {id(t): t for t in [*work.parameters(), *work.buffers()]}
+        planned_tree = copy.deepcopy(work, shared)
         nodes: list[NodeChoice] = []
         conversions: list[Conversion] = []
         predicted = {"planned": 0.0, "all_contiguous": 0.0, "all_channels_last": 0.0}
@@ -254,7 +257,7 @@ def _verify(work: nn.Module, planned_tree: nn.Module, inputs: tuple[Any, ...], c
     for region, planned in checks:
         assert isinstance(planned, PlannedGraph)
         v = verify(region.gm, planned, region.inputs, dtype=dtype,
-                   planned_graph=planned.graph, where=region.path or "")
+                   planned_graph=planned.graph, where=region.path or "", expected=region.output)
         worst, tensors = max(worst, v.max_error), tensors + v.tensors
         rtol = v.tolerance
     if len(checks) != 1 or checks[0][0].path != "":

@@ -74,6 +74,7 @@ class Region:
     path: str
     gm: fx.GraphModule
     inputs: tuple[Any, ...]
+    output: Any = None  # what the original computes on ``inputs``
 
 
 @dataclass
@@ -135,8 +136,8 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *,
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
     else:
-        propagate(gm, inputs, dtype=dtype)
-        return Captured([Region("", gm, inputs)], [])
+        output = propagate(gm, inputs, dtype=dtype)
+        return Captured([Region("", gm, inputs, output)], [])
     seen = _record_submodule_inputs(model, inputs, dtype)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
@@ -152,8 +153,9 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *,
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
               dtype: torch.dtype | None = None) -> Any:
-    """Store a :class:`ValueMeta` in every node's meta: from fake tensors (no compute) when
-    every node supports them, else from one real run on ``inputs``."""
+    """Run ``gm`` once on copies of ``inputs`` (no grad, autocast for ``dtype``), storing a
+    :class:`ValueMeta` in every node's meta; returns the output (the reference the planned
+    model is verified against)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(inputs) > len(placeholders) or len(inputs) < sum(not n.args for n in placeholders):
         raise CaptureError(
@@ -161,34 +163,9 @@ def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
             f"({', '.join(n.target for n in placeholders)}), the example gave {len(inputs)}; "
             "pass example_inputs as one tensor or a tuple of forward's positional arguments"
         )
-    fake = _fake_propagate(gm, inputs, dtype)
-    if fake:
-        return None
+    copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
     with torch.no_grad(), autocast_context(device_of(inputs, gm), dtype):
-        return _MetaProp(gm).run(*inputs)
-
-
-def _fake_propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> bool:
-    """Shapes and strides without computing (FakeTensorMode); ``False`` when any node cannot
-    run fake, and then the caller runs for real (which also words the errors)."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-    except ImportError:
-        return False
-    saved = {n: n.meta.get(META_KEY) for n in gm.graph.nodes}
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fakes = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
-            with torch.no_grad(), autocast_context(device_of(inputs, gm), dtype):
-                _MetaProp(gm).run(*fakes)
-        return True
-    except Exception:  # any fake-mode gap: fall back to a real run
-        for n, meta in saved.items():
-            if meta is None:
-                n.meta.pop(META_KEY, None)
-            else:
-                n.meta[META_KEY] = meta
-        return False
+        return _MetaProp(gm).run(*copies)
 
 
 class _MetaProp(fx.Interpreter):
@@ -256,7 +233,7 @@ def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any,
             continue  # a leaf without layout parameters (activation, flatten): left as is
         try:
             gm = fx.symbolic_trace(child)
-            propagate(gm, seen[path], dtype=dtype)
+            output = propagate(gm, seen[path], dtype=dtype)
         except Exception as exc:
             if _has_children(child):
                 uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
@@ -264,7 +241,7 @@ def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any,
             else:
                 uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
             continue
-        regions.append(Region(path, gm, seen[path]))
+        regions.append(Region(path, gm, seen[path], output))
 
 
 def _has_children(m: nn.Module) -> bool:

@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 from memlayout.plan.capture import LAYOUT_RANKS
-from memlayout.plan.costs import convert_module_to, convert_value, module_has_layout_params
+from memlayout.plan.costs import convert_value, module_has_layout_params
 from memlayout.plan.problem import OUTPUT_PREFIX, Formulation
 
 
@@ -78,13 +78,20 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
         if n.name not in labels:
             continue
         if n.op == "call_module" and module_has_layout_params(gm, n):
-            convert_module_to(root.get_submodule(n.target), labels[n.name])
+            _convert_tensors(root.get_submodule(n.target), labels[n.name])
         for m in n.all_input_nodes:
             if m.op == "get_attr":
                 _convert_attr(root, m.target, labels[n.name])
     graph.lint()
     gm.recompile()
     return PlannedGraph(root, gm), made
+
+
+def _convert_tensors(module: nn.Module, label: int) -> None:
+    """``module``'s own rank-4/5 parameters and buffers in ``label``'s format, as new tensors
+    (the originals may be shared with the unplanned copy)."""
+    for name in [*module._parameters, *module._buffers]:
+        _convert_attr(module, name, label)
 
 
 def _convert_attr(root: nn.Module, target: str, label: int) -> None:
@@ -94,8 +101,10 @@ def _convert_attr(root: nn.Module, target: str, label: int) -> None:
     if not isinstance(value, torch.Tensor) or value.dim() not in LAYOUT_RANKS:
         return
     converted = convert_value(value.detach(), label)
+    if converted is value.detach() or converted.stride() == value.stride():
+        return
     if isinstance(value, nn.Parameter):
-        value.data = converted
+        owner._parameters[name] = nn.Parameter(converted, requires_grad=value.requires_grad)
     elif name in owner._buffers:
         owner._buffers[name] = converted
     else:

@@ -79,16 +79,17 @@ def compare(want: Any, got: Any, dtype: torch.dtype | None) -> tuple[bool, float
 
 def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...], *,
            dtype: torch.dtype | None = None, planned_graph: fx.Graph | None = None,
-           where: str = "") -> Verification:
+           where: str = "", expected: Any = None) -> Verification:
     """Compare ``planned`` against ``reference`` on ``inputs``; raise
     ``LayoutVerificationError`` naming the first divergent node when they differ.
 
     ``planned_graph``: the graph ``planned`` runs (with the reference's node names), used to
-    bisect; without it the error names no node.
+    bisect; without it the error names no node. ``expected``: the reference's output when
+    already computed (the capture run), else the reference runs here.
     """
     device = device_of(inputs, reference)
     with torch.no_grad(), autocast_context(device, dtype):
-        want = reference(*_clone(inputs))
+        want = reference(*_clone(inputs)) if expected is None else expected
         got = planned(*_clone(inputs))
     ok, worst, count = compare(want, got, dtype)
     rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
