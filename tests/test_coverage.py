@@ -84,8 +84,8 @@ def _direct(name: str) -> tuple[Verdict, Verdict, bool]:
 @pytest.fixture(scope="module")
 def report():
     try:
-        config = CoverageConfig(ops=",".join([*DIRECT, "nn.functional.dropout"]), jobs=0,
-                                max_samples=6)
+        config = CoverageConfig(ops=",".join([*DIRECT, "nn.functional.dropout", "as_strided"]),
+                                jobs=0, max_samples=6)
         (rep,) = run_coverage(config, command="pytest")
     except CoverageUnavailableError as exc:
         pytest.skip(f"OpInfo unavailable on this torch build: {exc}")
@@ -127,6 +127,29 @@ def test_random_op_is_not_reported_as_disagreement(report):
     # same seed, other layout: the mask is drawn in memory order, so values may differ
     assert rec.values in ((Values.AGREE, Values.RANDOM) if torch.equal(a, b) else (Values.RANDOM,))
     assert not rec.disagreements
+
+
+def test_storage_reading_op_is_not_comparable_but_not_hidden(report):
+    """as_strided reads storage directly: its values differ by definition between layouts."""
+    x = torch.randn(2, 3, 4, 4)
+    a = torch.as_strided(x.contiguous(memory_format=CL), (2, 2), (1, 2))
+    b = torch.as_strided(x, (2, 2), (1, 2))
+    rec = _rec(report, "as_strided")
+    if torch.equal(a, b):
+        pytest.skip("as_strided gave equal values here; nothing to check")
+    assert rec.values is Values.NOT_COMPARABLE
+    assert any("by definition" in n for n in rec.notes)
+
+
+def test_crashed_samples_are_errors_in_the_record():
+    from memlayout.coverage.runner import _with_crashes
+
+    rec = OpRecord("x", Verdict.NOT_APPLICABLE, Verdict.PRESERVES, Values.AGREE, Values.AGREE,
+                   error_samples=1, errors=("boom",))
+    out = _with_crashes(rec, ["worker process died (signal SIGSEGV) in sample 3"])
+    assert out.forward is Verdict.ERROR and out.backward is Verdict.PRESERVES
+    assert out.errors[0].startswith("worker process died") and out.error_samples == 2
+    assert _with_crashes(rec, []) is rec
 
 
 class FakeOp:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import signal
 import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +148,11 @@ class _Run:
     nondeterministic: bool = False  # an aten op tagged nondeterministic_bitwise ran
 
 
+def dtype_label(dtype: torch.dtype) -> str:
+    """``"float64"`` for ``torch.float64``."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _message(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}"
@@ -178,10 +184,12 @@ def _grad_output(o: torch.Tensor, how: _How) -> torch.Tensor:
     return torch.empty_like(o).copy_(g)
 
 
-def _run(op: Any, sample: Sample, how: _How,
-         counts: dict[str, Counter[str]] | None = None) -> _Run:
+def _run(op: Any, sample: Sample, how: _How, counts: dict[str, Counter[str]] | None = None,
+         step: Callable[[str], None] | None = None) -> _Run:
     """One run of ``sample``, every tensor a fresh copy (in-place ops cannot leak); aten ops
-    recorded into ``counts`` when given (see ``Watch``)."""
+    recorded into ``counts`` when given (see ``Watch``); ``step("contiguous forward")`` called
+    before each half."""
+    label = how.fmt.value + (f" {dtype_label(how.cast)}" if how.cast else "")
     run = _Run()
     grad_leaves: list[torch.Tensor] = []
 
@@ -206,6 +214,8 @@ def _run(op: Any, sample: Sample, how: _How,
     args = tuple(map_tensors(a, convert(f"arg {i}")) for i, a in enumerate(sample.args))
     kwargs = {k: map_tensors(v, convert(f"{k}=")) for k, v in sample.kwargs.items()}
     watch = Watch(how.fmt, counts)
+    if step is not None:
+        step(f"{label} forward")
     torch.manual_seed(how.seed)
     try:
         with watch:
@@ -226,6 +236,8 @@ def _run(op: Any, sample: Sample, how: _How,
         torch.manual_seed(how.grad_seed)
         gos = [_grad_output(o, how) for o in diff]
         watch.phase = "backward"
+        if step is not None:
+            step(f"{label} backward")
         with watch:
             run.grads = list(torch.autograd.grad(diff, grad_leaves, gos, allow_unused=True))
     except SampleTimeout:
@@ -369,11 +381,12 @@ class _Tally:
 
 
 def _judge(op: Any, idx: int, sample: Sample, fmt: Format, dtype: torch.dtype, backward: bool,
-           float64: bool, counts: dict[str, Counter[str]], tally: _Tally) -> None:
+           float64: bool, counts: dict[str, Counter[str]], tally: _Tally,
+           step: Callable[[str], None] | None = None) -> None:
     rank = fmt.rank or 4
     how = _How(Format.CONTIGUOUS, rank, _SEED + idx, _SEED - idx, dtype, backward)
-    ref = _run(op, sample, how)
-    cl = _run(op, sample, dataclasses.replace(how, fmt=fmt), counts)
+    ref = _run(op, sample, how, step=step)
+    cl = _run(op, sample, dataclasses.replace(how, fmt=fmt), counts, step)
     if ref.error is not None:
         if sample.lifted:  # memlayout's own call: the op does not accept it at all
             tally.rejected += 1
@@ -415,10 +428,10 @@ def _judge(op: Any, idx: int, sample: Sample, fmt: Format, dtype: torch.dtype, b
         return verdict(Values.RANDOM, Values.RANDOM)
     if op.name in LAYOUT_DEFINED:
         return verdict(Values.NOT_COMPARABLE, Values.NOT_COMPARABLE)
-    if cl.nondeterministic or ref.nondeterministic or _differences(_run(op, sample, how), ref):
+    if cl.nondeterministic or ref.nondeterministic or _differences(_run(op, sample, how, step=step), ref):
         return verdict(Values.NONDETERMINISTIC, Values.NONDETERMINISTIC)
     if float64:
-        r64 = _run(op, sample, dataclasses.replace(how, cast=torch.float64))
+        r64 = _run(op, sample, dataclasses.replace(how, cast=torch.float64), step=step)
         if r64.error is None and _as_accurate(cl, ref, r64, list(diffs)):
             tally.accuracy_only += 1
             return verdict(Values.AGREE, Values.AGREE)
@@ -442,10 +455,13 @@ def _values_verdict(found: list[Values]) -> Values:
 def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
              fmt: Format = Format.CHANNELS_LAST, max_samples: int = 24,
              sample_timeout: float | None = 20.0, op_budget: float | None = 60.0,
-             ) -> OpRecord:
+             on_step: Callable[[int, Sample, str], None] | None = None,
+             skip: Collection[int] = ()) -> OpRecord:
     """Coverage record of one OpInfo op on ``device`` in ``dtype``: its samples (at most
     ``max_samples``, each cut at ``sample_timeout`` s, all cut at ``op_budget`` s) run in
-    contiguous form and in ``fmt``."""
+    contiguous form and in ``fmt``. ``on_step(index, sample, "channels_last backward")`` is called
+    before each run (the runner uses it to say where a worker crashed); samples whose index is
+    in ``skip`` are left out (they crashed a worker before)."""
     start = time.perf_counter()
     name = op_name(op)
     device_type = torch.device(device).type
@@ -480,9 +496,12 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
             if op_budget and time.perf_counter() - start > op_budget:
                 stopped = idx
                 break
+            if idx in skip:
+                continue
+            step = None if on_step is None else functools.partial(on_step, idx, sample)
             try:
                 with time_limit(sample_timeout):
-                    _judge(op, idx, sample, fmt, dtype, backward, float64, counts, tally)
+                    _judge(op, idx, sample, fmt, dtype, backward, float64, counts, tally, step)
             except SampleTimeout as exc:
                 tally.error(str(exc))
     notes = []

@@ -145,13 +145,30 @@ def _spread(items: list[Any], k: int) -> list[Any]:
 
 
 _LEAD_SIZES = (2, 3, 4, 3)
+_DIM_KWARGS = frozenset({"dim", "dims", "axis", "start_dim", "end_dim"})
+
+
+def _shift_dims(v: Any, shift: int) -> Any:
+    """Non-negative dim indices moved past ``shift`` new leading dims (negative ones already
+    count from the end).
+
+    >>> _shift_dims(0, 2), _shift_dims(-1, 2), _shift_dims((0, -1), 2), _shift_dims(None, 2)
+    (2, -1, (2, -1), None)
+    """
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, int):
+        return v + shift if v >= 0 else v
+    if isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v):
+        return type(v)(_shift_dims(d, shift) for d in v)
+    return v
 
 
 def lift(sample: Any, rank: int) -> Any | None:
     """``sample`` with its floating input (rank 1 to rank - 1) given leading dims up to
     ``rank``, fresh values in the input's range; other tensors of the input's shape get the
-    same treatment, the rest stay (broadcasting aligns trailing dims, so it still applies).
-    ``None`` when the input is not such a tensor, or the call asks for an unchecked kernel
+    same treatment, the rest stay (broadcasting aligns trailing dims, so it still applies);
+    ``dim=``/``axis=`` keyword indices move with the old dims. ``None`` when the input is not such a tensor, or the call asks for an unchecked kernel
     (``unsafe=True``: a lifted call would corrupt memory, as ``_segment_reduce`` does).
 
     Only for ops whose OpInfo samples have no tensor of the format's rank (``add``, ``mul``,
@@ -176,7 +193,9 @@ def lift(sample: Any, rank: int) -> Any | None:
     from torch.testing._internal.opinfo.core import SampleInput
 
     args = map_tensors(tuple(sample.args), grow)
-    kwargs = map_tensors(dict(sample.kwargs), grow)
+    shift = rank - x.dim()
+    kwargs = {k: _shift_dims(v, shift) if k in _DIM_KWARGS else v
+              for k, v in map_tensors(dict(sample.kwargs), grow).items()}
     return SampleInput(grow(x), args=args, kwargs=kwargs,
                        output_process_fn_grad=sample.output_process_fn_grad)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from memlayout.coverage.records import CoverageReport, OpRecord, Values, Verdict
@@ -31,7 +32,7 @@ def _notes(r: OpRecord) -> str:
 
 def _reason(r: OpRecord) -> str:
     for n in r.notes:
-        if "not supported" in n:
+        if re.fullmatch(r"\S+ not supported on \S+", n):  # "bfloat16 not supported on cpu"
             return n
         if n.startswith("no sample"):
             return n

@@ -8,8 +8,11 @@ replaced and the op recorded as an error with what happened. ``jobs=0`` runs in 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -71,17 +74,34 @@ class CoverageConfig:
         return max(1.0, self.op_timeout / 2)
 
 
+_Task = tuple[int, str, str, tuple[int, ...]]  # op index, op name, dtype, samples to skip
+
+
 def _failed(name: str, message: str) -> OpRecord:
     return OpRecord(name=name, forward=Verdict.ERROR, backward=Verdict.ERROR,
                     values=Values.NOT_APPLICABLE, grads=Values.NOT_APPLICABLE, errors=(message,))
 
 
-def _check(ops: tuple[Any, ...], idx: int, dtype: str, config: CoverageConfig) -> OpRecord:
+def _check(ops: tuple[Any, ...], idx: int, dtype: str, config: CoverageConfig,
+           on_step: Any = None, skip: tuple[int, ...] = ()) -> OpRecord:
     from memlayout.coverage.check import check_op
 
     return check_op(ops[idx], device=config.device, dtype=parse_dtype(dtype), fmt=config.fmt,
                     max_samples=config.max_samples, sample_timeout=config.sample_timeout,
-                    op_budget=config.op_budget)
+                    op_budget=config.op_budget, on_step=on_step, skip=skip)
+
+
+def _announce(conn: Any) -> Any:
+    from memlayout.coverage.opinfo import describe
+
+    last: list[int] = [-1]
+
+    def send(i: int, sample: Any, step: str) -> None:
+        if i != last[0]:  # describe each sample once
+            conn.send(("sample", i, describe(sample), sample.lifted))
+            last[0] = i
+        conn.send(("step", step))
+    return send
 
 
 def _worker(conn: Any, config: CoverageConfig) -> None:
@@ -100,11 +120,11 @@ def _worker(conn: Any, config: CoverageConfig) -> None:
         task = conn.recv()
         if task is None:
             return
-        idx, name, dtype = task
+        idx, name, dtype, skip = task
         try:
             if op_name(ops[idx]) != name:  # both processes import the same op_db
                 raise RuntimeError(f"op_db order differs between processes at {idx}")
-            rec = _check(ops, idx, dtype, config)
+            rec = _check(ops, idx, dtype, config, _announce(conn), skip)
         except Exception as exc:
             rec = _failed(name, f"{type(exc).__name__}: {exc}")
         conn.send(("done", rec.to_dict()))
@@ -117,12 +137,27 @@ class _Worker:
         self.proc.start()
         child.close()
         self.ready = False
-        self.task: tuple[int, str, str] | None = None
+        self.task: _Task | None = None
         self.since = time.monotonic()
+        self.sample, self.sample_idx = "", -1  # the sample and run it is in, for a crash report
+        self.step = ""
 
-    def send(self, task: tuple[int, str, str]) -> None:
-        self.task, self.since = task, time.monotonic()
+    def send(self, task: _Task) -> None:
+        self.task, self.since, self.step = task, time.monotonic(), ""
+        self.sample, self.sample_idx = "", -1
         self.conn.send(task)
+
+    def where(self) -> str:
+        if not self.sample:
+            return "sample set-up"
+        return f"{self.sample}, {self.step} run" if self.step else self.sample
+
+    def exit_reason(self) -> str:
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"signal {signal.Signals(-code).name}"
+        return f"exit code {code}"
 
     def stop(self, kill: bool = False) -> None:
         if not kill and self.proc.is_alive():
@@ -139,12 +174,35 @@ class _Worker:
 
 Progress = Callable[[str, OpRecord], None]
 
+_MAX_SKIPS = 3  # samples of one op skipped after they crash or hang its worker
 
-def _run_isolated(ops: tuple[Any, ...], tasks: list[tuple[int, str, str]],
-                  config: CoverageConfig, on_record: Progress | None) -> dict[tuple[str, str], OpRecord]:
+
+def _with_crashes(rec: OpRecord, crashes: list[str]) -> OpRecord:
+    """``rec`` of a rerun that skipped samples which crashed (or hung) earlier workers."""
+    if not crashes:
+        return rec
+    notes = (*rec.notes, f"{len(crashes)} samples crashed or hung the worker; skipped in a rerun")
+    forward = Verdict.ERROR if rec.forward is Verdict.NOT_APPLICABLE else rec.forward
+    return dataclasses.replace(rec, forward=forward, notes=notes,
+                               errors=(*crashes, *rec.errors)[:4],
+                               error_samples=rec.error_samples + len(crashes))
+
+
+def _run_isolated(ops: tuple[Any, ...], tasks: list[_Task], config: CoverageConfig,
+                  on_record: Progress | None) -> dict[tuple[str, str], OpRecord]:
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA
     pending = deque(tasks)
     results: dict[tuple[str, str], OpRecord] = {}
+    crashes: dict[tuple[str, str], list[str]] = {}
+
+    def deliver(w: _Worker, rec: OpRecord) -> None:
+        assert w.task is not None
+        _, name, dtype, _ = w.task
+        results[(dtype, name)] = _with_crashes(rec, crashes.pop((dtype, name), []))
+        w.task = None
+        if on_record is not None:
+            on_record(dtype, results[(dtype, name)])
+
     workers = [_Worker(ctx, config) for _ in range(max(1, min(config.jobs, len(tasks))))]
     startup_limit = 300.0
 
@@ -162,39 +220,42 @@ def _run_isolated(ops: tuple[Any, ...], tasks: list[tuple[int, str, str]],
                         msg = w.conn.recv()
                     except (EOFError, OSError):
                         w.proc.join(5)
-                        died = f"worker process died (exit code {w.proc.exitcode}): a crash in torch"
+                        died = (f"worker process died ({w.exit_reason()}) in {w.where()}"
+                                f": a crash in torch")
                     else:
                         if msg[0] == "fatal":
                             raise CoverageUnavailableError(msg[1])
                         if msg[0] == "ready":
                             w.ready = True
+                        elif msg[0] == "sample":
+                            origin = "lifted by memlayout" if msg[3] else "from OpInfo"
+                            w.sample, w.step = f"sample {msg[1]} ({origin}: {msg[2]})", ""
+                            w.sample_idx = msg[1]
+                        elif msg[0] == "step":
+                            w.step = msg[1]
                         else:
-                            _deliver(w, OpRecord.from_dict(msg[1]), results, on_record)
+                            deliver(w, OpRecord.from_dict(msg[1]))
                 elif w.task is not None and now - w.since > config.op_timeout:
-                    died = f"timed out after {config.op_timeout:g} s (worker killed)"
+                    died = f"timed out after {config.op_timeout:g} s in {w.where()} (worker killed)"
                 elif not w.ready and now - w.since > startup_limit:
                     raise CoverageUnavailableError(
                         f"a coverage worker did not start within {startup_limit:g} s")
                 if died is not None:
                     if w.task is None:
                         raise CoverageUnavailableError(f"a coverage worker failed: {died}")
-                    _deliver(w, _failed(w.task[1], died), results, on_record)
+                    idx, name, dtype, skip = w.task
+                    crashes.setdefault((dtype, name), []).append(died)
+                    if w.sample_idx >= 0 and len(skip) < _MAX_SKIPS:  # rerun without it
+                        pending.appendleft((idx, name, dtype, (*skip, w.sample_idx)))
+                        w.task = None
+                    else:
+                        deliver(w, _failed(name, died))
                     w.stop(kill=True)
                     workers[i] = _Worker(ctx, config)
     finally:
         for w in workers:
             w.stop(kill=bool(w.task))
     return results
-
-
-def _deliver(w: _Worker, rec: OpRecord, results: dict[tuple[str, str], OpRecord],
-             on_record: Progress | None) -> None:
-    assert w.task is not None
-    _, name, dtype = w.task
-    results[(dtype, name)] = rec
-    w.task = None
-    if on_record is not None:
-        on_record(dtype, rec)
 
 
 def run_coverage(config: CoverageConfig, *, on_start: Callable[[int], None] | None = None,
@@ -209,7 +270,7 @@ def run_coverage(config: CoverageConfig, *, on_start: Callable[[int], None] | No
     if not chosen:
         raise LayoutError(f"no OpInfo op matches {config.ops!r}; patterns are comma-separated "
                           f"globs over names such as 'nn.functional.conv2d' or '*pad*'")
-    tasks = [(i, op_name(ops[i]), d) for d in config.dtypes for i in chosen]
+    tasks: list[_Task] = [(i, op_name(ops[i]), d, ()) for d in config.dtypes for i in chosen]
     if on_start is not None:
         on_start(len(tasks))
     start = time.perf_counter()
@@ -222,14 +283,14 @@ def run_coverage(config: CoverageConfig, *, on_start: Callable[[int], None] | No
 
     if config.jobs <= 0:
         results = {}
-        for i, name, d in tasks:
+        for i, name, d, _ in tasks:
             results[(d, name)] = _check(ops, i, d, config)
             record(d, results[(d, name)])
     else:
         results = _run_isolated(ops, tasks, config, record)
     reports, previous = [], start
     for d in config.dtypes:
-        recs = tuple(results[(d, n)] for _, n, dd in tasks if dd == d)
+        recs = tuple(results[(d, n)] for _, n, dd, _ in tasks if dd == d)
         reports.append(CoverageReport(
             torch_version=torch.__version__, device=config.device, dtype=d,
             fmt=config.fmt.value, ops=recs, seconds=round(last.get(d, previous) - previous, 1),

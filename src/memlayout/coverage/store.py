@@ -48,7 +48,7 @@ def write_json(reports: list[CoverageReport], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"format": _FORMAT_VERSION, "reports": [r.to_dict() for r in reports]}
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=True) + "\n")
+    tmp.write_text(json.dumps(doc, separators=(",", ":"), allow_nan=True) + "\n")
     tmp.replace(path)  # readers never see half a file
 
 
