@@ -296,3 +296,25 @@ def test_cli_isolated_workers_agree_with_in_process(report, tmp_path, monkeypatc
         assert (rec.forward, rec.backward, rec.values, rec.samples) == (
             mine.forward, mine.backward, mine.values, mine.samples)
     assert lookup("nn.functional.relu") is not None
+
+
+def test_unavailable_op_db_is_said_clearly(monkeypatch, tmp_path):
+    """When torch's internal test API cannot be imported, the command says so and exits 2."""
+    import sys
+
+    from typer.testing import CliRunner
+
+    from memlayout.cli import app
+    from memlayout.coverage.opinfo import load_op_db
+
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.common_methods_invocations", None)
+    load_op_db.cache_clear()
+    try:
+        with pytest.raises(CoverageUnavailableError, match="expecttest"):
+            load_op_db()
+        result = CliRunner().invoke(app, ["coverage", "--out", str(tmp_path)])
+    finally:
+        monkeypatch.undo()
+        load_op_db.cache_clear()
+    assert result.exit_code == 2
+    assert "unavailable" in result.output and torch.__version__ in result.output

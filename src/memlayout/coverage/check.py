@@ -3,10 +3,12 @@
 Per sample: every tensor of the format's rank goes in once in contiguous form and once in
 the format (fresh copies, so in-place ops cannot leak between runs), both runs seeded alike.
 The channels-last run says whether outputs (and input gradients) keep the format; the two
-runs together say whether values agree. A disagreement is explained when the op drew random
-numbers (the default generator's state moved: ``random``), when a second contiguous run differs
-from the first (``nondeterministic``), or when a float64 run shows the channels-last result is as
-accurate as the contiguous one (another summation order). The rest are listed, never hidden.
+runs together say whether values agree. A disagreement is explained when a run called an aten
+op tagged ``nondeterministic_seeded`` (``random``: dropout draws its mask in memory order), when
+a second contiguous run differs from the first (``nondeterministic``), when the op reads raw
+storage (``not comparable``: ``as_strided``), or when a float64 run shows the channels-last
+result is as accurate as the contiguous one (another summation order). The rest are listed as
+disagreements, never hidden.
 """
 
 from __future__ import annotations
