@@ -20,8 +20,17 @@ def _values(r: OpRecord) -> str:
     return f"{one(r.values)}; grads {one(r.grads)}"
 
 
+def _formats(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def _notes(r: OpRecord) -> str:
-    parts = list(r.notes)
+    parts = []
+    if r.forward in (Verdict.DROPS, Verdict.MIXED) and r.output_formats:
+        parts.append(f"outputs: {_formats(dict(r.output_formats))}")
+    if r.backward in (Verdict.DROPS, Verdict.MIXED) and r.grad_formats:
+        parts.append(f"grads: {_formats(dict(r.grad_formats))}")
+    parts += list(r.notes)
     if r.error:
         parts.append(f"first error: {r.error[:200]}")
     for d in r.disagreements[:2]:
