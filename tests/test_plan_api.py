@@ -282,3 +282,29 @@ def test_an_uncapturable_model_is_a_capture_error(db) -> None:
     with pytest.raises(CaptureError, match="no part of Opaque could be traced"):
         memlayout.optimize(model, _x(), cache=db)
     assert _same(snap, model)
+
+
+class PermuteBlock(nn.Module):
+    """ConvNeXt's pattern: conv, permute to NHWC shape, LayerNorm over C, permute back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.conv(x).permute(0, 2, 3, 1))
+        return y.permute(0, 3, 1, 2)
+
+
+def test_permute_runs_where_its_output_has_a_format(db) -> None:
+    model, x = PermuteBlock().eval(), _x()
+    y = torch.randn(2, 8, 12, 12)
+    from_cl = memlayout.to_format(y, Format.CHANNELS_LAST).permute(0, 2, 3, 1)
+    assert format_of(from_cl) is Format.CONTIGUOUS  # torch: NHWC memory, NHWC shape: dense
+    assert format_of(y.permute(0, 2, 3, 1)) is None  # NCHW memory: a strided view
+    opt = memlayout.optimize(model, x, cache=db, rounds=1)
+    first = next(n for n in opt.plan.nodes if n.op == ".permute")
+    assert first.format == "channels_last"
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)

@@ -4,7 +4,8 @@ Labels: 0 contiguous, 1 channels-last. Variables are layout nodes (and one pinne
 graph output whose format is kept). A layout node receives every decided input in its label's
 format; its output then comes back in the label its measurement saw: the same as its input
 (convolution, elementwise: identity), always one (GroupNorm, a pad dropping channels-last:
-constant), or anything else (pinned to contiguous, the format the op was written for).
+constant), or anything else (a permute: pinned to the label whose output is in a definite
+format, carried as a constant).
 """
 
 from __future__ import annotations
@@ -60,16 +61,22 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | None,
             out = cost.out[ok[0]]
             if out in (0, 1):
                 producers[n.name] = out  # type: ignore[assignment]
-        elif o0 in (0, FREE) and o1 in (1, FREE) and not (o0 == FREE and o1 == FREE):
+        elif o0 in (FREE, None) and o1 in (FREE, None):
+            pass  # no output in a definite format (a flatten, a pooled 1x1): nothing to carry
+        elif o0 in (0, FREE) and o1 in (1, FREE):
             producers[n.name] = n.name
         elif o0 in (0, 1) and o1 in (o0, FREE):
             producers[n.name] = o0  # type: ignore[assignment]
         elif o1 in (0, 1) and o0 == FREE:
             producers[n.name] = o1  # type: ignore[assignment]
-        elif o0 != FREE or o1 != FREE:
-            pins[n.name] = 0
-            if o0 in (0, 1):
-                producers[n.name] = o0  # type: ignore[assignment]
+        else:
+            # Output in no format for one label (a permute: NCHW in gives a strided NHWC-shaped
+            # view, channels-last in gives a contiguous one), or swapped: run the node in the
+            # first label whose output is definite, and carry that output as a constant.
+            pin = next((label for label in (0, 1) if cost.out[label] in (0, 1)), 0)
+            pins[n.name] = pin
+            if cost.out[pin] in (0, 1):
+                producers[n.name] = cost.out[pin]  # type: ignore[assignment]
     # values in a definite format that no layout node decides: inputs, rank-2 -> rank-4 views
     for n in gm.graph.nodes:
         meta: ValueMeta | None = n.meta.get(META_KEY)
