@@ -35,7 +35,7 @@ def problems(draw) -> Problem:
     return Problem(unary, tuple(tensors), pins, tuple(ties))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(problems())
 def test_min_cut_objective_equals_brute_force(problem: Problem) -> None:
     try:
