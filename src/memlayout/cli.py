@@ -332,8 +332,9 @@ def optimize(
         _fail(exc)
     plan = opt.plan
     if explain:
-        plan.explain(console)
-    console.print(plan.summary())
+        plan.explain(console)  # ends with the summary
+    else:
+        console.print(plan.summary())
     v = plan.verification
     console.print(f"verification: [green]equal[/green] to the original on the example input "
                   f"(worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}, {v['tensors']} output tensors)")

@@ -122,7 +122,9 @@ class Plan:
             def ms(v: float | None, timed: bool = n.timed) -> str:
                 if v is None:
                     return "fails"
-                return f"{v * 1e3:.3f}" if timed else "-"
+                if timed:
+                    return f"{v * 1e3:.3f}"
+                return "-" if self.measure else f"~{v * 1e3:.3f}"  # ~: the analytical model
             table.add_row(n.region or "-", n.name, n.op, n.format,
                           ms(n.seconds.get("contiguous")), ms(n.seconds.get("channels_last")))
         console.print(table)
