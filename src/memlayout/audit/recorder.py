@@ -142,10 +142,16 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.overloadpacket not in NOT_RECORDED and func.namespace not in _NOT_RECORDED_NAMESPACES:
+        if (func.overloadpacket not in NOT_RECORDED
+                and getattr(func, "namespace", "aten") not in _NOT_RECORDED_NAMESPACES):
             self.owner._record(func, args, kwargs, out)
         return out
 
+
+# Private torch hooks into the autograd engine, guarded: without them every op reads as
+# forward (no task id) or backward ops fall back to the module stack (no current node).
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 _Label = tuple[int, str | None, str | None]  # (call index, module path, module type)
 _NO_MODULE: _Label = (-1, None, None)
@@ -304,7 +310,7 @@ class AuditMode:
         self._pending.clear()
 
     def _backward_label(self) -> _Label:
-        node = torch._C._current_autograd_node() if hasattr(torch._C, "_current_autograd_node") else None
+        node = _current_node()
         if node is not None:
             label = self._node_labels.get(node)
             if label is not None:
@@ -318,7 +324,7 @@ class AuditMode:
     # -- the record -----------------------------------------------------------------------
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         self._flush()
-        if torch._C._current_graph_task_id() != -1:
+        if _graph_task_id() != -1:
             phase, label = "backward", self._backward_label()
         else:
             phase = "optimizer" if self._optimizer_depth else "forward"
