@@ -308,3 +308,18 @@ def test_permute_runs_where_its_output_has_a_format(db) -> None:
     assert first.format == "channels_last"
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
+    import memlayout.plan.rewrite as rewrite
+
+    def corrupting(value, label):  # a conversion that changes values: a planner bug
+        return convert_value(value, label) * 1.5
+
+    monkeypatch.setattr(rewrite, "convert_value", corrupting)
+    model, x = Features().eval(), _x()
+    snap = _snapshot(model)
+    # the analytical model puts both convs in channels-last: x is converted for conv "a"
+    with pytest.raises(LayoutVerificationError, match=r"first divergent node: a \(Conv2d\)"):
+        memlayout.optimize(model, x, measure=False, output_format=None)
+    assert _same(snap, model)
