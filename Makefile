@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $(STAMP)
 
-# The planner on resnet18 at batch 4, 160x160 (smaller than the README's batch 8, 224x224
-# benchmark so the demo stays around a minute on two busy cores).
+# The planner on resnet18 at batch 2, 128x128 (smaller than the README's batch 8, 224x224
+# benchmark so the demo stays short on two busy cores).
 demo: $(STAMP)
-	$(BIN)/memlayout optimize torchvision:resnet18 --batch 4 --image-size 160 --rounds 5
+	$(BIN)/memlayout optimize torchvision:resnet18 --batch 2 --image-size 128 --rounds 5
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
