@@ -178,7 +178,13 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             form = formulate(region.gm, table,
                              input_label=input_label if region.path == "" else None,
                              output_label=output_label if region.path == "" else "keep")
-            labels = solve_min_cut(form.integer).labels
+            try:
+                labels = solve_min_cut(form.integer).labels
+            except ValueError:
+                # A shared module pinned two ways (one call fails in a format): solve without
+                # the weight ties; verification still guards the result.
+                labels = solve_min_cut(Problem(form.integer.unary, form.integer.tensors,
+                                               form.integer.pins)).labels
             relaxed = Problem(form.seconds.unary, form.seconds.tensors)
             predicted["planned"] += objective(relaxed, labels) or 0.0
             predicted["all_contiguous"] += objective(relaxed, baseline_labels(form.seconds, 0)) or 0.0
