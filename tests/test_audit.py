@@ -357,3 +357,18 @@ def test_video_models_in_channels_last_3d():
     r3d = audit(torchvision.models.video.r3d_18(num_classes=4).eval(), torch.randn(1, 3, 2, 16, 16),
                 fmt=Format.CHANNELS_LAST_3D)
     assert any(o.format == "channels_last_3d" for r in r3d.records for o in r.outputs)
+
+
+def test_a_call_that_cannot_be_recorded_does_not_break_the_run(monkeypatch):
+    from memlayout.audit import recorder
+
+    def broken(shape, strides):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(recorder, "_formats", broken)
+    model = nn.Conv2d(3, 4, 3)
+    x = torch.randn(1, 3, 6, 6)
+    with AuditMode(model) as rec:
+        out = model(x)
+    assert torch.equal(out, model(x))
+    assert rec.report.meta["unrecorded"] >= 1 and "boom" in rec.report.meta["first_unrecorded"]

@@ -144,7 +144,12 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if (func.overloadpacket not in NOT_RECORDED
                 and getattr(func, "namespace", "aten") not in _NOT_RECORDED_NAMESPACES):
-            self.owner._record(func, args, kwargs, out)
+            try:
+                self.owner._record(func, args, kwargs, out)
+            except LayoutDropError:
+                raise
+            except Exception as exc:  # an audit must never break the run it watches
+                self.owner._unrecorded(func, exc)
         return out
 
 
@@ -237,6 +242,10 @@ class AuditMode:
         """The ``AuditReport`` of everything recorded (so far, when read inside the block)."""
         return self._report if self._report is not None else self._build()
 
+    def _unrecorded(self, func: Any, exc: Exception) -> None:
+        self.meta["unrecorded"] = self.meta.get("unrecorded", 0) + 1
+        self.meta.setdefault("first_unrecorded", f"{func}: {type(exc).__name__}: {exc}")
+
     def _build(self) -> AuditReport:
         calls = [ModuleCall(i, *call) for i, call in enumerate(self._calls)]
         meta = {"torch": torch.__version__, **self.meta}
@@ -284,8 +293,11 @@ class AuditMode:
             top, index = self._stack.pop()
             if top is module:
                 outs = [t for t in iter_tensors(output) if isinstance(t, torch.Tensor)]
-                self._calls[index][3] = tuple(_info(t)[0].format for t in outs)
-                self._calls[index][4] = tuple(t.dim() for t in outs)
+                try:
+                    self._calls[index][3] = tuple(_info(t)[0].format for t in outs)
+                    self._calls[index][4] = tuple(t.dim() for t in outs)
+                except Exception as exc:  # as in _Recorder: never break the run
+                    self._unrecorded(f"output of {self._calls[index][0]}", exc)
                 break
 
     def _optimizer_pre(self, *_: Any) -> None:
@@ -372,8 +384,9 @@ def _drop_message(r: OpRecord, fmt: Format) -> str:
 
 
 def strict(fmt: Format | str = Format.CHANNELS_LAST, *, model: nn.Module | None = None) -> AuditMode:
-    """A context in which the first op that takes an input unambiguously in ``fmt`` and returns
-    a result of that rank not in ``fmt`` raises ``LayoutDropError`` (forward and backward).
+    """A context in which the first op (not a view) that takes an input unambiguously in
+    ``fmt`` and returns a result of that rank not in ``fmt`` raises ``LayoutDropError``, in
+    forward and in backward.
 
     >>> from memlayout.tensors import to_format
     >>> x = to_format(torch.randn(1, 2, 4, 4), Format.CHANNELS_LAST)
