@@ -307,6 +307,7 @@ def optimize(
     explain: Annotated[bool, typer.Option("--explain", help="Print every node's choice and costs. Default: off.")] = False,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds of the speed comparison (0: skip it). Default: 7.")] = 7,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Use the cost cache ($MEMLAYOUT_CACHE_DIR or $XDG_CACHE_HOME/memlayout). Default: on.")] = True,
+    guard: Annotated[bool, typer.Option("--guard", help="Also time the whole planned model against all-channels-last and keep the faster. Default: off.")] = False,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC."""
@@ -327,7 +328,7 @@ def optimize(
                 bar.update(task, completed=done, total=total, description=f"measuring {what}")
 
             opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
-                             cache=cache, progress=progress, name=model)
+                             cache=cache, progress=progress, name=model, guard=guard)
     except MemlayoutError as exc:
         _fail(exc)
     plan = opt.plan

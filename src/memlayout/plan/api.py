@@ -122,7 +122,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              input_format: str | Format | None = None, output_format: str | Format | None = "keep",
              measure: bool = True, cache: bool | str | Path = True,
              progress: Progress | None = None, rounds: int = 5, name: str | None = None,
-             ) -> OptimizedModule:
+             guard: bool = False, guard_rounds: int = 5) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -132,6 +132,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     - ``measure=False``: an analytical cost model instead of timing; ``cache``: ``True`` (the
       user cache, see ``memlayout.plan.costs.cache_path``), ``False``, or a database path.
     - ``progress(done, total, what)`` is called while measuring.
+    - ``guard=True``: also build the all-channels-last plan, time both whole models
+      interleaved (``guard_rounds``) and keep the faster (``plan.guard`` says which and why):
+      a check of the per-op cost model against the real forward, at the price of the runs.
 
     Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
     planned model would compute something else.
@@ -161,15 +164,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     try:
         captured = capture(work, inputs, dtype=run_dtype)
         device = device_of(inputs, work)
-        # The planned copy shares every parameter and buffer with ``work`` (the rewrite puts
-        # converted weights in new tensors), so planning holds the weights once, not twice.
-        shared = {id(t): t for t in [*work.parameters(), *work.buffers()]}
-        planned_tree = copy.deepcopy(work, shared)
-        nodes: list[NodeChoice] = []
-        conversions: list[Conversion] = []
         predicted = {"planned": 0.0, "all_contiguous": 0.0, "all_channels_last": 0.0}
         measured = cached = 0
-        checks = []
+        solved = []
         for region in captured.regions:
             table = measure_costs(region.gm, region.inputs, dtype=run_dtype, measure=measure,
                                   cache=store, rounds=rounds, progress=progress)
@@ -189,24 +186,17 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             predicted["planned"] += objective(relaxed, labels) or 0.0
             predicted["all_contiguous"] += objective(relaxed, baseline_labels(form.seconds, 0)) or 0.0
             predicted["all_channels_last"] += objective(relaxed, baseline_labels(form.seconds, 1)) or 0.0
-            sub = planned_tree.get_submodule(region.path) if region.path else planned_tree
-            gm = _graph_module_on(sub, region.gm)
-            planned, made = rewrite(sub, gm, form, labels)
-            if region.path:
-                parent_path, _, child = region.path.rpartition(".")
-                parent = planned_tree.get_submodule(parent_path) if parent_path else planned_tree
-                setattr(parent, child, planned)
-            else:
-                planned_tree = planned
-            for n, c in table.nodes.items():
-                nodes.append(NodeChoice(region.path, n, c.op, FORMAT_NAMES[labels[n]],
-                                        dict(zip(FORMAT_NAMES, c.seconds, strict=True)), c.timed))
-            for value, to, served in made:
-                cost = table.conversions[value]
-                conversions.append(Conversion(
-                    region.path, value, FORMAT_NAMES[to], [list(s) for s in cost.shapes],
-                    cost.nbytes, cost.to_1 if to == 1 else cost.to_0, list(served)))
-            checks.append((region, planned))
+            solved.append((region, table, form, labels))
+        built = _build(work, solved)
+        guard_result: dict[str, Any] = {}
+        if guard and measure and any(len(s[3]) for s in solved):
+            uniform = [(r, t, f, baseline_labels(f.seconds, 1)) for r, t, f, _ in solved]
+            if any(u[3] != s[3] for u, s in zip(uniform, solved, strict=True)):
+                other = _build(work, uniform)
+                guard_result = _guard(built[0], other[0], inputs, run_dtype, rounds=guard_rounds)
+                if guard_result["kept"] == "all_channels_last":
+                    built = other
+        planned_tree, checks, nodes, conversions = built
         verify_start = time.perf_counter()
         verification = _verify(work, planned_tree, inputs, checks, run_dtype)
         verification["seconds"] = time.perf_counter() - verify_start
@@ -221,11 +211,69 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             uncaptured=[[p, r] for p, r in captured.uncaptured],
             measured=measured, cached=cached, measure=measure,
             planning_seconds=time.perf_counter() - start, verification=verification,
+            guard=guard_result,
         )
     finally:
         if store is not None:
             store.close()
     return OptimizedModule(planned_tree, plan, run_dtype)
+
+
+def _build(work: nn.Module, solved: list) -> tuple[nn.Module, list, list[NodeChoice],
+                                                   list[Conversion]]:
+    """Rewrite a copy of ``work`` with one labelling per region."""
+    # The copy shares every parameter and buffer with ``work`` (the rewrite puts converted
+    # weights in new tensors), so planning holds the weights once, not twice.
+    shared = {id(t): t for t in [*work.parameters(), *work.buffers()]}
+    planned_tree = copy.deepcopy(work, shared)
+    nodes: list[NodeChoice] = []
+    conversions: list[Conversion] = []
+    checks = []
+    for region, table, form, labels in solved:
+        sub = planned_tree.get_submodule(region.path) if region.path else planned_tree
+        gm = _graph_module_on(sub, region.gm)
+        planned, made = rewrite(sub, gm, form, labels)
+        if region.path:
+            parent_path, _, child = region.path.rpartition(".")
+            parent = planned_tree.get_submodule(parent_path) if parent_path else planned_tree
+            setattr(parent, child, planned)
+        else:
+            planned_tree = planned
+        for n, c in table.nodes.items():
+            nodes.append(NodeChoice(region.path, n, c.op, FORMAT_NAMES[labels[n]],
+                                    dict(zip(FORMAT_NAMES, c.seconds, strict=True)), c.timed))
+        for value, to, served in made:
+            cost = table.conversions[value]
+            conversions.append(Conversion(
+                region.path, value, FORMAT_NAMES[to], [list(s) for s in cost.shapes],
+                cost.nbytes, cost.to_1 if to == 1 else cost.to_0, list(served)))
+        checks.append((region, planned))
+    return planned_tree, checks, nodes, conversions
+
+
+def _guard(planned: nn.Module, uniform: nn.Module, inputs: tuple[Any, ...],
+           dtype: torch.dtype | None, *, rounds: int) -> dict[str, Any]:
+    """Time the optimum of the cost model against all-channels-last, whole model, interleaved."""
+    import statistics
+
+    from memlayout.timing import device_sync, interleaved
+
+    device = device_of(inputs, planned)
+
+    def runner(module: nn.Module) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad(), autocast_context(device, dtype):
+                return module(*inputs)
+        return run
+
+    c = interleaved({"planned": runner(planned), "all_channels_last": runner(uniform)},
+                    rounds=rounds, warmup=1, sync=device_sync(str(device)))
+    ratios = [u / p for p, u in zip(c["planned"].times, c["all_channels_last"].times,
+                                    strict=False) if p > 0]
+    ratio = statistics.median(ratios) if ratios else 1.0
+    return {"kept": "planned" if ratio >= 1.0 else "all_channels_last",
+            "all_channels_last_over_planned": ratio,
+            "range": [min(ratios), max(ratios)] if ratios else [], "rounds": len(ratios)}
 
 
 def _format(label: int, rank: int) -> Format:

@@ -61,6 +61,7 @@ class Plan:
     measure: bool = True
     planning_seconds: float = 0.0
     verification: dict[str, Any] = field(default_factory=dict)
+    guard: dict[str, Any] = field(default_factory=dict)  # see optimize(guard=True)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -105,6 +106,10 @@ class Plan:
         of_which = f" (of which verification {verify:.1f} s)" if verify is not None else ""
         lines.append(f"measured {self.measured}, from cache {self.cached}, "
                      f"planning took {self.planning_seconds:.1f} s{of_which}")
+        if self.guard:
+            g = self.guard
+            lines.append(f"guard: kept {g['kept']} (all-channels-last / planned time, median of "
+                         f"{g['rounds']} rounds: {g['all_channels_last_over_planned']:.3f})")
         for path, reason in self.uncaptured:
             lines.append(f"left eager: {path or '(whole model)'}: {reason}")
         return "\n".join(lines)
