@@ -36,3 +36,15 @@ class CoverageUnavailableError(MemlayoutError):
 
 class PlanError(MemlayoutError, ValueError):
     """A bad argument to the planner (``memlayout.optimize``): dtype, formats, inputs."""
+
+
+class DataPipelineError(MemlayoutError, ValueError):
+    """Input the channels-last data pipeline cannot turn into a batch."""
+
+
+class MixedImageSizeError(DataPipelineError):
+    """Images of one batch differ in (C, H, W); ``sizes`` maps each (C, H, W) to its samples."""
+
+    def __init__(self, message: str, sizes: dict[tuple[int, int, int], list[int]]):
+        super().__init__(message)
+        self.sizes = sizes

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchvision import tv_tensors
 
 from memlayout.data.copies import note_copy, order_of
-from memlayout.errors import MemlayoutError
+from memlayout.errors import DataPipelineError, MixedImageSizeError
 from memlayout.layout import Format, strides_for
 
 try:  # the documented way to extend default_collate (torch >= 1.13)
@@ -43,18 +43,6 @@ except ImportError:  # pragma: no cover - guarded private path
 Fit = Literal["error", "resize", "center_crop"]
 FITS: tuple[str, ...] = ("error", "resize", "center_crop")
 CHW = tuple[int, int, int]  # (C, H, W) sizes
-
-
-class DataPipelineError(MemlayoutError, ValueError):
-    """Input the channels-last data pipeline cannot turn into a batch."""
-
-
-class MixedImageSizeError(DataPipelineError):
-    """Images of one batch differ in (C, H, W); ``sizes`` maps each (C, H, W) to its samples."""
-
-    def __init__(self, message: str, sizes: dict[tuple[int, int, int], list[int]]):
-        super().__init__(message)
-        self.sizes = sizes
 
 
 def is_image(x: Any) -> bool:
