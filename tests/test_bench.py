@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from memlayout.bench import BenchConfig, BenchConfigError, ModeUnavailable, run_bench, zoo
 from memlayout.bench.modes import count_flops, find_optimize, training_loss
-from memlayout.bench.report import summary_tables
+from memlayout.bench.report import read_json, summary_tables, write_json
 from memlayout.cli import app
 
 ALL_MODES = ("nchw", "nhwc", "planned", "compile", "planned+compile")
@@ -238,6 +238,8 @@ def test_fake_clock_known_times_give_known_medians_ratios_and_peak(tmp_path):
     assert nhwc.peak_fraction == pytest.approx(nhwc.flops / 2.0 / gemm_rate)
     table = summary_tables(result.records)[0]
     assert table.rows[0][2] == "2.00x (1.00-3.00)"
+    # the JSON written is the JSON read: records come back equal, environment included
+    assert read_json(write_json(result.records, tmp_path / "r.json")) == list(result.records)
 
 
 def _flops_by_hooks(model: nn.Module, x: torch.Tensor) -> int:

@@ -277,6 +277,8 @@ def bench(
             where = f"{name} {event.dtype} {event.task} batch {event.batch}"
             if event.phase == "setup":
                 progress.update(bar, description=f"{where}: building {event.mode}")
+                if not console.is_terminal:  # a log has no live bar: one line per step instead
+                    console.print(f"{where}: building {event.mode}", markup=False, highlight=False)
             elif event.mode in cfg.modes:  # the GEMM timed alongside is not a step of the bar
                 progress.update(bar, advance=1, description=f"{where}: round {(event.round or 0) + 1}/{cfg.rounds} {event.mode}")
 
@@ -307,7 +309,7 @@ def optimize(
     explain: Annotated[bool, typer.Option("--explain", help="Print every node's choice and costs. Default: off.")] = False,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds of the speed comparison (0: skip it). Default: 7.")] = 7,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Use the cost cache ($MEMLAYOUT_CACHE_DIR or $XDG_CACHE_HOME/memlayout). Default: on.")] = True,
-    guard: Annotated[bool, typer.Option("--guard", help="Also time the whole planned model against all-channels-last and keep the faster. Default: off.")] = False,
+    guard: Annotated[bool, typer.Option("--guard/--no-guard", help="Time the whole planned model against all-NCHW and all-NHWC (cached) and keep the plan unless one is clearly faster; needs --measure. Default: on.")] = True,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC."""

@@ -1,8 +1,9 @@
 """``speedup.png``: speedup over eager NCHW per model and mode, one panel per dtype x task.
 
 Headless: draws on a ``matplotlib.figure.Figure`` with the Agg canvas, never touching pyplot's
-global backend. Bars are medians of per-round ratios; whiskers span min-max over rounds; a
-mode that errored is marked ``x`` on the 1.0 line, an unavailable one is left out.
+global backend. Log-2 axis; bars start at 1.0 and end at the median of per-round ratios
+(up: faster than NCHW, down: slower); whiskers span min-max over rounds; a mode that errored
+is marked ``x`` on the 1.0 line, an unavailable one is left out.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def plot_speedups(records: Sequence[BenchRecord], path: Path, *, title: str = ""
     """Write the bar chart to ``path`` (PNG) and return it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
     cases = list(dict.fromkeys((r.dtype, r.task) for r in records))
     present = {r.mode for r in records if r.status != "unavailable"} - {BASELINE}
@@ -49,16 +51,20 @@ def plot_speedups(records: Sequence[BenchRecord], path: Path, *, title: str = ""
                 hi.append((r.speedup_max if r.speedup_max is not None else r.speedup) - r.speedup)
             color = _COLORS.get(mode, "gray")
             if xs:
-                ax.bar(xs, ys, bar, yerr=[lo, hi], capsize=2, color=color, label=mode,
-                       error_kw={"elinewidth": 0.8, "ecolor": "black"})
+                # bars grow from the 1.0 line: up when faster than NCHW, down when slower
+                ax.bar(xs, [y - 1.0 for y in ys], bar, bottom=1.0, yerr=[lo, hi], capsize=2,
+                       color=color, label=mode, error_kw={"elinewidth": 0.8, "ecolor": "black"})
             if failed:
                 ax.plot(failed, [1.0] * len(failed), "x", color=color, markersize=8,
                         markeredgewidth=2, label=f"{mode}: error")
+        # log2 scale: 2x faster and 2x slower are the same distance from the 1.0 line
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(models)))
         ax.set_xticklabels([m.removeprefix("torchvision:") for m in models], rotation=30,
                            ha="right", fontsize=8)
-        ax.set_ylabel("speedup vs NCHW")
+        ax.set_ylabel("speedup vs NCHW (log scale)")
         ax.set_title(f"{dtype} {task}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

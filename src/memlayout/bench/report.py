@@ -12,6 +12,7 @@ eager NCHW, with the min-max over rounds), not absolute times.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -43,6 +44,21 @@ def write_json(records: Sequence[BenchRecord], path: Path) -> Path:
     rows = [{k: _finite(v) for k, v in r.to_flat().items()} for r in records]
     path.write_text(json.dumps(rows, indent=1) + "\n")
     return path
+
+
+def read_json(path: Path) -> list[BenchRecord]:
+    """The records ``write_json`` wrote (to re-render tables and plots without re-running)."""
+    from memlayout.bench.records import Environment
+
+    env_fields = {f.name for f in dataclasses.fields(Environment)}
+    records = []
+    for row in json.loads(path.read_text()):
+        env = Environment(**{k: row[k] for k in env_fields})
+        values = {k: v for k, v in row.items() if k not in env_fields}
+        for key in ("round_times_s", "round_speedups"):
+            values[key] = tuple(values[key])
+        records.append(BenchRecord(env=env, **values))
+    return records
 
 
 @dataclass(frozen=True)
