@@ -35,7 +35,7 @@ from memlayout.plan.problem import baseline_labels, formulate
 from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan
 from memlayout.plan.rewrite import PlannedGraph, rewrite
 from memlayout.plan.solve import Problem, objective, solve_min_cut
-from memlayout.plan.verify import compare, verify
+from memlayout.plan.verify import TOLERANCE, compare, verify
 
 _DTYPES: dict[str, torch.dtype | None] = {
     "fp32": None, "float32": None, "float": None,
@@ -122,7 +122,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              input_format: str | Format | None = None, output_format: str | Format | None = "keep",
              measure: bool = True, cache: bool | str | Path = True,
              progress: Progress | None = None, rounds: int = 5, name: str | None = None,
-             guard: bool = False, guard_rounds: int = 5) -> OptimizedModule:
+             guard: bool = True, guard_rounds: int = 5,
+             guard_margin: float = 0.02) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -132,9 +133,12 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     - ``measure=False``: an analytical cost model instead of timing; ``cache``: ``True`` (the
       user cache, see ``memlayout.plan.costs.cache_path``), ``False``, or a database path.
     - ``progress(done, total, what)`` is called while measuring.
-    - ``guard=True``: also build the all-channels-last plan, time both whole models
-      interleaved (``guard_rounds``) and keep the faster (``plan.guard`` says which and why):
-      a check of the per-op cost model against the real forward, at the price of the runs.
+    - ``guard`` (with ``measure``): per-op costs are measured in isolation, so the min-cut
+      plan is also timed as a whole model against all-contiguous and all-channels-last
+      (those that differ from it), interleaved for ``guard_rounds`` rounds; the plan is kept
+      unless another is faster by more than ``guard_margin`` in the median of per-round
+      ratios. ``plan.guard`` records the ratios and the choice; the measurement is cached
+      with the costs (see ``memlayout.plan.guard``).
 
     Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
     planned model would compute something else.
@@ -187,18 +191,18 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             predicted["all_contiguous"] += objective(relaxed, baseline_labels(form.seconds, 0)) or 0.0
             predicted["all_channels_last"] += objective(relaxed, baseline_labels(form.seconds, 1)) or 0.0
             solved.append((region, table, form, labels))
-        built = _build(work, solved)
         guard_result: dict[str, Any] = {}
         if guard and measure and any(len(s[3]) for s in solved):
-            uniform = [(r, t, f, baseline_labels(f.seconds, 1)) for r, t, f, _ in solved]
-            if any(u[3] != s[3] for u, s in zip(uniform, solved, strict=True)):
-                other = _build(work, uniform)
-                guard_result = _guard(built[0], other[0], inputs, run_dtype, rounds=guard_rounds)
-                if guard_result["kept"] == "all_channels_last":
-                    built = other
+            built, guard_result = _guarded_build(
+                work, solved, inputs, run_dtype, store=store, rounds=guard_rounds,
+                margin=guard_margin, progress=progress,
+                extra=[input_label, output_label])
+        else:
+            built = _build(work, solved)
         planned_tree, checks, nodes, conversions = built
         verify_start = time.perf_counter()
-        verification = _verify(work, planned_tree, inputs, checks, run_dtype)
+        verification = _verify(work, planned_tree, inputs, checks, run_dtype,
+                               expected=captured.output)
         verification["seconds"] = time.perf_counter() - verify_start
         plan = Plan(
             model=name or type(model).__name__, device=device_name(device),
@@ -251,29 +255,54 @@ def _build(work: nn.Module, solved: list) -> tuple[nn.Module, list, list[NodeCho
     return planned_tree, checks, nodes, conversions
 
 
-def _guard(planned: nn.Module, uniform: nn.Module, inputs: tuple[Any, ...],
-           dtype: torch.dtype | None, *, rounds: int) -> dict[str, Any]:
-    """Time the optimum of the cost model against all-channels-last, whole model, interleaved."""
-    import statistics
+def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
+                   dtype: torch.dtype | None, *, store: CostCache | None, rounds: int,
+                   margin: float, progress: Progress | None,
+                   extra: Any) -> tuple[tuple, dict[str, Any]]:
+    """Build the min-cut plan and the uniform labellings that differ from it, time them as
+    whole models (or read that measurement from the cache) and return the kept one's build
+    with the guard's record (``memlayout.plan.guard``)."""
+    from memlayout.plan import guard as g
 
-    from memlayout.timing import device_sync, interleaved
+    labellings = {g.PLANNED: [s[3] for s in solved]}
+    skipped = []
+    for name, label in g.UNIFORM.items():
+        uniform = [baseline_labels(f.seconds, label) for _, _, f, _ in solved]
+        if uniform == labellings[g.PLANNED]:
+            skipped.append(name)
+        else:
+            labellings[name] = uniform
 
-    device = device_of(inputs, planned)
+    def build(name: str) -> tuple:
+        return _build(work, [(r, t, f, labels) for (r, t, f, _), labels
+                             in zip(solved, labellings[name], strict=True)])
 
-    def runner(module: nn.Module) -> Callable[[], Any]:
-        def run() -> Any:
-            with torch.no_grad(), autocast_context(device, dtype):
-                return module(*inputs)
-        return run
+    if len(labellings) == 1:  # the plan is uniform already: nothing to compare it with
+        return build(g.PLANNED), {"kept": g.PLANNED, "margin": margin, "source": "none",
+                                  "rounds": 0, "candidates": {}, "skipped": skipped, "errors": {}}
+    device = device_of(inputs, work)
+    key = g.cache_key(device_name(device), dtype, g.signature(
+        [(r.path, r.gm, labels) for (r, _, _, labels) in solved], extra))
+    record = store.get(key) if store is not None else None
+    if record is not None:
+        kept = g.decide(record, margin=margin)
+        return build(kept), g.describe(record, kept=kept, margin=margin, source="cache",
+                                       skipped=skipped)
+    builds = {name: build(name) for name in labellings}
+    steps = [0]
 
-    c = interleaved({"planned": runner(planned), "all_channels_last": runner(uniform)},
-                    rounds=rounds, warmup=1, sync=device_sync(str(device)))
-    ratios = [u / p for p, u in zip(c["planned"].times, c["all_channels_last"].times,
-                                    strict=False) if p > 0]
-    ratio = statistics.median(ratios) if ratios else 1.0
-    return {"kept": "planned" if ratio >= 1.0 else "all_channels_last",
-            "all_channels_last_over_planned": ratio,
-            "range": [min(ratios), max(ratios)] if ratios else [], "rounds": len(ratios)}
+    def on_step(_round: int, name: str) -> None:
+        steps[0] += 1
+        if progress is not None:
+            progress(steps[0], rounds * len(builds), f"whole model, {name}")
+
+    record = g.time_candidates({name: b[0] for name, b in builds.items()}, inputs, dtype,
+                               rounds=rounds, on_step=on_step)
+    if store is not None and not record["errors"]:
+        store.put(key, record)
+    kept = g.decide(record, margin=margin)
+    return builds[kept], g.describe(record, kept=kept, margin=margin, source="measured",
+                                    skipped=skipped)
 
 
 def _format(label: int, rank: int) -> Format:
@@ -306,26 +335,31 @@ def _graph_module_on(root: nn.Module, traced: fx.GraphModule) -> fx.GraphModule:
 
 
 def _verify(work: nn.Module, planned_tree: nn.Module, inputs: tuple[Any, ...], checks: list,
-            dtype: torch.dtype | None) -> dict[str, Any]:
-    worst, tensors = 0.0, 0
-    for region, planned in checks:
-        assert isinstance(planned, PlannedGraph)
-        v = verify(region.gm, planned, region.inputs, dtype=dtype,
-                   planned_graph=planned.graph, where=region.path or "", expected=region.output)
-        worst, tensors = max(worst, v.max_error), tensors + v.tensors
-        rtol = v.tolerance
-    if len(checks) != 1 or checks[0][0].path != "":
-        with torch.no_grad(), autocast_context(device_of(inputs, work), dtype):
-            ok, err, count = compare(work(*inputs), planned_tree(*inputs), dtype)
-        if not ok:
-            from memlayout.errors import LayoutVerificationError
+            dtype: torch.dtype | None, *, expected: Any) -> dict[str, Any]:
+    """Run the planned model once and compare with ``expected`` (the original's output from
+    the capture run). A whole-model plan is one region: compared (and on a mismatch bisected)
+    directly. Planned submodules: the whole model is compared; on a mismatch each region is
+    checked on its own inputs to name the first divergent node."""
+    if len(checks) == 1 and checks[0][0].path == "":
+        region, planned = checks[0]
+        v = verify(region.gm, planned, region.inputs, dtype=dtype, planned_graph=planned.graph,
+                   expected=region.output)
+        return {"ok": True, "max_error": v.max_error, "rtol": v.tolerance, "tensors": v.tensors}
+    with torch.no_grad(), autocast_context(device_of(inputs, work), dtype):
+        got = planned_tree(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+    ok, err, count = compare(expected, got, dtype)
+    if not ok:
+        for region, planned in checks:  # raises naming the node where a region diverges
+            assert isinstance(planned, PlannedGraph)
+            verify(region.gm, planned, region.inputs, dtype=dtype, planned_graph=planned.graph,
+                   where=region.path, expected=region.output)
+        from memlayout.errors import LayoutVerificationError
 
-            raise LayoutVerificationError(
-                f"the planned model's outputs differ from the original's by {err:.3g} (relative) "
-                "although every planned region matched; the plan was not applied")
-        worst = max(worst, err)
-    return {"ok": True, "max_error": worst, "rtol": rtol if checks else 0.0,
-            "tensors": tensors}
+        raise LayoutVerificationError(
+            f"the planned model's outputs differ from the original's by {err:.3g} (relative) "
+            "although every planned region matched; the plan was not applied")
+    rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
+    return {"ok": True, "max_error": err, "rtol": rtol, "tensors": count}
 
 
 __all__ = ["MemlayoutError", "OptimizedModule", "Plan", "optimize", "parse_dtype"]

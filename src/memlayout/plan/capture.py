@@ -81,6 +81,7 @@ class Region:
 class Captured:
     regions: list[Region]
     uncaptured: list[tuple[str, str]]  # (module path, why it stays eager)
+    output: Any = None  # what the whole original model computes on the example inputs
 
 
 def label_of(tensors: tuple[TensorMeta, ...]) -> int | str | None:
@@ -137,8 +138,8 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *,
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
     else:
         output = propagate(gm, inputs, dtype=dtype)
-        return Captured([Region("", gm, inputs, output)], [])
-    seen = _record_submodule_inputs(model, inputs, dtype)
+        return Captured([Region("", gm, inputs, output)], [], output)
+    seen, output = _record_submodule_inputs(model, inputs, dtype)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
     _capture_children(model, "", seen, dtype, regions, uncaptured)
@@ -148,7 +149,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *,
             f"(whole model: {reason}); nothing to plan. Make the model's forward traceable "
             "(no data-dependent control flow) or pass a traceable submodule"
         )
-    return Captured(regions, uncaptured)
+    return Captured(regions, uncaptured, output)
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
@@ -198,7 +199,8 @@ def node_target_name(root: nn.Module, n: fx.Node) -> str:
 
 
 def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
-                             dtype: torch.dtype | None) -> dict[str, tuple[Any, ...]]:
+                             dtype: torch.dtype | None) -> tuple[dict[str, tuple[Any, ...]], Any]:
+    """The inputs each submodule first received, and the model's output, from one run."""
     seen: dict[str, tuple[Any, ...]] = {}
     handles = []
     for path, sub in model.named_modules():
@@ -210,7 +212,7 @@ def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
             handles.append(sub.register_forward_pre_hook(hook))
     try:
         with torch.no_grad(), autocast_context(device_of(inputs, model), dtype):
-            model(*inputs)
+            output = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     except Exception as exc:
         raise CaptureError(
             f"running {type(model).__name__} on the example inputs failed: "
@@ -219,7 +221,7 @@ def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
     finally:
         for h in handles:
             h.remove()
-    return seen
+    return seen, output
 
 
 def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any, ...]],

@@ -61,7 +61,7 @@ class Plan:
     measure: bool = True
     planning_seconds: float = 0.0
     verification: dict[str, Any] = field(default_factory=dict)
-    guard: dict[str, Any] = field(default_factory=dict)  # see optimize(guard=True)
+    guard: dict[str, Any] = field(default_factory=dict)  # see memlayout.plan.guard
 
     @property
     def counts(self) -> dict[str, int]:
@@ -107,12 +107,24 @@ class Plan:
         lines.append(f"measured {self.measured}, from cache {self.cached}, "
                      f"planning took {self.planning_seconds:.1f} s{of_which}")
         if self.guard:
-            g = self.guard
-            lines.append(f"guard: kept {g['kept']} (all-channels-last / planned time, median of "
-                         f"{g['rounds']} rounds: {g['all_channels_last_over_planned']:.3f})")
+            lines.append(self.guard_summary())
         for path, reason in self.uncaptured:
             lines.append(f"left eager: {path or '(whole model)'}: {reason}")
         return "\n".join(lines)
+
+    def guard_summary(self) -> str:
+        """The whole-model check of the plan (``memlayout.plan.guard``) in one line."""
+        g = self.guard
+        if g.get("source") == "none":
+            return f"guard: the plan equals {' and '.join(g['skipped'])}; nothing to compare"
+        parts = [f"{name} {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})"
+                 for name, c in g["candidates"].items()]
+        parts += [f"{name} = the plan" for name in g["skipped"]]
+        parts += [f"{name} failed: {err}" for name, err in g["errors"].items()]
+        source = "from the cache" if g["source"] == "cache" else "measured now"
+        return (f"guard: kept {g['kept']}; planned / candidate time, whole model, median of "
+                f"{g['rounds']} interleaved rounds ({source}; a candidate replaces the plan "
+                f"above {1 + g['margin']:.2f}): " + "; ".join(parts))
 
     def explain(self, console: Any = None) -> None:
         """Render the plan with rich: per node the choice and both costs, then conversions."""

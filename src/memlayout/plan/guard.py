@@ -1,0 +1,125 @@
+"""Guard (L2 plan, between rewrite and verify): the plan against all-NCHW and all-NHWC, whole model.
+
+Per-op costs are measured one op at a time; the real forward can disagree (a concatenation run
+NCHW between channels-last convolutions costs more in the model than alone). So the min-cut plan
+and each uniform labelling that differs from it (every layout node contiguous, every one
+channels-last; pinned nodes stay pinned) are built and timed as whole models, interleaved round
+by round through ``memlayout.timing.interleaved``. The plan is kept unless another candidate is
+faster by more than ``margin`` in the median of the per-round ratios ``planned / candidate``.
+
+The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
+autocast dtype and a signature of the captured graphs (every node, its shapes, strides and
+dtypes, and the plan's labels): a second plan of the same model times nothing.
+
+>>> record = {"ratios": {"all_contiguous": [0.8, 0.9, 0.85], "all_channels_last": [1.2, 1.3, 1.1]},
+...           "rounds": 3}
+>>> decide(record, margin=0.02)
+'all_channels_last'
+>>> decide({"ratios": {"all_channels_last": [1.01, 1.0, 1.02]}, "rounds": 3}, margin=0.02)
+'planned'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from memlayout.plan.capture import META_KEY, autocast_context, device_of
+from memlayout.timing import device_sync, interleaved
+
+PLANNED = "planned"
+UNIFORM = {"all_contiguous": 0, "all_channels_last": 1}  # candidate name -> label of every node
+
+
+def signature(graphs: list[tuple[str, fx.GraphModule, Mapping[str, int]]],
+              extra: Any = None) -> str:
+    """A hash of ``(region path, graph, planned labels)`` triples: every node's op, target
+    (a module's repr), arguments and the shapes, strides and dtypes of its output; plus
+    ``extra`` (JSON-able)."""
+    h = hashlib.sha256()
+    for path, gm, labels in graphs:
+        h.update(f"region {path!r}\n".encode())
+        for n in gm.graph.nodes:
+            args = fx.node.map_arg((n.args, n.kwargs), lambda m: f"%{m.name}")
+            h.update(repr((n.name, n.op, _target(gm, n), args, n.meta.get(META_KEY))).encode())
+        h.update(json.dumps(sorted(labels.items())).encode())
+    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _target(gm: fx.GraphModule, n: fx.Node) -> str:
+    if n.op == "call_module":
+        sub = gm.get_submodule(n.target)
+        return f"{type(sub).__module__}.{type(sub).__qualname__}:{sub!r}:train={sub.training}"
+    if n.op == "get_attr":
+        value = gm
+        for part in str(n.target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, torch.Tensor):
+            return f"{value.dtype}{list(value.shape)}{list(value.stride())}"
+        return type(value).__name__
+    if n.op == "call_function":
+        return f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', repr(n.target))}"
+    return str(n.target)
+
+
+def cache_key(device: str, dtype: torch.dtype | None, graph_signature: str) -> str:
+    """The cost-cache key of one guard measurement."""
+    return json.dumps(["guard", device, torch.__version__, str(dtype), graph_signature])
+
+
+def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
+                    dtype: torch.dtype | None, *, rounds: int,
+                    on_step: Callable[[int, str], None] | None = None) -> dict[str, Any]:
+    """Time whole models (``models[PLANNED]`` and the others) interleaved, as they will run
+    (no grad, autocast for ``dtype``). Returns ``{"ratios": {name: per-round planned /
+    candidate time}, "rounds": n, "errors": {name: message}}``."""
+    device = device_of(inputs, models[PLANNED])
+
+    def runner(module: nn.Module) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad(), autocast_context(device, dtype):
+                return module(*inputs)
+        return run
+
+    fns = {name: runner(m) for name, m in models.items()}
+    sync = device_sync(str(device))
+    # A warm-up and one probe round size each sample: a tiny model is called repeatedly so a
+    # sample lasts at least ~20 ms (one call of a small model is mostly timer noise).
+    probe = interleaved(fns, rounds=1, warmup=1, baseline=PLANNED, sync=sync)
+    quick = min((t.median for t in probe.modes.values() if t.ok), default=1.0)
+    repeat = max(1, min(100, int(0.02 / max(quick, 1e-6))))
+    c = interleaved({n: f for n, f in fns.items() if probe[n].ok}, rounds=rounds, warmup=0,
+                    repeat=repeat, baseline=PLANNED, sync=sync, on_step=on_step) \
+        if probe[PLANNED].ok else probe
+    errors = {name: t.error for name, t in [*probe.modes.items(), *c.modes.items()] if t.error}
+    ratios = {} if not c[PLANNED].ok else {
+        name: list(c.ratios(name)) for name in c.modes if name != PLANNED and c[name].ok}
+    return {"ratios": ratios, "rounds": len(c[PLANNED].times), "repeat": c.repeat,
+            "errors": errors}
+
+
+def decide(record: Mapping[str, Any], *, margin: float) -> str:
+    """The candidate to keep: the one with the highest median ratio ``planned / candidate``
+    when that exceeds ``1 + margin``, else the plan."""
+    medians = {name: statistics.median(r) for name, r in record["ratios"].items() if r}
+    best = max(medians, key=medians.__getitem__, default=None)
+    return best if best is not None and medians[best] > 1.0 + margin else PLANNED
+
+
+def describe(record: Mapping[str, Any], *, kept: str, margin: float, source: str,
+             skipped: list[str]) -> dict[str, Any]:
+    """The guard's entry in ``Plan.guard`` (plain data)."""
+    return {
+        "kept": kept, "margin": margin, "source": source, "rounds": record["rounds"],
+        "repeat": record.get("repeat", 1),
+        "candidates": {name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
+                       for name, r in record["ratios"].items() if r},
+        "skipped": skipped, "errors": dict(record.get("errors", {})),
+    }

@@ -1,0 +1,104 @@
+"""The guard: the min-cut plan timed as a whole model against all-NCHW and all-NHWC. Timings
+come from an injected clock through the real ``memlayout.timing.interleaved``, so the expected
+decision follows from what goes in, not from this machine's speed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memlayout
+import memlayout.plan.costs as costs
+import memlayout.plan.guard as guard
+from memlayout import timing
+from memlayout.plan.capture import capture
+from tests.test_plan_api import Branchy, Features, _x
+
+
+def _fake_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float],
+                default: float = 2.0) -> None:
+    """Whole-model calls of candidate ``name`` take ``seconds[name]`` (else ``default``) on a
+    fake clock; everything else about the timing is the real one."""
+    now = [0.0]
+
+    def fake_interleaved(fns, **kwargs):
+        def advancing(name, fn):
+            def call():
+                now[0] += seconds.get(name, default)
+                return fn()
+            return call
+        return timing.interleaved({n: advancing(n, f) for n, f in fns.items()},
+                                  clock=lambda: now[0], **kwargs)
+
+    monkeypatch.setattr(guard, "interleaved", fake_interleaved)
+
+
+def _no_timing(*args, **kwargs):
+    raise AssertionError("something was timed although everything is in the cache")
+
+
+@pytest.mark.parametrize("target,fmt", [("all_channels_last", "channels_last"),
+                                        ("all_contiguous", "contiguous")])
+def test_guard_replaces_the_plan_with_a_clearly_faster_uniform_one(db, monkeypatch, target,
+                                                                   fmt) -> None:
+    _fake_clock(monkeypatch, {target: 1.0})
+    model, x = Branchy().eval(), _x()
+    opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=3)
+    g = opt.plan.guard
+    assert g["source"] == "measured" and g["rounds"] == 3
+    if target in g["skipped"]:  # the min-cut plan already is that labelling
+        assert g["kept"] == "planned"
+    else:
+        assert g["kept"] == target
+        assert g["candidates"][target] == {"median": 2.0, "min": 2.0, "max": 2.0}
+    convs = [n.format for n in opt.plan.nodes if n.op == "Conv2d"]
+    assert convs and set(convs) == {fmt}  # convolutions are never pinned: all follow the kept
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert opt.plan.verification["ok"]
+
+
+def test_guard_keeps_the_plan_within_the_margin(db, monkeypatch) -> None:
+    # every other candidate 1 % faster than the plan: inside the 2 % margin, the plan stays
+    _fake_clock(monkeypatch, {"planned": 1.0}, default=0.99)
+    opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard_rounds=2,
+                             guard_margin=0.02)
+    g = opt.plan.guard
+    assert g["kept"] == "planned" and g["candidates"]
+    assert all(c["median"] == pytest.approx(1 / 0.99) for c in g["candidates"].values())
+
+
+def test_second_optimize_measures_nothing_not_even_the_guard(db, monkeypatch) -> None:
+    _fake_clock(monkeypatch, {"all_contiguous": 1.0})
+    model, x = Branchy().eval(), _x()
+    first = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert first.plan.measured > 0 and first.plan.guard["source"] == "measured"
+    monkeypatch.setattr(guard, "interleaved", _no_timing)
+    monkeypatch.setattr(costs, "interleaved", _no_timing)
+    second = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert second.plan.measured == 0 and second.plan.guard["source"] == "cache"
+    assert second.plan.guard["kept"] == first.plan.guard["kept"]
+    assert second.plan.guard["candidates"] == first.plan.guard["candidates"]
+    assert [n.format for n in second.plan.nodes] == [n.format for n in first.plan.nodes]
+    assert second.plan.verification["ok"]  # verification still runs: never from the cache
+
+
+def test_no_guard_without_measurement(db, monkeypatch) -> None:
+    monkeypatch.setattr(guard, "interleaved", _no_timing)
+    opt = memlayout.optimize(Branchy().eval(), _x(), measure=False)
+    assert opt.plan.guard == {} and opt.plan.measured == 0
+
+
+def test_signature_follows_shapes_and_labels() -> None:
+    def sig(size: int, labels: dict[str, int]) -> str:
+        gm = capture(Features().eval(), (_x(2, size),)).regions[0].gm
+        return guard.signature([("", gm, labels)])
+
+    assert sig(12, {"a": 1}) == sig(12, {"a": 1})  # fresh weights, same graph: same key
+    assert sig(12, {"a": 1}) != sig(14, {"a": 1})
+    assert sig(12, {"a": 1}) != sig(12, {"a": 0})
+
+
+@pytest.fixture
+def db(tmp_path):
+    return tmp_path / "costs.sqlite"
