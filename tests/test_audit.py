@@ -8,6 +8,7 @@ run) and the replay's result and gradient strides say whether it drops channels-
 from __future__ import annotations
 
 import copy
+import html
 from collections import OrderedDict
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from memlayout import AuditMode, AuditReport, Format, LayoutDropError, audit, strict, to_format
 from memlayout.audit.recorder import NOT_RECORDED
+from memlayout.audit.render import render_html
 from memlayout.layout import formats_of
 from memlayout.tensors import convert_module, iter_tensors
 
@@ -372,3 +374,26 @@ def test_a_call_that_cannot_be_recorded_does_not_break_the_run(monkeypatch):
         out = model(x)
     assert torch.equal(out, model(x))
     assert rec.report.meta["unrecorded"] >= 1 and "boom" in rec.report.meta["first_unrecorded"]
+
+
+def test_drops_are_explained_from_the_coverage_cache(tmp_path, monkeypatch):
+    from memlayout.coverage import CoverageConfig, explain, run_coverage, save_to_cache
+
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8), nn.CircularPad2d(1))
+    x = torch.randn(2, 3, 10, 10)
+    before = audit(model, x)
+    dropped = {r.op for r in before.drops}
+    assert dropped, "this model is expected to drop channels-last somewhere on any build"
+    assert "coverage" not in before.meta  # nothing cached: nothing claimed
+    for rep in run_coverage(CoverageConfig(ops="nn.functional.instance_norm,nn.functional.pad.circular", jobs=0)):
+        save_to_cache(rep)
+    after = audit(model, x)
+    notes = after.meta.get("coverage", {})
+    # Every note is exactly what the cache says about that op; every dropped op the cache
+    # knows about gets one.
+    expected = {op: explain(op, "cpu", "float32", CL) for op in dropped}
+    assert notes == {op: s for op, s in expected.items() if s}
+    assert notes, "the coverage runs of the ops that dropped must know their aten calls"
+    page = render_html(after)
+    assert all(html.escape(n) in page for n in notes.values())  # and the page shows them

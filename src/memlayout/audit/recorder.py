@@ -249,6 +249,9 @@ class AuditMode:
     def _build(self) -> AuditReport:
         calls = [ModuleCall(i, *call) for i, call in enumerate(self._calls)]
         meta = {"torch": torch.__version__, **self.meta}
+        notes = coverage_notes(self._records, self.fmt, meta)
+        if notes:
+            meta["coverage"] = notes
         return AuditReport.from_records(self.fmt.value, self._records, calls, meta)
 
     # -- module and optimizer tracking ----------------------------------------------------
@@ -475,6 +478,22 @@ def run_once(model: nn.Module, inputs: Any, *, train: bool, dtype: torch.dtype |
         if train:
             scalar_loss(out).backward()
     return out
+
+
+def coverage_notes(records: Any, fmt: Format, meta: dict[str, Any]) -> dict[str, str]:
+    """For each op that dropped ``fmt``, what the cached coverage matrix says about it on this
+    torch build, device and dtype (``memlayout coverage`` fills the cache; without it: ``{}``).
+    Reads only the cache, never runs an op."""
+    from memlayout.coverage.store import explain
+
+    device = str(meta.get("device", "cpu")).split(":")[0]
+    dtype = str(meta.get("dtype", "float32"))
+    notes: dict[str, str] = {}
+    for op in sorted({r.op for r in records if r.dropped}):
+        sentence = explain(op, device, dtype, fmt)
+        if sentence:
+            notes[op] = sentence
+    return notes
 
 
 def audit(model: nn.Module, inputs: Any, *, train: bool = False,

@@ -49,6 +49,7 @@ def write_json(report: AuditReport, path: str | Path) -> None:
 # -- terminal ---------------------------------------------------------------------------------
 def render_terminal(report: AuditReport, console: Any, title: str = "audit", top: int = 20) -> None:
     """A rich summary, then drops and conversions grouped by (module type, op), by bytes."""
+    from rich.markup import escape
     from rich.table import Table
 
     s = report.summary
@@ -81,6 +82,13 @@ def render_terminal(report: AuditReport, console: Any, title: str = "audit", top
         worst.add_row(o.phase, _where(o.module, o.module_type), o.op, str(o.drops),
                       str(o.conversions), human_bytes(o.bytes))
     console.print(worst)
+    notes = report.meta.get("coverage") or {}
+    if notes:
+        console.print("[bold]what the coverage matrix says about the dropping ops:[/bold]")
+        for sentence in notes.values():
+            console.print(f"  {escape(sentence)}")
+    elif s.drops:
+        console.print("[dim]run `memlayout coverage` once to have drops explained by op[/dim]")
 
 
 # -- HTML -------------------------------------------------------------------------------------
@@ -293,8 +301,12 @@ def render_html(report: AuditReport, title: str = "memlayout audit") -> str:
             for o in s.top_offenders)
         offenders = ('<table><thead><tr><th>phase</th><th>module</th><th>op</th><th>drops</th>'
                      f'<th>conversions</th><th>bytes</th></tr></thead><tbody>{off_rows}</tbody></table>')
+        notes = report.meta.get("coverage") or {}
+        explained = ("<section><h2>What the coverage matrix says about the dropping ops</h2><ul>"
+                     + "".join(f"<li>{esc(n)}</li>" for n in notes.values())
+                     + "</ul></section>") if notes else ""
         detail = (f'<section><h2>Drops and conversions by module type and op</h2>{groups}</section>'
-                  f'<section><h2>Top offenders</h2>{offenders}</section>')
+                  f'<section><h2>Top offenders</h2>{offenders}</section>{explained}')
     else:
         detail = (f'<section><h2>Drops and conversions</h2><p class="ok">No op dropped {esc(fmt)} '
                   'and no layout conversion ran.</p></section>')

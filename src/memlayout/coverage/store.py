@@ -175,7 +175,8 @@ def explain(op: Any, device: str = "cpu", dtype: Any = "float32", fmt: Any = "ch
                   Verdict.DROPS: f"{rec.drops} of {total} calls"}.get(
             v, f"kept in {rec.preserves}, dropped in {rec.drops} of {total} calls")
         phase = "/".join(rec.phases)
-        return f"{rec.name} {_verb(v)} {fmt_value} {where} (coverage: {detail}, {phase})"
+        seen = f"; seen in {', '.join(rec.opinfo_ops[:4])}" if rec.opinfo_ops else ""
+        return f"{rec.name} {_verb(v)} {fmt_value} {where} (coverage: {detail}, {phase}{seen})"
     if rec.forward is Verdict.NOT_APPLICABLE and rec.backward is Verdict.NOT_APPLICABLE:
         return None
     if rec.forward is Verdict.ERROR:
