@@ -296,13 +296,15 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
         if progress is not None:
             progress(steps[0], rounds * len(builds), f"whole model, {name}")
 
+    start = time.perf_counter()
     record = g.time_candidates({name: b[0] for name, b in builds.items()}, inputs, dtype,
                                rounds=rounds, on_step=on_step)
     if store is not None and not record["errors"]:
         store.put(key, record)
     kept = g.decide(record, margin=margin)
-    return builds[kept], g.describe(record, kept=kept, margin=margin, source="measured",
-                                    skipped=skipped)
+    described = g.describe(record, kept=kept, margin=margin, source="measured", skipped=skipped)
+    described["seconds"] = time.perf_counter() - start
+    return builds[kept], described
 
 
 def _format(label: int, rank: int) -> Format:

@@ -90,19 +90,25 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
 
     fns = {name: runner(m) for name, m in models.items()}
     sync = device_sync(str(device))
-    # A warm-up and one probe round size each sample: a tiny model is called repeatedly so a
-    # sample lasts at least ~20 ms (one call of a small model is mostly timer noise).
-    probe = interleaved(fns, rounds=1, warmup=1, baseline=PLANNED, sync=sync)
-    quick = min((t.median for t in probe.modes.values() if t.ok), default=1.0)
+    # A warm-up and one probe round size the samples: a small model is called repeatedly so a
+    # sample lasts ~20 ms (one call is mostly timer noise). When one call is long enough the
+    # probe round is already a proper interleaved round and counts as the first.
+    probe = interleaved(fns, rounds=1, warmup=1, baseline=PLANNED, sync=sync, on_step=on_step)
+    live = {n: f for n, f in fns.items() if probe[n].ok}
+    quick = min((probe[n].median for n in live), default=1.0)
     repeat = max(1, min(100, int(0.02 / max(quick, 1e-6))))
-    c = interleaved({n: f for n, f in fns.items() if probe[n].ok}, rounds=rounds, warmup=0,
-                    repeat=repeat, baseline=PLANNED, sync=sync, on_step=on_step) \
-        if probe[PLANNED].ok else probe
-    errors = {name: t.error for name, t in [*probe.modes.items(), *c.modes.items()] if t.error}
-    ratios = {} if not c[PLANNED].ok else {
-        name: list(c.ratios(name)) for name in c.modes if name != PLANNED and c[name].ok}
-    return {"ratios": ratios, "rounds": len(c[PLANNED].times), "repeat": c.repeat,
-            "errors": errors}
+    runs = [probe] if repeat == 1 else []
+    if PLANNED in live and rounds > len(runs):
+        runs.append(interleaved(live, rounds=rounds - len(runs), warmup=0, repeat=repeat,
+                                baseline=PLANNED, sync=sync, on_step=on_step))
+    errors = {n: t.error for c in (probe, *runs) for n, t in c.modes.items() if t.error}
+    ratios: dict[str, list[float]] = {}
+    if PLANNED not in errors:
+        for name in live:
+            if name != PLANNED and name not in errors:
+                ratios[name] = [r for c in runs for r in c.ratios(name)]
+    return {"ratios": ratios, "rounds": sum(len(c[PLANNED].times) for c in runs),
+            "repeat": repeat, "errors": errors}
 
 
 def decide(record: Mapping[str, Any], *, margin: float) -> str:

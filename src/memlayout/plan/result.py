@@ -121,7 +121,8 @@ class Plan:
                  for name, c in g["candidates"].items()]
         parts += [f"{name} = the plan" for name in g["skipped"]]
         parts += [f"{name} failed: {err}" for name, err in g["errors"].items()]
-        source = "from the cache" if g["source"] == "cache" else "measured now"
+        source = ("from the cache" if g["source"] == "cache"
+                  else f"measured now, {g.get('seconds', 0.0):.1f} s")
         return (f"guard: kept {g['kept']}; planned / candidate time, whole model, median of "
                 f"{g['rounds']} interleaved rounds ({source}; a candidate replaces the plan "
                 f"above {1 + g['margin']:.2f}): " + "; ".join(parts))
