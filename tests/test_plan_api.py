@@ -323,3 +323,16 @@ def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
     with pytest.raises(LayoutVerificationError, match=r"first divergent node: a \(Conv2d\)"):
         memlayout.optimize(model, x, measure=False, output_format=None)
     assert _same(snap, model)
+
+
+def test_a_wrong_rewrite_of_a_submodule_is_named_and_never_returned(db, monkeypatch) -> None:
+    import memlayout.plan.rewrite as rewrite
+
+    monkeypatch.setattr(rewrite, "convert_value", lambda v, label: convert_value(v, label) * 1.5)
+    model, x = Untraceable().eval(), _x().abs()
+    model.net = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Conv2d(64, 64, 3))  # wide: worth NHWC
+    snap = _snapshot(model)
+    # planned at its traceable child "net" only; the whole model is compared, then the region
+    with pytest.raises(LayoutVerificationError, match=r"in net: _0 \(Conv2d\)"):
+        memlayout.optimize(model, x, measure=False)
+    assert _same(snap, model)
