@@ -8,10 +8,12 @@ import pytest
 import torch
 
 import memlayout
+import memlayout.plan.api as api
 import memlayout.plan.costs as costs
 import memlayout.plan.guard as guard
 from memlayout import timing
 from memlayout.plan.capture import capture
+from memlayout.plan.solve import Solution
 from tests.test_plan_api import Branchy, Features, _x
 
 
@@ -56,6 +58,30 @@ def test_guard_replaces_the_plan_with_a_clearly_faster_uniform_one(db, monkeypat
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
     assert opt.plan.verification["ok"]
+
+
+def test_an_eager_candidate_keeps_output_format_and_state_dict_keys(db, monkeypatch) -> None:
+    # the kept candidate is the original run in channels-last: a feature map it returns comes
+    # back in the format the original returns it in, and state dicts load both ways
+    _fake_clock(monkeypatch, {"all_channels_last": 1.0})
+    real = api.solve_min_cut
+
+    def all_contiguous(problem):  # a plan that is not channels-last, whatever was measured
+        return Solution({k: problem.pins.get(k, 0) for k in real(problem).labels}, 0)
+
+    monkeypatch.setattr(api, "solve_min_cut", all_contiguous)
+    model, x = Features().eval(), _x()
+    opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert opt.plan.guard["skipped"] == ["all_contiguous"]  # that is the plan already
+    assert opt.plan.guard["kept"] == "all_channels_last"
+    assert [c.value for c in opt.plan.conversions] == ["x"]  # the input, on entry
+    assert {n.format for n in opt.plan.nodes} == {"channels_last"}
+    with torch.no_grad():
+        want, got = model(x), opt(x)
+    assert memlayout.format_of(got) == memlayout.format_of(want) == memlayout.Format.CONTIGUOUS
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert list(opt.state_dict()) == list(model.state_dict())
+    opt.load_state_dict(Features().state_dict())
 
 
 def test_guard_keeps_the_plan_within_the_margin(db, monkeypatch) -> None:

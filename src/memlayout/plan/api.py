@@ -31,7 +31,7 @@ from memlayout.plan.capture import (
     iter_nodes,
 )
 from memlayout.plan.costs import CostCache, device_name, measure_costs
-from memlayout.plan.problem import baseline_labels, formulate
+from memlayout.plan.problem import OUTPUT_PREFIX, baseline_labels, formulate
 from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan
 from memlayout.plan.rewrite import PlannedGraph, rewrite
 from memlayout.plan.solve import Problem, objective, solve_min_cut
@@ -195,8 +195,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         if guard and measure and any(len(s[3]) for s in solved):
             built, guard_result = _guarded_build(
                 work, solved, inputs, run_dtype, store=store, rounds=guard_rounds,
-                margin=guard_margin, progress=progress,
-                extra=[input_label, output_label])
+                margin=guard_margin, progress=progress, output_label=output_label,
+                reference=captured.output, extra=[input_label, output_label])
         else:
             built = _build(work, solved)
         planned_tree, checks, nodes, conversions = built
@@ -257,38 +257,39 @@ def _build(work: nn.Module, solved: list) -> tuple[nn.Module, list, list[NodeCho
 
 def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
                    dtype: torch.dtype | None, *, store: CostCache | None, rounds: int,
-                   margin: float, progress: Progress | None,
-                   extra: Any) -> tuple[tuple, dict[str, Any]]:
-    """Build the min-cut plan and the uniform labellings that differ from it, time them as
-    whole models (or read that measurement from the cache) and return the kept one's build
-    with the guard's record (``memlayout.plan.guard``)."""
+                   margin: float, progress: Progress | None, output_label: int | str | None,
+                   reference: Any, extra: Any) -> tuple[tuple, dict[str, Any]]:
+    """Build the min-cut plan; time it as a whole model against the original run entirely
+    in one format (eager NCHW, eager NHWC: weights and inputs converted, outputs as
+    ``output_label`` says), skipping a format the plan already is end to end (or read that
+    measurement from the cache); return the kept one's build and the guard's record
+    (``memlayout.plan.guard``)."""
     from memlayout.plan import guard as g
 
-    labellings = {g.PLANNED: [s[3] for s in solved]}
-    skipped = []
-    for name, label in g.UNIFORM.items():
-        uniform = [baseline_labels(f.seconds, label) for _, _, f, _ in solved]
-        if uniform == labellings[g.PLANNED]:
-            skipped.append(name)
-        else:
-            labellings[name] = uniform
+    planned = _build(work, solved)
+    skipped = [name for name, label in g.UNIFORM.items() if _is_uniform(solved, planned, label)]
+    names = [name for name in g.UNIFORM if name not in skipped]
+    if _output_label(reference, output_label) == "mixed":
+        names = []  # outputs in several formats: a one-format model cannot return them so
+    if not names:
+        return planned, {"kept": g.PLANNED, "margin": margin, "source": "none", "rounds": 0,
+                         "candidates": {}, "skipped": skipped, "errors": {}}
 
     def build(name: str) -> tuple:
-        return _build(work, [(r, t, f, labels) for (r, t, f, _), labels
-                             in zip(solved, labellings[name], strict=True)])
+        if name == g.PLANNED:
+            return planned
+        return _build_uniform(work, solved, inputs, g.UNIFORM[name],
+                              _output_label(reference, output_label))
 
-    if len(labellings) == 1:  # the plan is uniform already: nothing to compare it with
-        return build(g.PLANNED), {"kept": g.PLANNED, "margin": margin, "source": "none",
-                                  "rounds": 0, "candidates": {}, "skipped": skipped, "errors": {}}
     device = device_of(inputs, work)
     key = g.cache_key(device_name(device), dtype, g.signature(
-        [(r.path, r.gm, labels) for (r, _, _, labels) in solved], extra))
+        [(r.path, r.gm, labels) for (r, _, _, labels) in solved], [extra, names]))
     record = store.get(key) if store is not None else None
     if record is not None:
         kept = g.decide(record, margin=margin)
         return build(kept), g.describe(record, kept=kept, margin=margin, source="cache",
                                        skipped=skipped)
-    builds = {name: build(name) for name in labellings}
+    builds = {name: build(name) for name in [g.PLANNED, *names]}
     steps = [0]
 
     def on_step(_round: int, name: str) -> None:
@@ -305,6 +306,74 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
     described = g.describe(record, kept=kept, margin=margin, source="measured", skipped=skipped)
     described["seconds"] = time.perf_counter() - start
     return builds[kept], described
+
+
+def _is_uniform(solved: list, planned: tuple, label: int) -> bool:
+    """The plan runs the whole model in ``label`` as eager would: one region (the model),
+    every layout node in ``label`` (or pinned), conversions only of inputs or for outputs."""
+    if len(solved) != 1 or solved[0][0].path != "":
+        return False
+    region, _, form, labels = solved[0]
+    if labels != baseline_labels(form.seconds, label):
+        return False
+    inputs = {n.name for n in region.gm.graph.nodes if n.op == "placeholder"}
+    return all(c.value in inputs or all(u.startswith(OUTPUT_PREFIX) for u in c.consumers)
+               for c in planned[3])
+
+
+def _output_label(reference: Any, output_label: int | str | None) -> int | str | None:
+    """The label the outputs of a one-format model are converted to: ``None`` (as they come),
+    0 / 1, or ``"mixed"`` (kept outputs in both formats: not possible)."""
+    if output_label != "keep":
+        return output_label
+    from memlayout.plan.capture import FREE, NONE, value_meta
+
+    label = value_meta(reference).label
+    if label in (0, 1):
+        return label
+    return None if label in (None, FREE) else "mixed" if label == NONE else None
+
+
+def _inputs_to(module: nn.Module, args: tuple[Any, ...], *, label: int) -> tuple[Any, ...]:
+    from memlayout.plan.costs import convert_value
+
+    return convert_value(tuple(args), label)
+
+
+def _outputs_to(module: nn.Module, args: tuple[Any, ...], output: Any, *, label: int) -> Any:
+    from memlayout.tensors import convert_batch
+
+    out = convert_batch(output, Format.CHANNELS_LAST if label else Format.CONTIGUOUS)
+    return convert_batch(out, Format.CHANNELS_LAST_3D) if label else out
+
+
+def _build_uniform(work: nn.Module, solved: list, inputs: tuple[Any, ...], label: int,
+                   output_label: int | str | None) -> tuple:
+    """The original model run entirely in ``label``, as eager NCHW / NHWC: a copy with its
+    weights converted, inputs converted on entry (outputs to ``output_label``) by hooks,
+    so ``state_dict`` keys stay the original's."""
+    import functools
+
+    from memlayout.plan.costs import convert_module_to
+
+    model = convert_module_to(copy.deepcopy(work), label)
+    model.register_forward_pre_hook(functools.partial(_inputs_to, label=label))
+    if output_label in (0, 1):
+        model.register_forward_hook(functools.partial(_outputs_to, label=output_label))
+    fmt = FORMAT_NAMES[label]
+    nodes = [NodeChoice(r.path, n, c.op, fmt, dict(zip(FORMAT_NAMES, c.seconds, strict=True)),
+                        c.timed) for r, t, _, _ in solved for n, c in t.nodes.items()]
+    conversions = []
+    if solved[0][0].path == "":
+        region, table = solved[0][0], solved[0][1]
+        for n in region.gm.graph.nodes:
+            meta = n.meta.get("memlayout")
+            if n.op == "placeholder" and meta is not None and meta.label == 1 - label:
+                cost = table.conversions.get(n.name)
+                conversions.append(Conversion(
+                    "", n.name, fmt, [list(t.shape) for t in meta.layout_tensors], meta.nbytes,
+                    0.0 if cost is None else cost.to_1 if label else cost.to_0, ["forward"]))
+    return model, [], nodes, conversions
 
 
 def _format(label: int, rank: int) -> Format:
@@ -357,9 +426,11 @@ def _verify(work: nn.Module, planned_tree: nn.Module, inputs: tuple[Any, ...], c
                    where=region.path, expected=region.output)
         from memlayout.errors import LayoutVerificationError
 
+        where = ("although every planned region matched" if checks else
+                 "(the model run entirely in one format, as the guard chose)")
         raise LayoutVerificationError(
             f"the planned model's outputs differ from the original's by {err:.3g} (relative) "
-            "although every planned region matched; the plan was not applied")
+            f"{where}; the plan was not applied")
     rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
     return {"ok": True, "max_error": err, "rtol": rtol, "tensors": count}
 

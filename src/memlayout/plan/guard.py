@@ -2,9 +2,10 @@
 
 Per-op costs are measured one op at a time; the real forward can disagree (a concatenation run
 NCHW between channels-last convolutions costs more in the model than alone). So the min-cut plan
-and each uniform labelling that differs from it (every layout node contiguous, every one
-channels-last; pinned nodes stay pinned) are built and timed as whole models, interleaved round
-by round through ``memlayout.timing.interleaved``. The plan is kept unless another candidate is
+is timed as a whole model against the original run entirely in one format, exactly as eager
+NCHW and eager NHWC run it (weights and inputs converted; outputs as the plan keeps them),
+except a format the plan already runs end to end, interleaved round by round through
+``memlayout.timing.interleaved``. The plan is kept unless another candidate is
 faster by more than ``margin`` in the median of the per-round ratios ``planned / candidate``.
 
 The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
@@ -34,7 +35,7 @@ from memlayout.plan.capture import META_KEY, autocast_context, device_of
 from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"
-UNIFORM = {"all_contiguous": 0, "all_channels_last": 1}  # candidate name -> label of every node
+UNIFORM = {"all_contiguous": 0, "all_channels_last": 1}  # eager in one format -> its label
 
 
 def signature(graphs: list[tuple[str, fx.GraphModule, Mapping[str, int]]],
