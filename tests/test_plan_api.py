@@ -130,7 +130,8 @@ def test_mlp_is_a_noop_measuring_nothing(db) -> None:
 
 
 def test_conversions_only_where_planned_and_weights_follow_their_node(db) -> None:
-    opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1)
+    # guard=False: the rewritten graph itself (a uniform plan would run as the eager model)
+    opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard=False)
     graph = opt.module.graph
     inserted = [n for n in graph.nodes if n.target is convert_value]
     assert len(inserted) == len(opt.plan.conversions)

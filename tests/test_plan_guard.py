@@ -84,6 +84,22 @@ def test_an_eager_candidate_keeps_output_format_and_state_dict_keys(db, monkeypa
     opt.load_state_dict(Features().state_dict())
 
 
+def test_a_plan_uniform_end_to_end_runs_as_that_eager_model(db, monkeypatch) -> None:
+    from memlayout.plan.rewrite import PlannedGraph
+
+    _fake_clock(monkeypatch, {"planned": 1.0})
+    real = api.solve_min_cut
+    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+        {k: problem.pins.get(k, 0) for k in real(problem).labels}, 0))
+    model, x = Features().eval(), _x()
+    opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert opt.plan.guard["kept"] == "planned" and opt.plan.guard["skipped"] == ["all_contiguous"]
+    assert not isinstance(opt.module, PlannedGraph)  # the original modules, no graph between
+    assert type(opt.module) is type(model)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+
+
 def test_guard_keeps_the_plan_within_the_margin(db, monkeypatch) -> None:
     # every other candidate 1 % faster than the plan: inside the 2 % margin, the plan stays
     _fake_clock(monkeypatch, {"planned": 1.0}, default=0.99)

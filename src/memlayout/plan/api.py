@@ -270,7 +270,13 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
     skipped = [name for name, label in g.UNIFORM.items() if _is_uniform(solved, planned, label)]
     names = [name for name in g.UNIFORM if name not in skipped]
     if _output_label(reference, output_label) == "mixed":
-        names = []  # outputs in several formats: a one-format model cannot return them so
+        names, skipped = [], []  # outputs in both formats: a one-format model cannot keep them
+    if skipped:
+        # The plan runs the model in one format end to end: run it exactly as that eager model
+        # (no graph module in between), so it is what it is compared with, not a copy of it.
+        eager = _build_uniform(work, solved, inputs, g.UNIFORM[skipped[0]],
+                               _output_label(reference, output_label))
+        planned = (eager[0], [], planned[2], planned[3])
     if not names:
         return planned, {"kept": g.PLANNED, "margin": margin, "source": "none", "rounds": 0,
                          "candidates": {}, "skipped": skipped, "errors": {}}
@@ -283,7 +289,7 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
 
     device = device_of(inputs, work)
     key = g.cache_key(device_name(device), dtype, g.signature(
-        [(r.path, r.gm, labels) for (r, _, _, labels) in solved], [extra, names]))
+        [(r.path, r.gm, labels) for (r, _, _, labels) in solved], [extra, names, skipped]))
     record = store.get(key) if store is not None else None
     if record is not None:
         kept = g.decide(record, margin=margin)

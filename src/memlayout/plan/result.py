@@ -119,7 +119,7 @@ class Plan:
             return f"guard: the plan equals {' and '.join(g['skipped'])}; nothing to compare"
         parts = [f"{name} {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})"
                  for name, c in g["candidates"].items()]
-        parts += [f"{name} = the plan" for name in g["skipped"]]
+        parts += [f"{name}: the plan itself, run as that eager model" for name in g["skipped"]]
         parts += [f"{name} failed: {err}" for name, err in g["errors"].items()]
         source = ("from the cache" if g["source"] == "cache"
                   else f"measured now, {g.get('seconds', 0.0):.1f} s")
