@@ -134,11 +134,12 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       user cache, see ``memlayout.plan.costs.cache_path``), ``False``, or a database path.
     - ``progress(done, total, what)`` is called while measuring.
     - ``guard`` (with ``measure``): per-op costs are measured in isolation, so the min-cut
-      plan is also timed as a whole model against all-contiguous and all-channels-last
-      (those that differ from it), interleaved for ``guard_rounds`` rounds; the plan is kept
-      unless another is faster by more than ``guard_margin`` in the median of per-round
-      ratios. ``plan.guard`` records the ratios and the choice; the measurement is cached
-      with the costs (see ``memlayout.plan.guard``).
+      plan is also timed as a whole model against the original run entirely NCHW and
+      entirely NHWC (as eager runs it; a plan that already is one of them end to end runs as
+      that eager model), interleaved for ``guard_rounds`` rounds; the plan is kept unless one
+      is faster by more than ``guard_margin`` in the median of per-round ratios.
+      ``plan.guard`` records the ratios and the choice; the measurement is cached with the
+      costs (see ``memlayout.plan.guard``).
 
     Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
     planned model would compute something else.
