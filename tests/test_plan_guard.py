@@ -84,6 +84,32 @@ def test_an_eager_candidate_keeps_output_format_and_state_dict_keys(db, monkeypa
     opt.load_state_dict(Features().state_dict())
 
 
+class DictOut(torch.nn.Module):
+    """Segmentation models return a dict of feature maps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Features()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"out": self.body(x)}
+
+
+def test_an_eager_candidate_keeps_dict_outputs_in_their_format(db, monkeypatch) -> None:
+    _fake_clock(monkeypatch, {"all_channels_last": 1.0})
+    real = api.solve_min_cut
+    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+        {k: problem.pins.get(k, 0) for k in real(problem).labels}, 0))
+    model, x = DictOut().eval(), _x()
+    opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert opt.plan.guard["kept"] == "all_channels_last"
+    with torch.no_grad():
+        want, got = model(x), opt(x)
+    assert list(got) == ["out"]
+    assert memlayout.format_of(got["out"]) == memlayout.format_of(want["out"])
+    torch.testing.assert_close(got["out"], want["out"], rtol=1e-4, atol=1e-5)
+
+
 def test_a_plan_uniform_end_to_end_runs_as_that_eager_model(db, monkeypatch) -> None:
     from memlayout.plan.rewrite import PlannedGraph
 
