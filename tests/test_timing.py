@@ -76,11 +76,25 @@ def test_rotation_order_is_logged_and_followed(rotate):
     names = ["a", "b", "c"]
     c = interleaved({n: clock.work(n, [1.0] * 10) for n in names}, rounds=4, warmup=1,
                     clock=clock, rotate=rotate)
-    expected = [names[r % 3:] + names[:r % 3] if rotate else names for r in range(4)]
+    rotations = [names[r % 3:] + names[:r % 3] for r in range(3)]
+    expected = [*rotations, rotations[0][::-1]] if rotate else [names] * 4
     assert [list(o) for o in c.order] == expected
     timed_calls = clock.calls[len(names):]  # after one warm-up call each, in name order
     assert clock.calls[:len(names)] == names
     assert timed_calls == [n for order in expected for n in order]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_rounds_vary_each_modes_position_and_predecessor(n):
+    names = [f"m{i}" for i in range(n)]
+    clock = FakeClock()
+    c = interleaved({m: clock.work(m, [1.0] * 4 * n) for m in names}, rounds=2 * n, warmup=0,
+                    clock=clock)
+    sequence = [m for order in c.order for m in order]
+    for m in names:
+        assert sorted(order.index(m) for order in c.order) == sorted(list(range(n)) * 2)
+        before = {sequence[i - 1] for i in range(1, len(sequence)) if sequence[i] == m}
+        assert len(before) >= min(2, n - 1), (m, before)  # not always after the same mode
 
 
 def test_on_step_sees_every_timed_sample_before_it_runs():
