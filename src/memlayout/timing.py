@@ -118,7 +118,7 @@ def interleaved(
     - ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each clock read.
     - ``rotate``: the order changes each round so that no mode always runs first, or always
       right after the same neighbour (cache and allocator state left by the previous mode
-      biases a sample: seen here as a steady 5 % between two identical models). Rotation
+      can bias a sample, and a fixed neighbour turns that into a steady bias). Rotation
       alone keeps neighbours (A B C, B C A, C A B: A always follows C), so every other cycle
       of rotations runs reversed: A B C, B C A, C A B, C B A, A C B, B A C, ...
     - a mode that raises is recorded with its error and dropped from later rounds; the others
