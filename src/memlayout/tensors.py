@@ -49,7 +49,11 @@ def format_of(t: torch.Tensor) -> FormatAnswer:
     >>> format_of(torch.empty(2, 3, 4, 5).transpose(2, 3)) is None
     True
     """
-    found = formats_of(tuple(t.shape), tuple(t.stride()))
+    return format_answer(formats_of(tuple(t.shape), tuple(t.stride())))
+
+
+def format_answer(found: frozenset[Format]) -> FormatAnswer:
+    """A ``formats_of`` set as ``format_of`` answers: ``None``, the one format, or the set."""
     if not found:
         return None
     if len(found) == 1:

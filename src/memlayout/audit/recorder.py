@@ -36,7 +36,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memlayout.audit.report import AuditReport, ModuleCall, OpRecord, TensorInfo
 from memlayout.errors import LayoutDropError, MemlayoutError
 from memlayout.layout import Format, formats_of
-from memlayout.tensors import convert_batch, convert_module, format_name, iter_tensors
+from memlayout.tensors import (
+    convert_batch,
+    convert_module,
+    format_answer,
+    format_name,
+    iter_tensors,
+)
 
 aten = torch.ops.aten
 
@@ -90,8 +96,7 @@ def _ranks(fmt: Format) -> frozenset[int]:
 @lru_cache(maxsize=8192)
 def _formats(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[frozenset[Format], str]:
     found = formats_of(shape, strides)
-    answer = None if not found else next(iter(found)) if len(found) == 1 else found
-    return found, format_name(answer)
+    return found, format_name(format_answer(found))
 
 
 @cache
