@@ -39,6 +39,13 @@ def _no_timing(*args, **kwargs):
     raise AssertionError("something was timed although everything is in the cache")
 
 
+def _plan_all_contiguous(monkeypatch) -> None:
+    """Make the solver label every unpinned node contiguous (so the guard has work to do)."""
+    real = api.solve_min_cut
+    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+        {k: problem.pins.get(k, 0) for k in real(problem).labels}, 0))
+
+
 @pytest.mark.parametrize("target,fmt", [("all_channels_last", "channels_last"),
                                         ("all_contiguous", "contiguous")])
 def test_guard_replaces_the_plan_with_a_clearly_faster_uniform_one(db, monkeypatch, target,
@@ -97,9 +104,7 @@ class DictOut(torch.nn.Module):
 
 def test_an_eager_candidate_keeps_dict_outputs_in_their_format(db, monkeypatch) -> None:
     _fake_clock(monkeypatch, {"all_channels_last": 1.0})
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
-        {k: problem.pins.get(k, 0) for k in real(problem).labels}, 0))
+    _plan_all_contiguous(monkeypatch)
     model, x = DictOut().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
     assert opt.plan.guard["kept"] == "all_channels_last"
@@ -114,9 +119,7 @@ def test_a_plan_uniform_end_to_end_runs_as_that_eager_model(db, monkeypatch) -> 
     from memlayout.plan.rewrite import PlannedGraph
 
     _fake_clock(monkeypatch, {"planned": 1.0})
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
-        {k: problem.pins.get(k, 0) for k in real(problem).labels}, 0))
+    _plan_all_contiguous(monkeypatch)
     model, x = Features().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
     assert opt.plan.guard["kept"] == "planned" and opt.plan.guard["skipped"] == ["all_contiguous"]
