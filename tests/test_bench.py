@@ -91,6 +91,27 @@ def _models_file(tmp_path):
 
         def starved():
             return Starved()
+
+        class CpuHungry(nn.Module):
+            # a real CPU allocator failure (10 TB) above batch 2, not a raised stand-in
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(3, 4, 3)
+            def forward(self, x):
+                if x.shape[0] > 2:
+                    torch.empty(10 ** 13, dtype=torch.uint8)
+                return self.conv(x)
+
+        def cpu_hungry():
+            return CpuHungry()
+
+        def dies():
+            import os
+
+            class Dies(nn.Module):
+                def forward(self, x):
+                    os._exit(3)  # the process is gone: nothing after this point runs
+            return Dies()
     """))
     return path
 
@@ -386,3 +407,70 @@ def test_zoos_are_buildable_specs():
             assert source in ("torchvision", "timm")
             if source == "torchvision":
                 assert model in known, entry.spec
+
+
+def test_cpu_allocator_failure_is_out_of_memory_and_retried(tmp_path):
+    path = _models_file(tmp_path)
+    cfg = BenchConfig.from_strings([f"{path}:cpu_hungry"], modes="nchw,nhwc", batch=8,
+                                   image_size=8, rounds=2, gemm_size=32)
+    records = run_bench(cfg).records
+    assert [r.status for r in records] == ["ok", "ok"]
+    assert all(r.batch == 2 and "out of memory at batch 8" in r.note for r in records)
+
+
+def _bench_args(path, out, models, *extra):
+    return ["bench", *[f"{path}:{m}" for m in models], "--modes", "nchw,nhwc", "--batch", "2",
+            "--image-size", "8", "--rounds", "2", "--gemm-size", "32", "--out", str(out), *extra]
+
+
+def test_resume_keeps_measured_cases_and_runs_only_the_missing_ones(tmp_path):
+    path, out = _models_file(tmp_path), tmp_path / "out"
+    first = CliRunner().invoke(app, _bench_args(path, out, ["tiny"]))
+    assert first.exit_code == 0, first.output
+    before = json.loads((out / "results.json").read_text())
+    assert {(r["model"].split(":")[-1], r["dtype"]) for r in before} == {("tiny", "fp32")}
+
+    events = []
+    from memlayout.bench import runner
+
+    real = runner._run_case
+
+    def counting(config, env, spec, dtype, task, *rest):
+        events.append((spec.spec.split(":")[-1], dtype, task))
+        return real(config, env, spec, dtype, task, *rest)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "_run_case", counting)
+        second = CliRunner().invoke(app, _bench_args(path, out, ["tiny", "nchw_only"],
+                                                     "--dtype", "fp32,bf16", "--resume"))
+    assert second.exit_code == 0, second.output
+    # only the three cases not in the first run were measured
+    assert sorted(events) == [("nchw_only", "bf16", "infer"), ("nchw_only", "fp32", "infer"),
+                              ("tiny", "bf16", "infer")]
+    after = json.loads((out / "results.json").read_text())
+    assert after[:len(before)] == before  # the first run's records, untouched
+    assert len(after) == 4 * 2
+    assert "resumed: records from 2 runs" in (out / "summary.md").read_text()
+
+    args = _bench_args(path, out, ["tiny"], "--resume")
+    args[args.index("--rounds") + 1] = "3"
+    mismatch = CliRunner().invoke(app, args)
+    assert mismatch.exit_code != 0
+    assert "rounds: 2 then, 3 now" in mismatch.output
+
+
+def test_a_run_killed_mid_way_keeps_every_finished_case(tmp_path):
+    import subprocess
+    import sys
+
+    path, out = _models_file(tmp_path), tmp_path / "out"
+    script = ("import sys; from memlayout.cli import app; sys.argv = ['memlayout', *sys.argv[1:]];"
+              " app()")
+    proc = subprocess.run([sys.executable, "-c", script,
+                           *_bench_args(path, out, ["tiny", "dies"])],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["model"].split(":")[-1], r["mode"], r["status"]) for r in rows} == {
+        ("tiny", "nchw", "ok"), ("tiny", "nhwc", "ok")}
+    assert not list(out.glob(".*.tmp"))

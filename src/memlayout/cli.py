@@ -219,7 +219,8 @@ def bench(
     compile_backend: Annotated[str, typer.Option(help="torch.compile backend of the compile modes. Default: inductor.")] = "inductor",
     gemm_size: Annotated[int | None, typer.Option(help="Side of the square matmul timed as the GEMM peak. Default: 2048 on CPU, 8192 on CUDA.")] = None,
     plan_costs: Annotated[str, typer.Option(help="Planner costs for the planned modes: measured (on this machine, cached) or analytic (no timing, faster). Default: measured.")] = "measured",
-    out: Annotated[str, typer.Option(help="Folder for results.csv, results.json, speedup.png, summary.md. Default: bench-results.")] = "bench-results",
+    out: Annotated[str, typer.Option(help="Folder for results.csv, results.json, speedup.png, summary.md, config.json; rewritten after every model x dtype x task, so a stopped run keeps what it measured. Default: bench-results.")] = "bench-results",
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the records already in --out and run only the cases missing there (same settings required; more models, dtypes or tasks are fine). Default: off (start over).")] = False,
 ) -> None:
     """Time every layout strategy on each model, interleaved round by round in one process, and
     report speedups over eager NCHW (median of per-round ratios), FLOP/s and compile times."""
@@ -228,7 +229,15 @@ def bench(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from memlayout.bench import BenchConfig, BenchConfigError, BenchEvent, run_bench, write_outputs
+    from memlayout.bench import (
+        BenchConfig,
+        BenchConfigError,
+        BenchEvent,
+        BenchResult,
+        resume_records,
+        run_bench,
+        write_outputs,
+    )
     from memlayout.bench import zoo as zoo_entries
     from memlayout.bench.report import problems, summary_tables
 
@@ -246,8 +255,12 @@ def bench(
             image_size=image_size, rounds=rounds, warmup=warmup, threads=threads, device=device,
             compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=tuple(sizes),
             plan_measure=plan_costs == "measured")
+        previous = resume_records(Path(out), cfg) if resume else []
     except MemlayoutError as exc:
         _fail(exc)
+    done = {(r.model, r.dtype, r.task) for r in previous}
+    if previous:
+        console.print(f"--resume: {len(done)} model x dtype x task cases already in {out}, kept")
     command = ["memlayout", "bench", *(models or [])]
     for flag, value, default in (("--zoo", zoo, None), ("--modes", modes, None), ("--dtype", dtype, None),
                                  ("--task", task, None), ("--batch", batch, None),
@@ -267,7 +280,14 @@ def bench(
         console.print(f"  {mode:16s} {layouts[mode]}")
 
     per_case = len(cfg.modes) * cfg.rounds
-    total = len(cfg.models) * len(cfg.dtypes) * len(cfg.tasks) * per_case
+    todo = [(m, d, t) for m in cfg.models for d in cfg.dtypes for t in cfg.tasks if (m, d, t) not in done]
+    total = len(todo) * per_case
+    records = list(previous)
+    command_text = shlex.join(command)
+
+    def save(case: list) -> None:  # after every case: a stopped run keeps what it measured
+        records.extend(case)
+        write_outputs(BenchResult(cfg, case[0].env, tuple(records)), Path(out), command=command_text)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         bar = progress.add_task("starting", total=total)
@@ -282,8 +302,9 @@ def bench(
             elif event.mode in cfg.modes:  # the GEMM timed alongside is not a step of the bar
                 progress.update(bar, advance=1, description=f"{where}: round {(event.round or 0) + 1}/{cfg.rounds} {event.mode}")
 
-        result = run_bench(cfg, on_event=on_event)
+        result = run_bench(cfg, on_event=on_event, skip=done, on_case=save)
         progress.update(bar, completed=total, description="done")
+    result = BenchResult(cfg, result.env, tuple(records))
 
     for table in summary_tables(result.records):
         t = Table(title=f"{table.dtype} {table.task}: speedup over eager NCHW, median of per-round ratios (min-max)")
@@ -294,7 +315,7 @@ def bench(
         console.print(t)
     for line in problems(result.records):
         console.print("note: " + line, markup=False, highlight=False)
-    paths = write_outputs(result, Path(out), command=shlex.join(command))
+    paths = write_outputs(result, Path(out), command=command_text)
     console.print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 

@@ -49,12 +49,33 @@ from memlayout.timing import device_sync
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LEARNING_RATE = 1e-3
 
-#: what counts as "out of memory" (by type, not by message): CUDA's and Python's.
-#: CPU allocation failures surface as a plain RuntimeError and are recorded as errors.
+#: what counts as "out of memory" by type: CUDA's and Python's.
 OUT_OF_MEMORY: tuple[type[BaseException], ...] = (
     getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),
     MemoryError,
 )
+#: c10's CPU allocator has no exception type of its own: it raises a plain RuntimeError
+#: ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate
+#: memory: ..."), so CPU out of memory is the one case recognised by its message.
+_CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_out_of_memory(exc: BaseException | type[BaseException] | None, message: str = "") -> bool:
+    """Whether an exception (or its type plus message, as the timer records them) is an
+    allocation failure: CUDA's ``OutOfMemoryError``, ``MemoryError``, or the CPU allocator's.
+
+    >>> is_out_of_memory(MemoryError()), is_out_of_memory(RuntimeError("shape mismatch"))
+    (True, False)
+    >>> is_out_of_memory(RuntimeError, "DefaultCPUAllocator: can't allocate memory: you tried")
+    True
+    """
+    if exc is None:
+        return False
+    kind = exc if isinstance(exc, type) else type(exc)
+    text = message if isinstance(exc, type) else str(exc)
+    if issubclass(kind, OUT_OF_MEMORY):
+        return True
+    return issubclass(kind, RuntimeError) and _CPU_OUT_OF_MEMORY in text
 
 
 @dataclass

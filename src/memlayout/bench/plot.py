@@ -8,6 +8,7 @@ is marked ``x`` on the 1.0 line, an unavailable one is left out.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,5 +72,7 @@ def plot_speedups(records: Sequence[BenchRecord], path: Path, *, title: str = ""
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp")  # renamed over ``path``: never half a picture
+    fig.savefig(tmp, dpi=110, format="png")
+    os.replace(tmp, path)
     return path

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,24 +28,35 @@ from memlayout.bench.runner import BenchResult
 from memlayout.timing import geomean
 
 
+def write_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``: a run
+    killed mid-write leaves the previous file whole, never half of the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
 def write_csv(records: Sequence[BenchRecord], path: Path) -> Path:
     """One row per record, columns ``FLAT_FIELDS``; per-round lists as space-separated numbers."""
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(FLAT_FIELDS))
-        writer.writeheader()
-        for record in records:
-            row = record.to_flat()
-            for key in ("round_times_s", "round_speedups"):
-                row[key] = " ".join(repr(v) for v in row[key])
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})
-    return path
+    fh = io.StringIO(newline="")
+    writer = csv.DictWriter(fh, fieldnames=list(FLAT_FIELDS))
+    writer.writeheader()
+    for record in records:
+        row = record.to_flat()
+        for key in ("round_times_s", "round_speedups"):
+            row[key] = " ".join(repr(v) for v in row[key])
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    return write_atomic(path, fh.getvalue())
 
 
 def write_json(records: Sequence[BenchRecord], path: Path) -> Path:
     """A JSON list of flat records (``null`` for a missing value, never NaN)."""
     rows = [{k: _finite(v) for k, v in r.to_flat().items()} for r in records]
-    path.write_text(json.dumps(rows, indent=1) + "\n")
-    return path
+    return write_atomic(path, json.dumps(rows, indent=1) + "\n")
 
 
 def read_json(path: Path) -> list[BenchRecord]:
@@ -157,8 +170,14 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
         "- cells: speedup over eager NCHW = median of per-round ratios (NCHW time / mode time), "
         "(min-max over rounds); > 1 is faster. bf16 = `torch.autocast` (weights fp32). "
         "train = forward + backward + SGD step.",
-        "",
     ]
+    stamps = sorted({r.env.timestamp for r in result.records})
+    if len(stamps) > 1:
+        versions = sorted({f"torch {r.env.torch}, memlayout {r.env.memlayout}"
+                           for r in result.records})
+        lines.append(f"- resumed: records from {len(stamps)} runs, {stamps[0]} to {stamps[-1]} "
+                     f"({'; '.join(versions)})")
+    lines.append("")
     for table in summary_tables(result.records):
         lines += [f"## {table.dtype} {table.task}", "", _md_row(table.header),
                   _md_row(tuple("---" for _ in table.header))]
@@ -171,8 +190,7 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
         lines.append("")
     if plot_name:
         lines += [f"![speedup vs NCHW]({plot_name})", ""]
-    path.write_text("\n".join(lines))
-    return path
+    return write_atomic(path, "\n".join(lines))
 
 
 def _cell(record: BenchRecord | None) -> str:

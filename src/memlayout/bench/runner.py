@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,10 +27,10 @@ import torch
 
 from memlayout.bench.config import BASELINE, BenchConfig, ModeUnavailable
 from memlayout.bench.modes import (
-    OUT_OF_MEMORY,
     PreparedMode,
     count_flops,
     gemm_step,
+    is_out_of_memory,
     prepare_mode,
 )
 from memlayout.bench.records import BenchRecord, Environment
@@ -72,22 +72,36 @@ class _OutOfMemory(Exception):
 
 
 def run_bench(config: BenchConfig, *, on_event: Callable[[BenchEvent], None] | None = None,
-              clock: Callable[[], float] = time.perf_counter) -> BenchResult:
+              clock: Callable[[], float] = time.perf_counter,
+              skip: Collection[tuple[str, str, str]] = (),
+              on_case: Callable[[list[BenchRecord]], None] | None = None) -> BenchResult:
     """Run every case of ``config``; never raises for a failing model or mode (they become
-    ``error`` / ``unavailable`` records). ``clock`` goes to the timer (tests inject a fake)."""
+    ``error`` / ``unavailable`` records). ``clock`` goes to the timer (tests inject a fake).
+
+    ``skip``: ``(model, dtype, task)`` cases already measured (a resumed run); a model whose
+    cases are all skipped is not even loaded. ``on_case(records)`` is called after each case
+    with its records, so a caller can save them before the next (long) case starts."""
     emit = on_event or (lambda event: None)
+    done = on_case or (lambda records: None)
+    skipped = set(skip)
     with _threads(config.threads):
         env = Environment.collect(config.device)
         records: list[BenchRecord] = []
         for spec_text in config.models:
+            cases = [(d, t) for d in config.dtypes for t in config.tasks
+                     if (spec_text, d, t) not in skipped]
+            if not cases:
+                continue
             spec, load_error = _load(spec_text, config)
-            for dtype in config.dtypes:
-                for task in config.tasks:
-                    if spec is None:
-                        records.extend(_failed_case(env, spec_text, dtype, task, config,
-                                                    "error", load_error))
-                        continue
-                    records.extend(_run_case(config, env, spec, dtype, task, emit, clock))
+            for dtype, task in cases:
+                if spec is None:
+                    case = _failed_case(env, spec_text, dtype, task, config, "error", load_error)
+                else:
+                    case = _run_case(config, env, spec, dtype, task, emit, clock)
+                records.extend(case)
+                done(case)
+            del spec
+            _release_memory()
     return BenchResult(config, env, tuple(records))
 
 
@@ -126,9 +140,9 @@ def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str,
     flops: int | None = None
     try:
         flops = count_flops(spec.module, x, dtype=dtype, task=task, device=config.device)
-    except OUT_OF_MEMORY as exc:
-        raise _OutOfMemory("flop count", _describe(exc)) from exc
     except Exception as exc:  # FLOPs are a column, not a reason to skip the case
+        if is_out_of_memory(exc):
+            raise _OutOfMemory("flop count", _describe(exc)) from exc
         notes = [*notes, f"FLOP count failed: {_describe(exc)}"]
     if any("compile" in m for m in config.modes):
         _reset_dynamo()  # fresh compile caches per case: no recompile limit, honest compile time
@@ -144,9 +158,9 @@ def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str,
                                           plan_measure=config.plan_measure)
         except ModeUnavailable as exc:
             failed[mode] = ("unavailable", str(exc))
-        except OUT_OF_MEMORY as exc:
-            raise _OutOfMemory(mode, _describe(exc)) from exc
         except Exception as exc:  # the mode fails on this model: record it, go on
+            if is_out_of_memory(exc):
+                raise _OutOfMemory(mode, _describe(exc)) from exc
             failed[mode] = ("error", _describe(exc))
 
     comparison: Comparison | None = None
@@ -162,7 +176,7 @@ def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str,
             on_step=lambda r, m: emit(BenchEvent(spec.spec, dtype, task, m, "round", r, batch)),
         )
         for name, timing in comparison.modes.items():
-            if timing.error_type is not None and issubclass(timing.error_type, OUT_OF_MEMORY):
+            if is_out_of_memory(timing.error_type, timing.error or ""):
                 raise _OutOfMemory(name, timing.error or "")
 
     note = "; ".join(notes)
