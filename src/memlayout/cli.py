@@ -443,5 +443,144 @@ def coverage(
     console.print(f"wrote {out_dir / 'coverage.json'} and {out_dir / 'coverage.md'}")
 
 
+@app.command()
+def train(
+    model: Annotated[str, typer.Argument(help="Classification model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
+    data: Annotated[str, typer.Option(help="ImageFolder (one sub-folder per class); with --synthetic, where it is written. Default: memlayout-synthetic.")] = "memlayout-synthetic",
+    synthetic: Annotated[int | None, typer.Option(help="Write N synthetic JPEGs (4 classes, PIL, at --image-size) into --data first; nothing is downloaded. Default: off.")] = None,
+    epochs: Annotated[int, typer.Option(help="Epochs. Default: 1.")] = 1,
+    batch: Annotated[int, typer.Option(help="Batch size per process. Default: 32.")] = 32,
+    dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
+    layout: Annotated[str, typer.Option(help="nchw (torchvision's usual path), nhwc (channels-last model + memlayout's channels-last data pipeline) or planned (memlayout.optimize(train=True) + the pipeline). Default: nhwc.")] = "nhwc",
+    lr: Annotated[float, typer.Option(help="SGD learning rate (momentum 0.9). Default: 0.01.")] = 0.01,
+    checkpoint: Annotated[str | None, typer.Option(help="Folder for latest.pt, written atomically at each epoch's end and the last step (rank 0). Default: none.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from --checkpoint's latest.pt (model, optimizer, step, RNG). Default: off.")] = False,
+    image_size: Annotated[int, typer.Option(help="Image height and width (images are resized to it). Default: 64.")] = 64,
+    workers: Annotated[int, typer.Option(help="DataLoader worker processes. Default: 0.")] = 0,
+    log_every: Annotated[int, typer.Option(help="Steps per log line (and per timed interval of --compare). Default: 10.")] = 10,
+    compare: Annotated[str | None, typer.Option(help="Comma-separated layouts (e.g. nchw,planned) trained side by side in this process, interval by interval (memlayout.timing.interleaved); prints images/s and per-round ratios over the first. Default: off.")] = None,
+    rounds: Annotated[int, typer.Option(help="Timed intervals per layout with --compare. Default: 7.")] = 7,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps in all. Default: epochs x steps per epoch.")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda (under torchrun: cuda:LOCAL_RANK). Default: cpu.")] = "cpu",
+    plan_costs: Annotated[str, typer.Option(help="Planner costs for --layout planned: measured (cached) or analytic. Default: measured.")] = "measured",
+    sync_bn: Annotated[bool, typer.Option("--sync-bn", help="SyncBatchNorm under torchrun (CUDA only). Default: off.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the weights, data order and dropout. Default: 0.")] = 0,
+) -> None:
+    """Train an image classifier (reference loop) in one layout, on one process or under
+    torchrun (DDP); print images/s, loss and accuracy per interval."""
+    import statistics
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from memlayout.train import (
+        TrainConfig,
+        Trainer,
+        compare_layouts,
+        init_distributed,
+        make_synthetic,
+    )
+    from memlayout.train.ddp import barrier, shutdown
+    from memlayout.train.loop import IntervalLog
+
+    out = console
+    try:
+        if plan_costs not in ("measured", "analytic"):
+            raise MemlayoutError(f"--plan-costs {plan_costs!r} is neither measured nor analytic")
+        info = init_distributed(device)
+        if not info.is_main:
+            out = Console(quiet=True)
+        if synthetic is not None:
+            if info.is_main:
+                make_synthetic(data, synthetic, size=image_size, seed=seed)
+            barrier(info)
+        cfg = TrainConfig(model, data, epochs=epochs, batch=batch, dtype=dtype, layout=layout, lr=lr,
+                          checkpoint=checkpoint, resume=resume, image_size=image_size,
+                          workers=workers, log_every=log_every, seed=seed, max_steps=max_steps,
+                          device=device, plan_measure=plan_costs == "measured", sync_batchnorm=sync_bn)
+        cfg.check()
+        where = (f"{info.world_size} processes (torchrun, DDP {'nccl' if device.startswith('cuda') else 'gloo'})"
+                 if info.distributed else "1 process")
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=out, transient=False) as progress:
+            bar = progress.add_task("building", total=None)
+
+            def on_event(event: object) -> None:
+                if isinstance(event, IntervalLog):
+                    progress.console.print(
+                        f"[{event.layout}] Epoch: [{event.epoch}][{event.step_in_epoch:>4}/{event.steps_per_epoch}]  "
+                        f"Time {event.seconds:7.3f} s  Speed {event.images_per_second:8.1f} img/s  "
+                        f"Loss {event.loss:.4f}  Acc@1 {event.accuracy:6.2f}", markup=False, highlight=False)
+                    progress.update(bar, completed=event.step, total=event.total_steps,
+                                    description=f"{event.layout} epoch {event.epoch}")
+                else:
+                    progress.console.print(str(event), markup=False, highlight=False)
+
+            if compare:
+                layouts = [s.strip() for s in compare.split(",") if s.strip()]
+                progress.update(bar, total=rounds * len(layouts), completed=0)
+                out.print(f"memlayout train {model} --compare {','.join(layouts)}: {dtype}, batch {batch} per process x {where}, "
+                          f"{image_size} px, {log_every} steps per interval, 1 warm-up + {rounds} interleaved rounds, "
+                          f"device {device}, torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+                steps = [0]
+
+                def on_step(r: int, name: str) -> None:
+                    steps[0] += 1
+                    progress.update(bar, completed=steps[0] - 1, description=f"round {r + 1}/{rounds} {name}")
+
+                result = compare_layouts(cfg, layouts, rounds=rounds, dist_info=info,
+                                         on_event=on_event, on_step=on_step)
+                progress.update(bar, completed=rounds * len(layouts), description="done")
+            else:
+                trainer = Trainer(cfg, info, on_event)
+                out.print(f"memlayout train {model}: layout {layout}, {dtype}, batch {batch} per process x {where}, "
+                          f"{image_size} px, {len(trainer.dataset)} images in {len(trainer.dataset.classes)} classes, "
+                          f"{trainer.steps_per_epoch} steps/epoch, {epochs} epochs, device {trainer.device}, "
+                          f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+                if trainer.plan_summary:
+                    out.print(trainer.plan_summary, markup=False, highlight=False)
+                if resume:
+                    out.print(f"resumed at step {trainer.step} from {checkpoint}", markup=False)
+                progress.update(bar, total=trainer.total_steps, completed=trainer.step, description=layout)
+                run = trainer.run()
+    except MemlayoutError as exc:
+        _fail(exc)
+    if compare:
+        c = result.comparison
+        base = layouts[0]
+        table = Table(title=f"images/s per layout, {result.steps_per_interval} steps x {batch} images x "
+                            f"{info.world_size} processes per interval (median of {rounds} interleaved rounds)")
+        for col in ("layout", "images/s", "interval s (median)", "spread", f"speed vs {base}", "last loss", "last acc@1"):
+            table.add_column(col, justify="left" if col == "layout" else "right")
+        for name in layouts:
+            t = c[name]
+            if not t.ok:
+                table.add_row(name, "failed", t.error or "", "", "", "", "")
+                continue
+            span = c.speedup_range(name)
+            ratio = (f"{c.speedup(name):.3f}x ({span[0]:.2f}-{span[1]:.2f})"
+                     if name != base and span else "1")
+            loss, acc = result.final.get(name, (float("nan"), float("nan")))
+            table.add_row(name, f"{result.images_per_second(name):.1f}", f"{t.median:.3f}",
+                          f"{100 * t.spread:.0f} %", ratio, f"{loss:.4f}", f"{acc:.1f}")
+        out.print(table)
+        for name in layouts[1:]:
+            if c[name].ok and c.speedup(name) is not None:
+                lo, hi = c.speedup_range(name)
+                out.print(f"ratio {name}/{base} images/s: {c.speedup(name):.3f}x (median of "
+                          f"{len(c.ratios(name))} per-round ratios, range {lo:.3f}-{hi:.3f})",
+                          markup=False, highlight=False)
+    else:
+        later = [i.images_per_second for i in run.intervals[1:]] or [i.images_per_second for i in run.intervals]
+        if later:
+            out.print(f"{run.step - run.start_step} steps; images/s per interval (all processes, "
+                      f"first interval left out as warm-up): median {statistics.median(later):.1f}, "
+                      f"range {min(later):.1f}-{max(later):.1f}; final loss {run.intervals[-1].loss:.4f}",
+                      markup=False, highlight=False)
+        if run.checkpoint:
+            out.print(f"checkpoint: {run.checkpoint}", markup=False, highlight=False)
+    shutdown(info)
+
+
 if __name__ == "__main__":
     app()

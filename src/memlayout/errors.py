@@ -48,3 +48,15 @@ class MixedImageSizeError(DataPipelineError):
     def __init__(self, message: str, sizes: dict[tuple[int, int, int], list[int]]):
         super().__init__(message)
         self.sizes = sizes
+
+
+class TrainError(MemlayoutError, ValueError):
+    """A training run that cannot start or go on as asked (``memlayout train``, ``memlayout.train``)."""
+
+
+class CheckpointError(MemlayoutError):
+    """A training checkpoint that cannot be written, read, or loaded into this model."""
+
+
+class ExportError(MemlayoutError):
+    """``torch.export`` of a (planned) model failed; the message says why and what to do."""

@@ -1,0 +1,420 @@
+"""The reference training loop behind ``memlayout train``: ImageFolder classification, one
+process or a torchrun job (DDP), in NCHW, channels-last (NHWC) or planned layouts.
+
+Plain data in and out: a :class:`TrainConfig` in, :class:`IntervalLog` events while it runs
+(the CLI renders them), a :class:`TrainResult` at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data.distributed import DistributedSampler
+
+from memlayout.errors import TrainError
+from memlayout.train import checkpoint as ckpt
+from memlayout.train.data import LAYOUTS, SkipSampler, image_folder, loader, model_input
+from memlayout.train.ddp import (
+    DistInfo,
+    all_reduce_sum,
+    grad_layout_mismatches,
+    unwrap,
+    warn_grad_layouts,
+    wrap_ddp,
+)
+
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on. ``batch`` is per process; ``max_steps`` stops early
+    (counted from the start of training, across resumes)."""
+
+    model: str
+    data: str
+    epochs: int = 1
+    batch: int = 32
+    dtype: str = "fp32"
+    layout: str = "nhwc"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-5
+    checkpoint: str | None = None
+    resume: bool = False
+    image_size: int = 64
+    workers: int = 0
+    log_every: int = 10
+    seed: int = 0
+    max_steps: int | None = None
+    device: str = "cpu"
+    plan_measure: bool = True
+    sync_batchnorm: bool = False
+
+    def check(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise TrainError(f"--layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if self.dtype not in DTYPES:
+            raise TrainError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("epochs", "batch", "image_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.workers < 0:
+            raise TrainError(f"--workers must be >= 0, got {self.workers}")
+        if self.resume and not self.checkpoint:
+            raise TrainError("--resume needs --checkpoint DIR (the folder holding latest.pt)")
+
+
+@dataclass(frozen=True)
+class IntervalLog:
+    """One log line: the steps since the previous line, over all processes."""
+
+    layout: str
+    epoch: int
+    step_in_epoch: int          # steps done in this epoch
+    steps_per_epoch: int
+    step: int                   # steps done since the start of training
+    total_steps: int
+    seconds: float
+    images: int                 # images in the interval, all processes
+    loss: float                 # mean loss over the interval's images
+    accuracy: float             # top-1 %, over the interval's images
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else math.inf
+
+
+@dataclass
+class TrainResult:
+    """What a run did. ``losses``: this process's loss per step of this run (the loss curve)."""
+
+    config: TrainConfig
+    world_size: int
+    start_step: int
+    step: int
+    losses: list[float] = field(default_factory=list)
+    intervals: list[IntervalLog] = field(default_factory=list)
+    checkpoint: str | None = None
+    plan_summary: str | None = None
+
+
+Event = Callable[[Any], None]
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
+                      measure: bool, name: str) -> nn.Module:
+    """``memlayout.optimize(module, example, train=True)`` with channels-last input, or a
+    ``TrainError`` saying that this build has no planned training."""
+    from memlayout.plan.api import optimize
+
+    try:
+        return optimize(module, example, dtype=dtype, input_format="channels_last",
+                        measure=measure, name=name, train=True)
+    except TypeError as exc:
+        if "train" not in str(exc):
+            raise
+        raise TrainError("--layout planned needs planned training (memlayout.optimize(..., "
+                         "train=True)), which this build of memlayout does not have; use "
+                         "--layout nhwc or nchw") from exc
+
+
+class Trainer:
+    """One model, optimizer and data stream in one layout, on this process."""
+
+    def __init__(self, config: TrainConfig, dist_info: DistInfo | None = None,
+                 on_event: Event | None = None) -> None:
+        from memlayout.models import load_model
+
+        config.check()
+        self.config = config
+        self.dist = dist_info or DistInfo()
+        self.on_event = on_event or (lambda _e: None)
+        device = torch.device(config.device)
+        if device.type == "cuda" and self.dist.distributed:
+            device = torch.device("cuda", self.dist.local_rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        self.autocast_dtype = DTYPES[config.dtype]
+        if config.sync_batchnorm and self.dist.distributed and device.type != "cuda":
+            raise TrainError("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU kernel "
+                             "for a distributed run; drop --sync-bn on CPU")
+
+        self.dataset = image_folder(config.data, config.layout, config.image_size)
+        self.sampler = DistributedSampler(self.dataset, num_replicas=self.dist.world_size,
+                                          rank=self.dist.rank, shuffle=True, seed=config.seed)
+        self.steps_per_epoch = len(self.sampler) // config.batch
+        if self.steps_per_epoch == 0:
+            raise TrainError(f"{len(self.dataset)} images give {len(self.sampler)} per process, "
+                             f"fewer than one batch of {config.batch}; lower --batch or add data")
+        self.total_steps = config.epochs * self.steps_per_epoch
+        if config.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.max_steps)
+
+        spec = load_model(config.model, batch=config.batch, image_size=config.image_size,
+                          seed=config.seed)
+        self.model_kind = spec.kind
+        model = spec.module.to(device)
+        self.plan_summary: str | None = None
+        if config.layout == "nhwc":
+            from memlayout.tensors import convert_module
+
+            convert_module(model, spec.fmt)
+        elif config.layout == "planned":
+            from memlayout.tensors import convert_batch
+
+            example = convert_batch(spec.example_input.to(device), spec.fmt)
+            model = self._plan(model, example)
+        model.train()
+        if self.dist.distributed:
+            model = wrap_ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
+                             sync_batchnorm=config.sync_batchnorm)
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=config.lr,
+                                         momentum=config.momentum,
+                                         weight_decay=config.weight_decay)
+        self.scaler = (torch.amp.GradScaler(device.type)
+                       if config.dtype == "fp16" and hasattr(torch, "amp")
+                       and hasattr(torch.amp, "GradScaler") else None)
+        torch.manual_seed(config.seed + self.dist.rank)  # dropout etc.: per rank, reproducible
+        self.step = 0
+        self._checked_grads = False
+        if config.resume:
+            self.load(Path(config.checkpoint) / ckpt.LATEST)  # type: ignore[arg-type]
+        self._stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _plan(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
+        # Rank 0 plans (and fills the cost cache) first; the others then read the same costs,
+        # so every rank arrives at the same plan (checked again by wrap_ddp).
+        import torch.distributed as dist
+
+        if self.dist.distributed and not self.dist.is_main:
+            dist.barrier()
+        try:
+            planned = plan_for_training(model, example, dtype=self.config.dtype,
+                                        measure=self.config.plan_measure, name=self.config.model)
+        finally:
+            if self.dist.distributed and self.dist.is_main:
+                dist.barrier()
+        plan = getattr(planned, "plan", None)
+        self.plan_summary = plan.summary() if plan is not None else None
+        return planned
+
+    # -- data --------------------------------------------------------------------------
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches from the current step on, epoch after epoch (a resumed epoch skips what
+        it had seen)."""
+        while True:
+            epoch, done = divmod(self.step, self.steps_per_epoch)
+            self.sampler.set_epoch(epoch)
+            sampler = SkipSampler(self.sampler, done * self.config.batch)
+            data = loader(self.dataset, self.config.layout, batch=self.config.batch,
+                          sampler=sampler, image_size=self.config.image_size,
+                          workers=self.config.workers,
+                          pin_memory=self.device.type == "cuda",
+                          # its own generator: making a loader must not draw from the global
+                          # RNG, or a resumed run's dropout would differ from the original's
+                          generator=torch.Generator().manual_seed(self.config.seed + epoch))
+            for i, batch in enumerate(data):
+                if done + i >= self.steps_per_epoch:
+                    break
+                yield batch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._stream is None:
+            self._stream = self._batches()
+        return next(self._stream)
+
+    # -- one step ----------------------------------------------------------------------
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward, optimizer step on one batch; returns (loss, correct) tensors."""
+        x = model_input(images, self.config.layout, self.device)
+        y = labels.to(self.device, non_blocking=True)
+        with _autocast(self.device, self.autocast_dtype):
+            out = self.model(x)
+            loss = F.cross_entropy(out.float(), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        if not self._checked_grads:
+            self._checked_grads = True
+            warn_grad_layouts(self.model)
+        self.step += 1
+        return loss.detach(), (out.detach().argmax(1) == y).sum()
+
+    def run_steps(self, n: int) -> tuple[float, float]:
+        """``n`` steps; returns the mean loss and the top-1 % over their images (this process)."""
+        losses, correct = [], []
+        for _ in range(n):
+            loss, c = self.train_step(*self.next_batch())
+            losses.append(loss)
+            correct.append(c)
+        return (torch.stack(losses).mean().item(),
+                100.0 * torch.stack(correct).sum().item() / (n * self.config.batch))
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The checkpoint of this step. A collective under DDP (RNG states of every rank)."""
+        rng = ckpt.rng_state(self.device)
+        rngs = [rng]
+        if self.dist.distributed:
+            import torch.distributed as dist
+
+            rngs = [None] * self.dist.world_size
+            dist.all_gather_object(rngs, rng)
+        return {
+            "format": ckpt.FORMAT, "step": self.step,
+            "epoch": self.step // self.steps_per_epoch,
+            "step_in_epoch": self.step % self.steps_per_epoch,
+            "model": ckpt.neutral_state_dict(self.model),
+            "optimizer": ckpt.neutral_optimizer_state(self.optimizer),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": rngs, "world_size": self.dist.world_size,
+            "config": {k: v for k, v in asdict(self.config).items()
+                       if k not in ("resume", "max_steps", "checkpoint")},
+        }
+
+    def save(self) -> Path | None:
+        """Write ``latest.pt`` (rank 0) atomically; every rank must call it."""
+        if not self.config.checkpoint:
+            return None
+        state = self.state()
+        if not self.dist.is_main:
+            return None
+        return ckpt.atomic_save(state, Path(self.config.checkpoint) / ckpt.LATEST)
+
+    def load(self, path: Path) -> None:
+        state = ckpt.load_checkpoint(path)
+        same = ("model", "batch", "image_size", "data")
+        saved = state.get("config", {})
+        changed = [k for k in same if k in saved and saved[k] != getattr(self.config, k)]
+        if changed or state.get("world_size") != self.dist.world_size:
+            self.on_event(f"note: resuming with other settings than the checkpoint's "
+                          f"({', '.join(changed) or 'world size'} differ): the run will not "
+                          "repeat the uninterrupted one exactly")
+        ckpt.load_neutral_state_dict(self.model, state["model"])
+        ckpt.load_optimizer_state(self.optimizer, state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        rngs = state.get("rng") or []
+        if len(rngs) == self.dist.world_size:
+            ckpt.set_rng_state(rngs[self.dist.rank], self.device)
+        self.step = int(state["step"])
+        self._stream = None
+
+    # -- the loop ----------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        """Train to ``total_steps``, logging every ``log_every`` steps and at each epoch's
+        end; checkpoint at each epoch's end and at the last step."""
+        cfg = self.config
+        result = TrainResult(cfg, self.dist.world_size, self.step, self.step,
+                             plan_summary=self.plan_summary)
+        losses: list[torch.Tensor] = []
+        correct: list[torch.Tensor] = []
+        start = time.perf_counter()
+        while self.step < self.total_steps:
+            loss, c = self.train_step(*self.next_batch())
+            losses.append(loss)
+            correct.append(c)
+            end_of_epoch = self.step % self.steps_per_epoch == 0
+            last = self.step == self.total_steps
+            if len(losses) >= cfg.log_every or end_of_epoch or last:
+                values = torch.stack(losses).tolist()
+                result.losses.extend(values)
+                n = len(values) * cfg.batch
+                total_loss, total_correct, count = all_reduce_sum(
+                    [sum(values) * cfg.batch, float(torch.stack(correct).sum()), float(n)],
+                    self.device)
+                seconds = time.perf_counter() - start
+                epoch, done = divmod(self.step - 1, self.steps_per_epoch)
+                log = IntervalLog(cfg.layout, epoch, done + 1, self.steps_per_epoch, self.step,
+                                  self.total_steps, seconds, int(count), total_loss / count,
+                                  100.0 * total_correct / count)
+                result.intervals.append(log)
+                self.on_event(log)
+                losses, correct = [], []
+                if (end_of_epoch or last) and cfg.checkpoint:
+                    path = self.save()
+                    if path is not None:
+                        result.checkpoint = str(path)
+                        self.on_event(f"checkpoint: {path} (step {self.step})")
+                start = time.perf_counter()
+        result.step = self.step
+        return result
+
+
+def train(config: TrainConfig, *, dist_info: DistInfo | None = None,
+          on_event: Event | None = None) -> TrainResult:
+    """Build a :class:`Trainer` for ``config`` and run it to the end."""
+    return Trainer(config, dist_info, on_event).run()
+
+
+@dataclass(frozen=True)
+class LayoutComparison:
+    """Layouts trained side by side in one process, interval by interval
+    (``memlayout.timing.interleaved``): seconds per interval and the per-round ratios."""
+
+    comparison: Any                       # memlayout.timing.Comparison
+    images_per_interval: int              # over all processes
+    steps_per_interval: int
+    final: dict[str, tuple[float, float]]  # layout -> (loss, top-1 %) of its last interval
+
+    def images_per_second(self, layout: str) -> float:
+        return self.images_per_interval / self.comparison[layout].median
+
+
+def compare_layouts(config: TrainConfig, layouts: list[str], *, rounds: int = 7,
+                    dist_info: DistInfo | None = None, on_event: Event | None = None,
+                    on_step: Callable[[int, str], None] | None = None) -> LayoutComparison:
+    """Train one model per layout (same initial weights and data order), alternating
+    ``config.log_every`` steps of each, ``rounds`` timed rounds after one warm-up interval;
+    the first layout is the baseline of the ratios. Under torchrun every rank runs the same
+    order, so DDP's collectives line up."""
+    from memlayout.timing import device_sync, interleaved
+
+    if len(layouts) < 2 or len(set(layouts)) != len(layouts):
+        raise TrainError(f"--compare needs two or more different layouts, got {layouts}")
+    info = dist_info or DistInfo()
+    base = replace(config, checkpoint=None, resume=False, max_steps=None)
+    trainers = {}
+    for layout in layouts:
+        if on_event is not None:
+            on_event(f"building {layout}")
+        trainers[layout] = Trainer(replace(base, layout=layout), info, on_event)
+    final: dict[str, tuple[float, float]] = {}
+
+    def interval(layout: str) -> Callable[[], None]:
+        def run() -> None:
+            final[layout] = trainers[layout].run_steps(config.log_every)
+        return run
+
+    c = interleaved({name: interval(name) for name in layouts}, rounds=rounds, warmup=1,
+                    baseline=layouts[0], sync=device_sync(str(trainers[layouts[0]].device)),
+                    on_step=on_step)
+    return LayoutComparison(c, config.log_every * config.batch * info.world_size,
+                            config.log_every, final)
+
+
+__all__ = ["DTYPES", "IntervalLog", "LayoutComparison", "TrainConfig", "TrainResult",
+           "Trainer", "compare_layouts", "grad_layout_mismatches", "plan_for_training", "train",
+           "unwrap"]
