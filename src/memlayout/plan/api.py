@@ -31,6 +31,7 @@ from memlayout.plan.capture import (
     iter_nodes,
 )
 from memlayout.plan.costs import CostCache, device_name, measure_costs
+from memlayout.plan.drops import drop_notes, notes_of
 from memlayout.plan.problem import OUTPUT_PREFIX, baseline_labels, formulate
 from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan
 from memlayout.plan.rewrite import PlannedGraph, rewrite
@@ -177,6 +178,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
                                   cache=store, rounds=rounds, progress=progress)
             measured += table.measured
             cached += table.cached
+            drop_notes(region.gm, region.inputs, table, dtype=run_dtype)  # into node.meta
             form = formulate(region.gm, table,
                              input_label=input_label if region.path == "" else None,
                              output_label=output_label if region.path == "" else "keep")
@@ -244,9 +246,11 @@ def _build(work: nn.Module, solved: list) -> tuple[nn.Module, list, list[NodeCho
             setattr(parent, child, planned)
         else:
             planned_tree = planned
+        drops = notes_of(region.gm)
         for n, c in table.nodes.items():
             nodes.append(NodeChoice(region.path, n, c.op, FORMAT_NAMES[labels[n]],
-                                    dict(zip(FORMAT_NAMES, c.seconds, strict=True)), c.timed))
+                                    dict(zip(FORMAT_NAMES, c.seconds, strict=True)), c.timed,
+                                    drops.get(n, [])))
         for value, to, served in made:
             cost = table.conversions[value]
             conversions.append(Conversion(
@@ -369,7 +373,8 @@ def _build_uniform(work: nn.Module, solved: list, inputs: tuple[Any, ...], label
         model.register_forward_hook(functools.partial(_outputs_to, label=output_label))
     fmt = FORMAT_NAMES[label]
     nodes = [NodeChoice(r.path, n, c.op, fmt, dict(zip(FORMAT_NAMES, c.seconds, strict=True)),
-                        c.timed) for r, t, _, _ in solved for n, c in t.nodes.items()]
+                        c.timed, notes_of(r.gm).get(n, []))
+             for r, t, _, _ in solved for n, c in t.nodes.items()]
     conversions = []
     if solved[0][0].path == "":
         region, table = solved[0][0], solved[0][1]

@@ -27,6 +27,8 @@ class NodeChoice:
     format: str
     seconds: dict[str, float | None]
     timed: bool
+    #: why it returns another format when fed channels-last (``memlayout.plan.drops``)
+    drops: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ class Plan:
             lines.append(self.guard_summary())
         for path, reason in self.uncaptured:
             lines.append(f"left eager: {path or '(whole model)'}: {reason}")
+        lines += [f"drops channels-last: {n.name} ({n.op}): {note}"
+                  for n in self.nodes for note in n.drops]
         return "\n".join(lines)
 
     def guard_summary(self) -> str:
