@@ -124,7 +124,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              measure: bool = True, cache: bool | str | Path = True,
              progress: Progress | None = None, rounds: int = 5, name: str | None = None,
              guard: bool = True, guard_rounds: int = 5,
-             guard_margin: float = 0.02) -> OptimizedModule:
+             guard_margin: float = 0.02, memory: bool = True,
+             memory_budget: int | str | None = None, padding: bool = True,
+             blocked: bool = True) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -141,6 +143,13 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       is faster by more than ``guard_margin`` in the median of per-round ratios.
       ``plan.guard`` records the ratios and the choice; the measurement is cached with the
       costs (see ``memlayout.plan.guard``).
+    - ``padding`` (with ``measure``): convolutions whose channel counts are not a multiple of
+      the vector width run padded where that measures faster (``memlayout.plan.padding``).
+    - ``blocked`` (with ``measure``): where this build has mkldnn tensors, chains of supported
+      ops are timed in that blocked format too and reported (``memlayout.plan.blocked``).
+    - ``memory``: ``plan.memory`` reports the peak activation memory of the planned model vs
+      the original (``memlayout.plan.memory``); ``memory_budget`` (bytes, or ``"300MB"``):
+      the fastest plan whose peak fits, or ``PlanError`` saying the smallest peak found.
 
     Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
     planned model would compute something else.
@@ -203,6 +212,30 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         else:
             built = _build(work, solved)
         planned_tree, checks, nodes, conversions = built
+        # issue #10: padded channels, blocked formats, peak memory and a memory budget
+        from memlayout.plan import memory as mem
+
+        budget = mem.budget_bytes(memory_budget)
+        padded: list[dict[str, Any]] = []
+        if padding and measure:
+            from memlayout.plan.padding import plan_padding, records
+
+            padded = records(plan_padding(planned_tree, inputs, dtype=run_dtype, cache=store,
+                                          rounds=rounds, progress=progress))
+        memory_record: dict[str, Any] = {}
+        if memory or budget is not None:
+            (planned_tree, checks, nodes, conversions), memory_record = mem.memory_step(
+                work, inputs, run_dtype, built, solved=solved, budget=budget, padding=padded,
+                kept=guard_result.get("kept", "planned"), predicted=predicted,
+                build=lambda s: _build(work, s),
+                build_uniform=lambda label: _build_uniform(
+                    work, solved, inputs, label, _output_label(captured.output, output_label)))
+        blocked_record: dict[str, Any] = {}
+        if blocked and measure:
+            from memlayout.plan.blocked import measure_blocked
+
+            blocked_record = measure_blocked(planned_tree, inputs, dtype=run_dtype, cache=store,
+                                             rounds=rounds)
         verify_start = time.perf_counter()
         verification = _verify(work, planned_tree, inputs, checks, run_dtype,
                                expected=captured.output)
@@ -218,7 +251,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             uncaptured=[[p, r] for p, r in captured.uncaptured],
             measured=measured, cached=cached, measure=measure,
             planning_seconds=time.perf_counter() - start, verification=verification,
-            guard=guard_result,
+            guard=guard_result, padding=padded, memory=memory_record, blocked=blocked_record,
         )
     finally:
         if store is not None:

@@ -64,6 +64,10 @@ class Plan:
     planning_seconds: float = 0.0
     verification: dict[str, Any] = field(default_factory=dict)
     guard: dict[str, Any] = field(default_factory=dict)  # see memlayout.plan.guard
+    # issue #10 (defaults keep older plan JSON loading):
+    padding: list[dict[str, Any]] = field(default_factory=list)  # memlayout.plan.padding
+    memory: dict[str, Any] = field(default_factory=dict)  # memlayout.plan.memory
+    blocked: dict[str, Any] = field(default_factory=dict)  # memlayout.plan.blocked
 
     @property
     def counts(self) -> dict[str, int]:
@@ -110,6 +114,10 @@ class Plan:
                      f"planning took {self.planning_seconds:.1f} s{of_which}")
         if self.guard:
             lines.append(self.guard_summary())
+        from memlayout.plan.describe import blocked_summary, memory_summary, padding_summary
+
+        lines += [line for line in (memory_summary(self.memory), padding_summary(self.padding),
+                                    blocked_summary(self.blocked)) if line]
         for path, reason in self.uncaptured:
             lines.append(f"left eager: {path or '(whole model)'}: {reason}")
         lines += [f"drops channels-last: {n.name} ({n.op}): {note}"
@@ -158,4 +166,8 @@ class Plan:
                 conv.add_row(c.value, c.to, " ".join(str(tuple(s)) for s in c.shapes),
                              f"{c.nbytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}", ", ".join(c.consumers))
             console.print(conv)
+        if self.padding:
+            from memlayout.plan.describe import padding_table
+
+            console.print(padding_table(self.padding))
         console.print(self.summary())

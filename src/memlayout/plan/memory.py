@@ -1,0 +1,312 @@
+"""Memory (L2 plan): peak activation memory of a forward pass, and plans within a budget.
+
+Layout plans allocate: a conversion is a copy of a tensor, a padded convolution reads and writes
+wider tensors, and both live alongside the tensors they came from. ``peak_memory`` runs a model
+once (no grad, under autocast for a dtype) and reports the largest number of bytes held by
+tensors created during that forward, above what was held before it:
+
+- CUDA: the caching allocator's own statistics (``torch.cuda.max_memory_allocated`` minus the
+  bytes allocated before the call), so kernels' workspaces count too.
+- elsewhere (CPU): a tensor-lifetime count. A thin ``TorchDispatchMode`` sees every aten call;
+  an output whose storage is not one of the call's inputs' is a new allocation (its storage's
+  ``nbytes`` become live); a finalizer on the storage returns them when it dies. Aliases (views,
+  in-place results) add nothing. Buffers a kernel allocates and frees inside itself (oneDNN
+  scratch) are not tensors and are not counted: the figure is the activations' footprint.
+
+A chain of convolutions ``x -> a -> b`` under ``nn.Sequential`` peaks at ``|a| + |b|`` (the
+input existed before; ``a`` dies once ``b`` exists):
+
+>>> from torch import nn
+>>> net = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 4, 1)).eval()
+>>> peak_memory(net, (torch.randn(1, 3, 4, 4),)).peak_bytes == (8 + 4) * 16 * 4
+True
+
+``within_budget`` picks, among candidate plans ordered by predicted time, the first whose
+measured peak fits a budget; ``PlanError`` says the smallest peak found when none does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memlayout.errors import PlanError
+from memlayout.plan.capture import autocast_context, device_of
+
+CUDA_ALLOCATOR = "cuda_allocator"
+TENSOR_LIFETIME = "tensor_lifetime"
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """Bytes held by tensors made during one forward: at the peak, and still held at its end
+    (the outputs); how they were counted (``CUDA_ALLOCATOR`` or ``TENSOR_LIFETIME``)."""
+
+    peak_bytes: int
+    end_bytes: int
+    method: str
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts bytes of storages allocated by aten calls while they are alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tracked: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(s) for s in map(_storage, _tensors((args, kwargs))) if s is not None}
+        for t in _tensors(out):
+            s = _storage(t)
+            if s is None:  # an opaque tensor (mkldnn): no storage; the tensor owns its bytes
+                self._track(t, t.numel() * t.element_size())
+            elif id(s) not in inputs and id(s) not in self._tracked:
+                self._track(s, s.nbytes())
+        return out
+
+    def _track(self, owner: Any, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        key = id(owner)
+        self._tracked.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(owner, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._tracked.discard(key)
+        self.live -= nbytes
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> Any:
+    if t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...], *,
+                dtype: torch.dtype | None = None) -> MemoryPeak:
+    """Peak activation bytes of one ``module(*inputs)`` (no grad, autocast for ``dtype``)."""
+    device = device_of(inputs, module) if isinstance(module, nn.Module) else _device(inputs)
+    args = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.no_grad(), autocast_context(device, dtype):
+            out = module(*args)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        end = torch.cuda.memory_allocated(device) - before
+        del out
+        return MemoryPeak(int(peak), int(end), CUDA_ALLOCATOR)
+    counter = _LiveBytes()
+    with torch.no_grad(), autocast_context(device, dtype), counter:
+        out = module(*args)
+    end = counter.live
+    del out
+    return MemoryPeak(counter.peak, end, TENSOR_LIFETIME)
+
+
+def _device(inputs: tuple[Any, ...]) -> torch.device:
+    for t in _tensors(inputs):
+        return t.device
+    return torch.device("cpu")
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of distinct parameters and buffers (padded weights are larger)."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        s = _storage(t)
+        if s is None:
+            seen[id(t)] = t.numel() * t.element_size()
+        else:
+            seen[s.data_ptr() or id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class Candidate:
+    """A plan to consider under a memory budget: a name, its predicted seconds, and a function
+    that builds it (returns whatever the caller needs; its first element is the module)."""
+
+    name: str
+    predicted: float
+    build: Callable[[], Any]
+
+
+def within_budget(candidates: Sequence[Candidate], budget: int,
+                  measure: Callable[[nn.Module], MemoryPeak]) -> tuple[Candidate, Any, dict[str, Any]]:
+    """The fastest candidate (lowest ``predicted``; ties in the given order) whose peak fits
+    ``budget``: returns it, its build, and the record of every candidate measured. Candidates
+    are built and measured fastest first, stopping at the first that fits.
+
+    >>> fake = {"fast": 300, "lean": 100, "mid": 200}
+    >>> cs = [Candidate(n, p, lambda n=n: (n,)) for n, p in [("fast", 1.0), ("lean", 3.0), ("mid", 2.0)]]
+    >>> best, built, record = within_budget(cs, 250, lambda m: MemoryPeak(fake[m], 0, "test"))
+    >>> best.name, sorted(record)
+    ('mid', ['fast', 'mid'])
+    """
+    order = sorted(range(len(candidates)), key=lambda i: (candidates[i].predicted, i))
+    record: dict[str, Any] = {}
+    for i in order:
+        c = candidates[i]
+        built = c.build()
+        peak = measure(built[0])
+        record[c.name] = {"peak": peak.peak_bytes, "predicted": c.predicted}
+        if peak.peak_bytes <= budget:
+            return c, built, record
+    smallest = min(record.items(), key=lambda kv: kv[1]["peak"])
+    tried = ", ".join(f"{n} {r['peak'] / 1e6:.2f} MB" for n, r in record.items())
+    raise PlanError(
+        f"memory_budget={budget} bytes ({budget / 1e6:.2f} MB): no plan fits; the smallest peak "
+        f"found is {smallest[1]['peak']} bytes ({smallest[0]}); tried {tried}. Raise the budget "
+        f"to at least {smallest[1]['peak']} or plan a smaller batch"
+    )
+
+
+def budget_bytes(budget: int | float | str | None) -> int | None:
+    """A budget in bytes from an int or a string with a unit (``"300MB"``, ``"1.5GiB"``).
+
+    >>> budget_bytes("1.5KiB"), budget_bytes(2_000), budget_bytes(None)
+    (1536, 2000, None)
+    """
+    if budget is None:
+        return None
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
+        return int(budget)
+    if isinstance(budget, str):
+        text = budget.strip().replace(" ", "")
+        units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6,
+                 "kb": 10**3, "b": 1, "": 1}
+        for unit in sorted(units, key=len, reverse=True):
+            if text.lower().endswith(unit):
+                number = text[: len(text) - len(unit)] if unit else text
+                try:
+                    value = float(number)
+                except ValueError:
+                    break
+                if value > 0:
+                    return int(value * units[unit])
+                break
+    raise PlanError(f"memory_budget {budget!r} is not a positive number of bytes; give an int "
+                    "or a string such as '300MB' or '1.5GiB'")
+
+
+def describe_bytes(n: int) -> str:
+    """``12.3 MB`` (decimal megabytes, as the plan summary prints them)."""
+    return f"{n / 1e6:.2f} MB"
+
+
+# ---------------------------------------------------------------- the planner's memory step
+
+#: conversion bytes are weighted by these multiples of the model's mean conversion cost per
+#: byte to find plans with fewer (or smaller) conversions: a Lagrangian sweep over memory
+PENALTIES = (1.0, 4.0, 16.0, 256.0)
+
+
+def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
+                built: tuple, *, solved: list, kept: str, predicted: dict[str, float],
+                budget: int | None, padding: list[dict[str, Any]],
+                build: Callable[[list], tuple],
+                build_uniform: Callable[[int], tuple]) -> tuple[tuple, dict[str, Any]]:
+    """Measure the peak of the original (``work``) and of the plan ``built``; with a
+    ``budget`` the plan is over, consider other plans (the min-cut plan unpadded, plans that
+    weigh conversion bytes more, all-NCHW, all-NHWC), fastest predicted first, and return the
+    first that fits (``PlanError`` when none does). Returns the build kept and the plan's
+    ``memory`` record."""
+    original = peak_memory(work, inputs, dtype=dtype)
+    planned = peak_memory(built[0], inputs, dtype=dtype)
+    padded = [p["module"] for p in padding if p["chosen"] != "unpadded"]
+    record: dict[str, Any] = {
+        "method": planned.method, "original": original.peak_bytes, "planned": planned.peak_bytes,
+        "original_end": original.end_bytes, "planned_end": planned.end_bytes,
+        "parameters": {"original": parameter_bytes(work), "planned": parameter_bytes(built[0])},
+        "budget": budget, "chosen": kept + (" (padded)" if padded else ""), "candidates": {},
+    }
+    if budget is None or planned.peak_bytes <= budget:
+        return built, record
+    saved = sum(p["seconds"]["unpadded"] - p["seconds"][p["chosen"]] for p in padding
+                if p["chosen"] != "unpadded" and p["seconds"].get(p["chosen"]) is not None)
+    first = record["chosen"]
+    record["candidates"][first] = {"peak": planned.peak_bytes,
+                                   "predicted": predicted.get(kept, 0.0) - saved}
+    candidates: list[Candidate] = []
+    if kept != "planned" or padded:
+        candidates.append(Candidate("planned", predicted["planned"], lambda: build(solved)))
+    for label, name in ((0, "all_contiguous"), (1, "all_channels_last")):
+        if name != kept or padded:
+            candidates.append(Candidate(name, predicted[name],
+                                        lambda label=label: build_uniform(label)))
+    seen = [tuple(sorted(labels.items())) for *_, labels in solved]
+    for penalty in PENALTIES:
+        relabelled = [(r, t, f, _labels_weighing_bytes(f, t, penalty)) for r, t, f, _ in solved]
+        key = [tuple(sorted(labels.items())) for *_, labels in relabelled]
+        if key == seen:
+            continue
+        seen = key
+        cost = sum(_seconds(f, labels) for _, _, f, labels in relabelled)
+        candidates.append(Candidate(f"fewer_conversion_bytes_x{penalty:g}", cost,
+                                    lambda s=relabelled: build(s)))
+    candidates.sort(key=lambda c: c.predicted)
+    try:
+        best, chosen, tried = within_budget(
+            candidates, budget, lambda m: peak_memory(m, inputs, dtype=dtype))
+    except PlanError as exc:
+        raise PlanError(f"{exc} (the fastest plan, {first}, peaks at "
+                        f"{planned.peak_bytes} bytes)") from None
+    record["candidates"].update(tried)
+    record["chosen"] = best.name
+    record["planned"] = tried[best.name]["peak"]
+    record["parameters"]["planned"] = parameter_bytes(chosen[0])
+    record["padding_dropped"] = bool(padded)
+    return chosen, record
+
+
+def _seconds(form: Any, labels: dict[str, int]) -> float:
+    from memlayout.plan.solve import Problem, objective
+
+    return objective(Problem(form.seconds.unary, form.seconds.tensors), labels) or 0.0
+
+
+def _labels_weighing_bytes(form: Any, table: Any, penalty: float) -> dict[str, int]:
+    """The min-cut labels when every conversion also costs ``penalty`` times the region's
+    mean conversion seconds per byte, per byte it copies."""
+    from memlayout.plan.solve import Problem, Tensor, solve_min_cut
+
+    values = list(form.consumers)  # formulate appends one tensor term per consumed value
+    tensors = form.integer.tensors
+    assert len(values) == len(tensors)
+    nbytes = [table.conversions[v].nbytes for v in values]
+    per_byte = sum(t.cost_to_0 + t.cost_to_1 for t in tensors) / max(2 * sum(nbytes), 1)
+    weight = max(per_byte, 1e-9) * penalty
+    heavier = tuple(Tensor(t.producer, t.consumers, t.cost_to_1 + round(weight * b),
+                           t.cost_to_0 + round(weight * b)) for t, b in zip(tensors, nbytes, strict=True))
+    scale = max(1, -(-sum(t.cost_to_0 + t.cost_to_1 for t in heavier) // 10**8))
+    if scale > 1:  # keep the sum within scipy's int32 max-flow
+        heavier = tuple(Tensor(t.producer, t.consumers, t.cost_to_1 // scale, t.cost_to_0 // scale)
+                        for t in heavier)
+    unary = {k: (a // scale, b // scale) for k, (a, b) in form.integer.unary.items()}
+    problem = Problem(unary, heavier, form.integer.pins, form.integer.ties)
+    try:
+        return solve_min_cut(problem).labels
+    except ValueError:
+        return solve_min_cut(Problem(unary, heavier, form.integer.pins)).labels

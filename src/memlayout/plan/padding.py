@@ -1,0 +1,317 @@
+"""Padded channels (L2 plan, after rewrite): a convolution may run with its channel counts
+rounded up to the hardware's vector width, where that measures faster.
+
+oneDNN, cuDNN, TensorRT (kHWC8) and ONNX Runtime (NCHWc) all prefer channel counts that are a
+multiple of a block ``k`` (8 floats for AVX2, 16 for AVX-512, 8 halves for tensor cores). A
+convolution with ``C_in`` or ``C_out`` not a multiple of ``k`` can run padded: the input gets
+``k``-rounded zero channels (and the weights zero input slices), the weights get extra zero
+filters (the output extra channels, all zero), and the output is cropped back to the true
+``C_out`` before anything else sees it. Zeros contribute nothing, so the values are those of the
+unpadded convolution (up to summation order); the planner's verification compares them.
+
+Per candidate convolution (``groups == 1``, 2-D) each variant -- unpadded, inputs padded,
+outputs padded, both -- for each ``k`` of :func:`block_sizes` is timed on the input it receives
+in the planned model, pad and crop included, interleaved through ``memlayout.timing``; the
+fastest minimum wins, and a padded variant only when it beats unpadded by ``margin``. Timings are
+cached in the cost cache (keyed by device, torch version, dtype, convolution, input layout and
+variant). ``PaddedConv2d`` is an ``nn.Conv2d`` with the same parameters (so ``state_dict``
+keys and shapes are the original's) and the padded weights in non-persistent buffers.
+
+>>> import torch
+>>> conv = torch.nn.Conv2d(3, 5, 3).eval()
+>>> padded = PaddedConv2d.from_conv(conv, pad_in=16, pad_out=8)
+>>> padded.padded_weight.shape
+torch.Size([8, 16, 3, 3])
+>>> x = torch.randn(1, 3, 6, 6)
+>>> torch.allclose(padded(x), conv(x), atol=1e-6), padded(x).shape == conv(x).shape
+(True, True)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlayout.plan.capture import autocast_context, device_of
+
+Progress = Callable[[int, int, str], None]
+UNPADDED = "unpadded"
+
+
+def block_sizes(device: torch.device | str, dtype: torch.dtype | None) -> tuple[int, ...]:
+    """The channel multiples worth trying here: CUDA fp16/bf16 8 (tensor cores), CUDA fp32
+    4 and 8; CPU with AVX-512 16 and 8, with AVX2 8, else 4."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return (8,) if dtype in (torch.float16, torch.bfloat16) else (4, 8)
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # very old builds
+        cap = "DEFAULT"
+    if "AVX512" in cap:
+        return (16, 8)
+    if "AVX2" in cap:
+        return (8,)
+    return (4,)
+
+
+def _round_up(c: int, k: int) -> int:
+    return -(-c // k) * k
+
+
+def variants(conv: nn.Conv2d, blocks: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+    """Padded variants of ``conv``: name -> (padded C_in, padded C_out); empty when none
+    applies (grouped, transposed, or channels already multiples).
+
+    >>> variants(torch.nn.Conv2d(3, 24, 3), (16, 8))
+    {'in16': (16, 24), 'out16': (3, 32), 'both16': (16, 32), 'in8': (8, 24)}
+    """
+    if not _eligible(conv):
+        return {}
+    cin, cout = conv.in_channels, conv.out_channels
+    out: dict[str, tuple[int, int]] = {}
+    for k in blocks:
+        pin, pout = _round_up(cin, k), _round_up(cout, k)
+        if pin != cin:
+            out[f"in{k}"] = (pin, cout)
+        if pout != cout:
+            out[f"out{k}"] = (cin, pout)
+        if pin != cin and pout != cout:
+            out[f"both{k}"] = (pin, pout)
+    return out
+
+
+def _eligible(conv: nn.Module) -> bool:
+    return (type(conv) is nn.Conv2d and conv.groups == 1 and conv.padding_mode == "zeros"
+            and not isinstance(conv.padding, str))
+
+
+def _format_of(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+class PaddedConv2d(nn.Conv2d):
+    """``nn.Conv2d`` that runs with ``C_in`` padded to ``in_padded`` and ``C_out`` to
+    ``out_padded``: pads its input with zero channels, convolves with zero-padded weights, crops
+    the output to ``out_channels``, keeping the input's memory format. Parameters are the
+    original's; the padded copies are refreshed when a state dict is loaded."""
+
+    in_padded: int
+    out_padded: int
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, *, pad_in: int, pad_out: int) -> PaddedConv2d:
+        """Wrap ``conv``'s parameters (shared, not copied); ``pad_in``/``pad_out``: the padded
+        channel counts (``<=`` the true ones: unchanged)."""
+        new = cls.__new__(cls)
+        new.__dict__.update({k: v for k, v in conv.__dict__.items()
+                             if k not in ("_parameters", "_buffers", "_modules")})
+        new._parameters = dict(conv._parameters)
+        new._buffers = dict(conv._buffers)
+        new._modules = dict(conv._modules)
+        new._non_persistent_buffers_set = set(conv._non_persistent_buffers_set)
+        new.in_padded = max(pad_in, conv.in_channels)
+        new.out_padded = max(pad_out, conv.out_channels)
+        new.register_buffer("padded_weight", torch.empty(0), persistent=False)
+        new.register_buffer("padded_bias", None, persistent=False)
+        new.refresh()
+        return new
+
+    def refresh(self) -> None:
+        """Recompute the padded weights (and bias) from the parameters."""
+        w = self.weight.detach()
+        fmt = _format_of(w)
+        padded = w.new_zeros((self.out_padded, self.in_padded, *w.shape[2:]))
+        padded[: w.shape[0], : w.shape[1]] = w
+        self.padded_weight = padded.contiguous(memory_format=fmt)
+        if self.bias is not None:
+            b = self.bias.detach().new_zeros(self.out_padded)
+            b[: self.out_channels] = self.bias.detach()
+            self.padded_bias = b
+        else:
+            self.padded_bias = None
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        with torch.no_grad():
+            self.refresh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = _format_of(x)
+        if self.in_padded != self.in_channels:
+            n, c, h, w = x.shape
+            wide = x.new_zeros((n, self.in_padded, h, w)).contiguous(memory_format=fmt)
+            wide[:, :c] = x
+            x = wide
+        weight = self.padded_weight
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled():
+            weight = weight.to(x.dtype)
+        y = nn.functional.conv2d(x, weight, self.padded_bias, self.stride, self.padding,
+                                 self.dilation, self.groups)
+        if self.out_padded != self.out_channels:
+            y = y[:, : self.out_channels].contiguous(memory_format=_format_of(y))
+        return y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", padded=({self.in_padded}, {self.out_padded})"
+
+
+@dataclass(frozen=True)
+class PadChoice:
+    """One candidate convolution: its module path, true channels, measured seconds per variant
+    (``unpadded`` and each padded one; ``None`` where it failed), and the variant chosen."""
+
+    module: str
+    in_channels: int
+    out_channels: int
+    input_shape: list[int]
+    input_format: str
+    seconds: dict[str, float | None]
+    chosen: str
+    source: str  # "measured", "cache" or "forced"
+    ratios: dict[str, float] | None = None  # median per-round unpadded / variant time
+
+    @property
+    def saved(self) -> float:
+        """Seconds per call the chosen variant saves (0 when unpadded)."""
+        base = self.seconds.get(UNPADDED)
+        got = self.seconds.get(self.chosen)
+        return 0.0 if base is None or got is None else base - got
+
+
+def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
+               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The input each module in ``paths`` first receives in one run of ``model``."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for path in paths:
+        def hook(_m: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
+            if path not in seen and args and isinstance(args[0], torch.Tensor):
+                seen[path] = args[0].detach().clone(memory_format=torch.preserve_format)
+        handles.append(model.get_submodule(path).register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad(), autocast_context(device_of(inputs, model), dtype):
+            model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
+                 cache: Any = None, rounds: int = 5, margin: float = 0.02,
+                 progress: Progress | None = None, blocks: tuple[int, ...] | None = None,
+                 force: str | None = None, apply: bool = True) -> list[PadChoice]:
+    """Measure every eligible convolution of ``model`` (a planned model, run as it will run)
+    unpadded and padded; replace the ones where a padded variant is faster by ``margin`` with
+    a :class:`PaddedConv2d` (in place, when ``apply``). ``force``: a variant name (``"both16"``)
+    chosen wherever it exists, unmeasured (tests). Returns one :class:`PadChoice` per
+    candidate convolution."""
+    from memlayout.plan.costs import device_name
+    from memlayout.timing import device_sync, interleaved
+
+    device = device_of(inputs, model)
+    blocks = blocks or block_sizes(device, dtype)
+    convs = {path: m for path, m in model.named_modules(remove_duplicate=True)
+             if path and variants(m, blocks)}
+    if not convs:
+        return []
+    seen = _inputs_of(model, inputs, list(convs), dtype)
+    context = [device_name(device), torch.__version__, str(dtype)]
+    sync = device_sync(str(device))
+    choices: list[PadChoice] = []
+    for i, (path, conv) in enumerate(convs.items()):
+        x = seen.get(path)
+        if x is None or x.dim() != 4:
+            continue  # not called in this forward (or not on a 4-D input): nothing to decide
+        if progress is not None:
+            progress(i + 1, len(convs), f"{path} (padded channels)")
+        options = variants(conv, blocks)
+        fmt = "channels_last" if _format_of(x) is torch.channels_last else "contiguous"
+        key = json.dumps(["pad-v2", *context, repr(conv), list(x.shape), list(x.stride()),
+                          str(x.dtype), sorted(options), rounds])
+        record = cache.get(key) if cache is not None and force is None else None
+        source = "cache"
+        if force is not None:
+            record = {"seconds": dict.fromkeys([UNPADDED, *options]), "ratios": {}}
+            source = "forced"
+        elif record is None:
+            record, source = _measure(conv, x, options, dtype, rounds, sync, interleaved), "measured"
+            if cache is not None and all(v is not None for v in record["seconds"].values()):
+                cache.put(key, record)
+        if force is not None:
+            chosen = force if force in options else UNPADDED
+        else:
+            chosen = decide(record["seconds"], record["ratios"], margin)
+        choices.append(PadChoice(path, conv.in_channels, conv.out_channels, list(x.shape), fmt,
+                                 record["seconds"], chosen, source, record["ratios"]))
+        if apply and chosen != UNPADDED:
+            pin, pout = options[chosen]
+            _replace(model, path, PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout))
+    return choices
+
+
+def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int]],
+             dtype: torch.dtype | None, rounds: int, sync: Callable[[], None],
+             interleaved: Callable[..., Any]) -> dict[str, Any]:
+    import time
+
+    modules: dict[str, nn.Module] = {UNPADDED: conv}
+    for name, (pin, pout) in options.items():
+        modules[name] = PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout)
+
+    def call(m: nn.Module) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad(), autocast_context(x.device, dtype):
+                return m(x)
+        return run
+
+    fns = {name: call(m) for name, m in modules.items()}
+    sync()
+    start = time.perf_counter()
+    fns[UNPADDED]()
+    sync()
+    first = time.perf_counter() - start
+    repeat = max(1, min(50, int(0.004 / max(first, 1e-6))))
+    result = interleaved(fns, rounds=rounds, warmup=1, repeat=repeat, sync=sync,
+                         baseline=UNPADDED)
+    return {"seconds": {name: (t.min if t.ok else None) for name, t in result.modes.items()},
+            "ratios": {name: result.speedup(name) for name in options
+                       if result.speedup(name) is not None}}
+
+
+def decide(seconds: dict[str, float | None], ratios: dict[str, float], margin: float) -> str:
+    """The variant to run: the padded one with the lowest minimum time when that beats
+    unpadded by ``margin`` and the median of its per-round ratios (unpadded / padded) does too
+    (a shared machine's noise can flatter one minimum); else ``unpadded``.
+
+    >>> decide({"unpadded": 1.0, "in16": 0.8, "out16": 0.9}, {"in16": 1.2, "out16": 1.1}, 0.02)
+    'in16'
+    >>> decide({"unpadded": 1.0, "in16": 0.8}, {"in16": 0.99}, 0.02)
+    'unpadded'
+    """
+    base = seconds.get(UNPADDED)
+    timed = {n: s for n, s in seconds.items() if s is not None and n != UNPADDED}
+    if base is None or not timed:
+        return UNPADDED
+    best = min(timed, key=timed.__getitem__)
+    faster = timed[best] < base * (1.0 - margin) and ratios.get(best, 0.0) > 1.0 + margin
+    return best if faster else UNPADDED
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, new)
+
+
+def records(choices: list[PadChoice]) -> list[dict[str, Any]]:
+    """The plan's ``padding`` entry: plain dicts."""
+    return [asdict(c) for c in choices]
