@@ -26,12 +26,13 @@ def _nbytes(*shape: int) -> int:
 
 def test_a_chain_of_convolutions_peaks_at_the_largest_neighbouring_pair() -> None:
     channels = [3, 8, 16, 4, 12]
-    net = nn.Sequential(*[nn.Conv2d(a, b, 3, padding=1) for a, b in zip(channels, channels[1:])])
+    pairs = zip(channels, channels[1:], strict=False)
+    net = nn.Sequential(*[nn.Conv2d(a, b, 3, padding=1) for a, b in pairs])
     x = torch.randn(2, 3, 10, 10)
     sizes = [_nbytes(2, c, 10, 10) for c in channels[1:]]
     # Sequential drops its reference to an activation once the next one exists; the input
     # existed before the call and is not counted.
-    expected = max([sizes[0]] + [a + b for a, b in zip(sizes, sizes[1:])])
+    expected = max([sizes[0]] + [a + b for a, b in zip(sizes, sizes[1:], strict=False)])
     got = peak_memory(net.eval(), (x,))
     assert got.peak_bytes == expected
     assert got.end_bytes == sizes[-1]  # the output is still held
