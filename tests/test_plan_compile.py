@@ -1,0 +1,100 @@
+"""torch.compile and the planner (issue #6): ``torch.compile(optimize(...))``, ``memlayout.compile``.
+
+Compiles are slow on this machine: tiny models only, and each test compiles at most twice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import memlayout
+from memlayout.plan import compiled as c
+from memlayout.plan.result import Plan
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).eval()
+
+
+def test_torch_compile_of_an_optimized_module_computes_what_the_original_does():
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    opt = memlayout.optimize(net, x, measure=False)
+    compiled = torch.compile(opt)
+    with torch.no_grad():
+        want, got = net(x), compiled(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_inductor_decision_is_what_its_config_says():
+    """On CPU with mkldnn, Inductor's layout optimization is on for any graph with a 2-d
+    convolution (it then requires channels-last for each); switched off in the config, it is
+    off: the switch memlayout.compile uses to let the plan stand."""
+    import pytest
+    import torch._inductor.config as inductor_config
+
+    net, x = _cnn(), (torch.randn(2, 3, 16, 16),)
+    decision = c.inductor_layout_decision(net, x)
+    if decision is None:
+        pytest.skip("this torch has no GraphLowering.decide_layout_opt to ask")
+    if torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
+        assert decision is True
+    with inductor_config.patch(layout_optimization=False):
+        assert c.inductor_layout_decision(net, x) is False
+    no_conv = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 4)).eval()
+    assert c.inductor_layout_decision(no_conv, x) is False
+
+
+def test_memlayout_compile_keeps_a_measured_candidate_equal_to_the_original(tmp_path):
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    fast = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2)
+    record = fast.plan.compiled
+    assert record["kept"] in (c.PLANNED, c.INDUCTOR)
+    assert record["source"] == "measured", record
+    assert set(record["candidates"]) == {c.INDUCTOR}
+    assert set(record["compile_seconds"]) == {c.PLANNED, c.INDUCTOR}
+    assert record["settings"][c.PLANNED] == {"layout_optimization": False}
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
+    # compiled in place: the original's state_dict keys, values untouched
+    assert list(fast.state_dict()) == list(net.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    # the record round-trips and is shown
+    assert Plan.from_json(fast.plan.to_json()).compiled == record
+    assert "compile: kept" in fast.plan.summary()
+
+    # a second compile of the same model reads the decision from the cache: one compile
+    again = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2)
+    assert again.plan.compiled["source"] == "cache"
+    assert again.plan.compiled["kept"] == record["kept"]
+    assert list(again.plan.compiled["compile_seconds"]) == [record["kept"]]
+
+
+def test_memlayout_compile_without_measuring_compiles_the_plan_only():
+    net, x = _cnn(), torch.randn(1, 3, 12, 12)
+    fast = memlayout.compile(net, x, measure=False)
+    assert fast.plan.compiled["kept"] == c.PLANNED
+    assert list(fast.plan.compiled["compile_seconds"]) == [c.PLANNED]
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_backend_other_than_inductor_compiles_the_plan_as_asked():
+    net, x = _cnn(), torch.randn(1, 3, 12, 12)
+    fast = memlayout.compile(net, x, measure=False, backend="eager")
+    assert fast.plan.compiled["kept"] == c.PLANNED
+    assert fast.plan.compiled["backend"] == "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
+
+
+def test_old_plan_json_without_the_new_fields_still_loads():
+    p = Plan(model="m", device="cpu", torch_version="2", dtype=None, input_format=None,
+             output_format="keep", nodes=[], conversions=[], predicted={})
+    data = __import__("json").loads(p.to_json())
+    del data["compiled"], data["notes"]
+    old = Plan.from_json(__import__("json").dumps(data))
+    assert old.compiled == {} and old.notes == []
