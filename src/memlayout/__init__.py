@@ -33,6 +33,10 @@ _PLANNER = {"optimize", "OptimizedModule", "Plan"}
 
 def __getattr__(name: str):
     # The planner (torch.fx, scipy) loads on first use: `import memlayout` stays light.
+    if name == "compile":  # plan, then torch.compile; the builtin is shadowed only here
+        from memlayout.plan import compiled
+
+        return compiled.compile
     if name in _PLANNER:
         from memlayout.plan import api
 
@@ -53,6 +57,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "audit",
+    "compile",
     "convert_batch",
     "convert_module",
     "dim_order",

@@ -331,9 +331,11 @@ def optimize(
     rounds: Annotated[int, typer.Option(help="Interleaved rounds of the speed comparison (0: skip it). Default: 7.")] = 7,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Use the cost cache ($MEMLAYOUT_CACHE_DIR or $XDG_CACHE_HOME/memlayout). Default: on.")] = True,
     guard: Annotated[bool, typer.Option("--guard/--no-guard", help="Time the whole planned model against all-NCHW and all-NHWC (cached) and keep the plan unless one is clearly faster; needs --measure. Default: on.")] = True,
+    compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide, whichever measures faster (cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
-    model equal to the original, and time it against eager NCHW and eager NHWC."""
+    model equal to the original, and time it against eager NCHW and eager NHWC (with
+    --compile: against torch.compile's default and eager NCHW)."""
     from rich.progress import Progress
 
     from memlayout.models import load_model
@@ -350,8 +352,15 @@ def optimize(
             def progress(done: int, total: int, what: str) -> None:
                 bar.update(task, completed=done, total=total, description=f"measuring {what}")
 
-            opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
-                             cache=cache, progress=progress, name=model, guard=guard)
+            if compile:
+                from memlayout.plan.compiled import compile as plan_and_compile
+
+                opt = plan_and_compile(spec.module, spec.example_input, dtype=dtype,
+                                       measure=measure, cache=cache, progress=progress,
+                                       name=model, guard=guard)
+            else:
+                opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
+                                 cache=cache, progress=progress, name=model, guard=guard)
     except MemlayoutError as exc:
         _fail(exc)
     plan = opt.plan
@@ -367,7 +376,23 @@ def optimize(
 
         Path(save).write_text(plan.to_json())
         console.print(f"plan written to {save}")
-    if rounds > 0:
+    if rounds > 0 and compile:
+        from memlayout.plan.compiled import compare_compiled
+
+        result = compare_compiled(spec.module, opt, spec.example_input, rounds=rounds)
+        c = result["comparison"]
+        for name in ("memlayout.compile", "torch.compile", "eager_nchw"):
+            t = c[name]
+            if not t.ok:
+                console.print(f"{name}: failed: {t.error}")
+                continue
+            console.print(f"{name:>17}: median {t.median * 1e3:8.1f} ms per batch (spread {100 * t.spread:.0f} %)")
+        for name in ("torch.compile", "eager_nchw"):
+            if name in result:
+                r = result[name]
+                console.print(f"memlayout.compile vs {name}: {r['median']:.3f}x (median of {len(r['ratios'])} "
+                              f"per-round ratios {name} / memlayout.compile, range {r['min']:.3f}-{r['max']:.3f})")
+    elif rounds > 0:
         result = compare_with_eager(spec.module, opt, spec.example_input, rounds=rounds)
         c = result["comparison"]
         for name in ("optimized", "eager_nchw", "eager_nhwc"):

@@ -11,7 +11,9 @@ modes that call is the compilation (reported as compile time, never mixed into t
 - ``planned``: ``memlayout.optimize(model, (x,), dtype=..., measure=...)`` on the NCHW model
   and input; planning time (cost measurements included, unless cached) is ``setup_s``.
 - ``compile``: ``torch.compile`` (default mode; Inductor picks layouts) on the NCHW model.
-- ``planned+compile``: ``torch.compile`` of the planned model.
+- ``planned+compile``: ``memlayout.compile`` (inference: the plan compiled so it stands,
+  or Inductor's own layout, whichever measures faster); training: ``torch.compile`` of the
+  planned model.
 
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
 fp32, matmuls and convolutions run in bf16); the backward pass runs outside autocast as the
@@ -166,11 +168,20 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
         memory_format = torch_memory_format(fmt)
         model = model.to(memory_format=memory_format)
         x = x.contiguous(memory_format=memory_format)
+    elif mode == "planned+compile" and task == "infer":
+        # memlayout.compile: the plan compiled so that it stands (Inductor's layout
+        # optimization off), or Inductor's own layout, whichever measured faster here
+        from memlayout.plan.compiled import compile as plan_and_compile
+
+        model = plan_and_compile(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure,
+                                 backend=compile_backend)
+        kept = model.plan.compiled.get("kept")  # type: ignore[union-attr]
+        note = f"memlayout.compile(backend={compile_backend!r}): kept {kept}"
     elif mode in ("planned", "planned+compile"):
         optimize = find_optimize()
         model = optimize(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure)
         model.train(task == "train")
-    if mode in ("compile", "planned+compile"):
+    if mode == "compile" or (mode == "planned+compile" and task == "train"):
         model = torch.compile(model, backend=compile_backend)
         note = f"torch.compile(backend={compile_backend!r}); first call = compile time"
     step = _step_fn(model, x, dtype, task, device)

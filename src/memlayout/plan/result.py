@@ -68,6 +68,13 @@ class Plan:
     padding: list[dict[str, Any]] = field(default_factory=list)  # memlayout.plan.padding
     memory: dict[str, Any] = field(default_factory=dict)  # memlayout.plan.memory
     blocked: dict[str, Any] = field(default_factory=dict)  # memlayout.plan.blocked
+    # issue #6 (defaults keep older plan JSON loading):
+    compiled: dict[str, Any] = field(default_factory=dict)  # memlayout.plan.compiled
+    notes: list[str] = field(default_factory=list)  # e.g. why rank 3 is not planned here
+    # issue #6, training and changing shapes (defaults keep older plan JSON loading):
+    train: bool = False  # planned (costs, guard, verification) for a training step
+    input_shapes: list[list[int]] = field(default_factory=list)  # the shapes planned for
+    weight_formats_kept: bool = False  # nodes owning weights ran in the weights' formats
 
     @property
     def counts(self) -> dict[str, int]:
@@ -122,7 +129,30 @@ class Plan:
             lines.append(f"left eager: {path or '(whole model)'}: {reason}")
         lines += [f"drops channels-last: {n.name} ({n.op}): {note}"
                   for n in self.nodes for note in n.drops]
+        if self.compiled:
+            lines.append(self.compiled_summary())
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+    def compiled_summary(self) -> str:
+        """What ``memlayout.compile`` kept (``memlayout.plan.compiled``) in one line."""
+        c = self.compiled
+        decision = {True: "channels-last for every 2-d convolution", False: "off",
+                    None: "unknown"}[c.get("inductor_layout_opt")]
+        kept = {"planned": "the plan, compiled with Inductor's layout_optimization off "
+                           "(the plan's strides stand)",
+                "inductor": "torch.compile of the original model as asked "
+                            "(Inductor's own layout; the plan above is not applied)"}
+        parts = [f"compile: kept {kept.get(c['kept'], c['kept'])}; Inductor's own layout "
+                 f"decision for this graph: {decision}"]
+        for name, r in c.get("candidates", {}).items():
+            source = "from the cache" if c.get("source") == "cache" else "measured now"
+            parts.append(f"planned / {name} time {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}), "
+                         f"median of {c['rounds']} interleaved rounds ({source})")
+        parts += [f"{name} failed: {err}" for name, err in c.get("errors", {}).items()]
+        if c.get("reason"):
+            parts.append(c["reason"])
+        return "; ".join(parts)
 
     def guard_summary(self) -> str:
         """The whole-model check of the plan (``memlayout.plan.guard``) in one line."""
