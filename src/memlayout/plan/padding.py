@@ -11,8 +11,9 @@ unpadded convolution (up to summation order); the planner's verification compare
 
 Per candidate convolution (``groups == 1``, 2-D) each variant -- unpadded, inputs padded,
 outputs padded, both -- for each ``k`` of :func:`block_sizes` is timed on the input it receives
-in the planned model, pad and crop included, interleaved through ``memlayout.timing``; the
-fastest minimum wins, and a padded variant only when it beats unpadded by ``margin``. Timings are
+in the planned model, pad and crop included, interleaved through ``memlayout.timing``; a padded
+variant is chosen only when both its minimum and the median of its per-round ratios beat
+unpadded by ``margin`` (see :func:`decide`). Timings are
 cached in the cost cache (keyed by device, torch version, dtype, convolution, input layout and
 variant). ``PaddedConv2d`` is an ``nn.Conv2d`` with the same parameters (so ``state_dict``
 keys and shapes are the original's) and the padded weights in non-persistent buffers.

@@ -1,0 +1,122 @@
+"""Padded channels (plan/padding.py): a padded convolution computes the unpadded one's values,
+keeps its state dict, and the planner pads only where its own measurements say it is faster;
+verification catches a padding that changes values."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from memlayout.bench.unets import odd_channels_small
+from memlayout.errors import LayoutVerificationError
+from memlayout.plan import padding as padding_mod
+from memlayout.plan.api import optimize
+from memlayout.plan.padding import UNPADDED, PaddedConv2d, block_sizes, decide, variants
+
+CASES = [  # (C in, C out, kernel, stride, padding, dilation, bias)
+    (3, 24, 3, 2, 1, 1, False),
+    (24, 40, 1, 1, 0, 1, True),
+    (40, 72, 3, 1, 2, 2, True),
+    (5, 7, 3, 1, 1, 1, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("pads", [(16, 0), (0, 16), (8, 8)])
+def test_a_padded_convolution_computes_the_unpadded_values(case, fmt, pads) -> None:
+    cin, cout, k, stride, pad, dil, bias = case
+    conv = nn.Conv2d(cin, cout, k, stride, pad, dil, bias=bias).eval().to(memory_format=fmt)
+    padded = PaddedConv2d.from_conv(conv, pad_in=-(-cin // pads[0]) * pads[0] if pads[0] else cin,
+                                    pad_out=-(-cout // pads[1]) * pads[1] if pads[1] else cout)
+    x = torch.randn(2, cin, 11, 9).contiguous(memory_format=fmt)
+    with torch.no_grad():
+        want, got = conv(x), padded(x)
+    assert got.shape == want.shape
+    assert got.stride() == want.stride()  # the same format comes out
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_state_dicts_are_the_convolutions_and_loading_refreshes_the_padding() -> None:
+    conv = nn.Conv2d(3, 5, 3).eval()
+    padded = PaddedConv2d.from_conv(conv, pad_in=8, pad_out=8)
+    assert {k: v.shape for k, v in padded.state_dict().items()} == \
+        {k: v.shape for k, v in conv.state_dict().items()}
+    other = nn.Conv2d(3, 5, 3).eval()
+    padded.load_state_dict(other.state_dict())
+    x = torch.randn(1, 3, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(padded(x), other(x), rtol=1e-5, atol=1e-6)
+
+
+def test_variants_only_for_plain_convolutions_with_odd_channels() -> None:
+    assert variants(nn.Conv2d(16, 32, 3), (16, 8)) == {}
+    assert variants(nn.Conv2d(24, 24, 3, groups=24), (16,)) == {}  # depthwise: not padded
+    assert variants(nn.Conv2d(3, 16, 3, padding="same"), (16,)) == {}
+    assert set(variants(nn.Conv2d(3, 16, 3), (16, 8))) == {"in16", "in8"}
+    assert all(k in (4, 8, 16) for k in block_sizes("cpu", None))
+    assert block_sizes("cuda", torch.float16) == (8,)
+
+
+def _eligible(model: nn.Module, blocks: tuple[int, ...]) -> set[str]:
+    return {p for p, m in model.named_modules() if p and variants(m, blocks)}
+
+
+def test_the_plan_reports_both_costs_and_pads_only_where_measured_faster(tmp_path) -> None:
+    net, x = odd_channels_small()
+    opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=2, blocked=False)
+    plan = opt.plan
+    assert plan.verification["ok"]
+    blocks = block_sizes("cpu", None)
+    assert {p["module"] for p in plan.padding} == _eligible(net, blocks)
+    for p in plan.padding:
+        seconds = p["seconds"]
+        assert seconds[UNPADDED] is not None and seconds[UNPADDED] > 0
+        assert set(seconds) == {UNPADDED, *variants(net.get_submodule(p["module"]), blocks)}
+        assert all(v is not None and v > 0 for v in seconds.values())
+        assert p["chosen"] == decide(seconds, p["ratios"], 0.02)  # its own measurements decide
+        module = opt.module.get_submodule(p["module"])
+        assert isinstance(module, PaddedConv2d) == (p["chosen"] != UNPADDED)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
+    assert "padded channels:" in plan.summary()
+
+
+def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(padding_mod, "decide",
+                        lambda seconds, ratios, margin: max(s for s in seconds if s != UNPADDED))
+
+
+def test_padding_everything_verifies_equal(tmp_path, monkeypatch) -> None:
+    _pad_everything(monkeypatch)
+    net, x = odd_channels_small()
+    opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
+    padded = [p for p, m in opt.module.named_modules() if isinstance(m, PaddedConv2d)]
+    assert set(padded) == _eligible(net, block_sizes("cpu", None))
+    assert opt.plan.verification["ok"]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
+    # state dicts load both ways, the padded copies following
+    fresh = odd_channels_small()[0]
+    opt.load_state_dict(fresh.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), fresh(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_padding_that_changes_values_is_never_returned(tmp_path, monkeypatch) -> None:
+    _pad_everything(monkeypatch)
+    refresh = PaddedConv2d.refresh
+
+    def off(self: PaddedConv2d) -> None:  # a bug: the padded copy is not the weights
+        refresh(self)
+        self.padded_weight[: self.out_channels, : self.in_channels] += 0.1
+
+    monkeypatch.setattr(PaddedConv2d, "refresh", off)
+    net, x = odd_channels_small()
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(LayoutVerificationError):
+        optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
