@@ -120,3 +120,33 @@ def test_a_padding_that_changes_values_is_never_returned(tmp_path, monkeypatch) 
     with pytest.raises(LayoutVerificationError):
         optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+# ---------------------------------------------------------------- blocked (mkldnn) formats
+
+def test_mkldnn_chains_are_measured_and_reported_with_their_values_checked() -> None:
+    from memlayout.plan import blocked
+
+    ok, why = blocked.available()
+    if not ok:
+        pytest.skip(f"no mkldnn here: {why}")
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
+    record = blocked.measure_blocked(net, (torch.randn(1, 3, 16, 16),), rounds=2)
+    assert record["available"] and record["applied"] is False
+    assert [c["children"] for c in record["chains"]] == [["0", "1", "2"], ["4", "5"]]
+    for c in record["chains"]:
+        assert c["seconds"]["planned"] > 0 and c["seconds"]["mkldnn"] > 0 and c["ratio"] > 0
+        assert c["max_error"] < 1e-4  # the blocked run computes the same values
+    wins = sum(c["ratio"] > 1 for c in record["chains"])
+    assert record["note"].startswith(f"{wins} of 2 chains faster in mkldnn")
+
+
+def test_no_mkldnn_is_said_in_the_plan(monkeypatch) -> None:
+    from memlayout.plan import blocked
+    from memlayout.plan.describe import blocked_summary
+
+    monkeypatch.setattr(blocked, "available", lambda: (False, "no mkldnn in this build"))
+    record = blocked.measure_blocked(nn.Conv2d(3, 4, 1), (torch.randn(1, 3, 4, 4),))
+    assert record == {"available": False, "note": "no mkldnn in this build", "chains": []}
+    assert "unavailable: no mkldnn in this build" in blocked_summary(record)

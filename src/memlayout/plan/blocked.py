@@ -32,8 +32,12 @@ def available() -> tuple[bool, str]:
         return False, "this torch build has no Tensor.to_mkldnn"
     if not torch.backends.mkldnn.is_available():
         return False, "torch.backends.mkldnn.is_available() is False on this build"
+    import warnings
+
     try:
-        from torch.utils import mkldnn  # noqa: F401
+        with warnings.catch_warnings():  # it uses the deprecated jit.script_method
+            warnings.simplefilter("ignore", FutureWarning)
+            from torch.utils import mkldnn  # noqa: F401
     except ImportError as exc:
         return False, f"torch.utils.mkldnn cannot be imported ({exc})"
     return True, ""
@@ -147,7 +151,11 @@ def _first_inputs(model: nn.Module, inputs: tuple[Any, ...],
 
 def _measure(mods: list[nn.Module], x: torch.Tensor, rounds: int, interleaved: Any,
              worst_error: Any) -> dict[str, Any]:
-    from torch.utils import mkldnn as mkldnn_utils
+    import warnings
+
+    with warnings.catch_warnings():  # torch.utils.mkldnn uses the deprecated jit.script_method
+        warnings.simplefilter("ignore", FutureWarning)
+        from torch.utils import mkldnn as mkldnn_utils
 
     planned = nn.Sequential(*mods)
     try:
