@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlayout.audit.report import AuditReport, ModuleCall, OpRecord, TensorInfo
+from memlayout.dispatch import ObservingMode
 from memlayout.errors import LayoutDropError, MemlayoutError
 from memlayout.layout import Format, formats_of
 from memlayout.tensors import (
@@ -137,16 +137,14 @@ def _significant(info: TensorInfo) -> tuple[tuple[int, int], ...]:
                  if sz != 1)
 
 
-class _Recorder(TorchDispatchMode):
-    """Thin: runs the op, hands it to the owner, returns the result unchanged."""
+class _Recorder(ObservingMode):
+    """Hands each recorded op to the owner."""
 
     def __init__(self, owner: AuditMode) -> None:
         super().__init__()
         self.owner = owner
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def observe(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         if (func.overloadpacket not in NOT_RECORDED
                 and getattr(func, "namespace", "aten") not in _NOT_RECORDED_NAMESPACES):
             try:
@@ -155,7 +153,6 @@ class _Recorder(TorchDispatchMode):
                 raise
             except Exception as exc:  # an audit must never break the run it watches
                 self.owner._unrecorded(func, exc)
-        return out
 
 
 # Private torch hooks into the autograd engine, guarded: without them every op reads as

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from memlayout.coverage.opinfo import Sample, describe, leaves, map_tensors, op_name, samples_for
+from memlayout.coverage.opinfo import Sample, describe, map_tensors, op_name, samples_for
 from memlayout.coverage.records import Disagreement, OpRecord, Values, Verdict
+from memlayout.dispatch import ObservingMode
 from memlayout.layout import Format
-from memlayout.tensors import format_name, format_of, in_format, to_format
+from memlayout.tensors import format_name, format_of, in_format, iter_tensors, to_format
 
 #: (rtol, atol) per dtype: torch.testing.assert_close's defaults. Channels-last kernels sum in
 #: another order than contiguous ones, which these tolerances are made to absorb.
@@ -101,14 +101,14 @@ def _classify(tensors: list[torch.Tensor], fmt: Format) -> str:
 
 
 def _of_rank(obj: Any, rank: int) -> list[torch.Tensor]:
-    return [t for t in leaves(obj) if t.dim() == rank and t.layout == torch.strided]
+    return [t for t in iter_tensors(obj) if t.dim() == rank and t.layout == torch.strided]
 
 
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 _NONDETERMINISTIC = getattr(torch.Tag, "nondeterministic_bitwise", None)
 
 
-class Watch(TorchDispatchMode):
+class Watch(ObservingMode):
     """Sees every aten call of a run: notes random and nondeterministic ops (by their tags),
     and, given ``counts``, records per aten op whether calls with an input in ``fmt`` gave
     outputs in it (``counts["aten.relu"]["preserves"]``). Thin: it calls the op, then only
@@ -121,8 +121,7 @@ class Watch(TorchDispatchMode):
         self.phase = "forward"
         self.seeded = self.nondeterministic = False
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+    def observe(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         tags = getattr(func, "tags", ())
         self.seeded = self.seeded or _SEEDED in tags
         self.nondeterministic = self.nondeterministic or _NONDETERMINISTIC in tags
@@ -134,7 +133,6 @@ class Watch(TorchDispatchMode):
                     c = self.counts.setdefault(str(func.overloadpacket), Counter())
                     c[verdict] += 1
                     c["phase:" + self.phase] += 1
-        return out
 
 
 @dataclass
@@ -232,7 +230,7 @@ def _run(op: Any, sample: Sample, how: _How, counts: dict[str, Counter[str]] | N
     if not (how.backward and grad_leaves):
         return run
     try:
-        diff = [o for o in leaves(sample.output_process_fn_grad(run.out)) if o.requires_grad]
+        diff = [o for o in iter_tensors(sample.output_process_fn_grad(run.out)) if o.requires_grad]
         if not diff:
             return run
         torch.manual_seed(how.grad_seed)

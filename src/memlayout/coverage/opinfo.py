@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 from memlayout.errors import CoverageUnavailableError
 from memlayout.layout import Format, formats_of, strides_for
+from memlayout.tensors import iter_tensors
 
 
 @functools.cache
@@ -82,18 +83,6 @@ def map_tensors(obj: Any, fn: Any) -> Any:
     return obj
 
 
-def leaves(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside ``obj`` (lists, tuples, dicts, namedtuples), in order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from leaves(v)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from leaves(v)
-
-
 def telling(sample: Any, fmt: Format) -> bool:
     """Whether ``sample`` can show if ``fmt`` survives: it has a tensor of ``fmt``'s rank that,
     converted to ``fmt``, is in ``fmt`` alone (not also contiguous: C == 1, H == W == 1 and
@@ -107,7 +96,7 @@ def telling(sample: Any, fmt: Format) -> bool:
     parts = (sample.input, sample.args, sample.kwargs)
     return any(t.dim() == fmt.rank and t.layout == torch.strided
                and formats_of(t.shape, strides_for(t.shape, fmt)) == {fmt}
-               for t in leaves(parts))
+               for t in iter_tensors(parts))
 
 
 def samples_for(op: Any, device: str, dtype: torch.dtype, fmt: Format, *, requires_grad: bool,

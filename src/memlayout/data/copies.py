@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from memlayout.dispatch import ObservingMode
 from memlayout.layout import dim_order
 
 COPY_OPS: frozenset[str] = frozenset({
@@ -158,13 +158,10 @@ class CopyCounter:
         self._mode = None
 
 
-class _Mode(TorchDispatchMode):
+class _Mode(ObservingMode):
     def __init__(self, counter: CopyCounter) -> None:
         super().__init__()
         self.counter = counter
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def observe(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         self.counter.record(func, args, kwargs, out)
-        return out
