@@ -64,8 +64,8 @@ class UNet(nn.Module):
 
 
 def unet() -> tuple[nn.Module, torch.Tensor]:
-    """UNet, width 32, depth 4, on a (1, 3, 256, 256) image."""
-    return UNet(width=32, depth=4).eval(), torch.randn(1, 3, 256, 256)
+    """UNet, width 16, depth 4, on a (1, 3, 192, 192) image."""
+    return UNet(width=16, depth=4).eval(), torch.randn(1, 3, 192, 192)
 
 
 def unet_small() -> tuple[nn.Module, torch.Tensor]:
@@ -116,8 +116,8 @@ class OddChannels(nn.Module):
 
 
 def odd_channels() -> tuple[nn.Module, torch.Tensor]:
-    """OddChannels (24, 40, 72, 112) on a (2, 3, 112, 112) batch."""
-    return OddChannels().eval(), torch.randn(2, 3, 112, 112)
+    """OddChannels (24, 40, 72, 112) on a (1, 3, 128, 128) image."""
+    return OddChannels().eval(), torch.randn(1, 3, 128, 128)
 
 
 def odd_channels_small() -> tuple[nn.Module, torch.Tensor]:
