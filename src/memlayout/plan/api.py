@@ -33,7 +33,7 @@ from memlayout.plan.capture import (
 from memlayout.plan.costs import CostCache, device_name, measure_costs
 from memlayout.plan.drops import drop_notes, notes_of
 from memlayout.plan.problem import OUTPUT_PREFIX, baseline_labels, formulate
-from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan
+from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan, conv1d_notes
 from memlayout.plan.rewrite import PlannedGraph, rewrite
 from memlayout.plan.solve import Problem, objective, solve_min_cut
 from memlayout.plan.verify import TOLERANCE, compare, verify
@@ -253,6 +253,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             planning_seconds=time.perf_counter() - start, verification=verification,
             guard=guard_result, padding=padded, memory=memory_record, blocked=blocked_record,
         )
+        plan.notes.extend(conv1d_notes(plan.nodes))  # #6: rank 3, planned or why not
     finally:
         if store is not None:
             store.close()

@@ -28,7 +28,15 @@ from memlayout.errors import CaptureError
 from memlayout.layout import Format, channels_last_for_rank, formats_of
 from memlayout.tensors import iter_tensors
 
-LAYOUT_RANKS = (4, 5)  # ranks with a channels-last format torch has kernels for
+# The ranks planned (a value's format is a choice): 4 and 5 always (channels_last(_3d)); 3
+# (N L C in memory, channels_last_1d) only while planning a model with 1-d convolutions, whose
+# NLC input makes torch's Conv1d run an NLC kernel (rank-3 values elsewhere, such as a
+# transformer's tokens, are not convolution layouts). ``capture`` sets it per model, in place,
+# so every ``in LAYOUT_RANKS`` test below the planner sees the current model's ranks.
+BASE_RANKS = (4, 5)
+CONV1D_RANKS = (3, 4, 5)
+LAYOUT_RANKS: list[int] = list(BASE_RANKS)
+CONV1D_MODULES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 META_KEY = "memlayout"
 FREE = "free"  # every layout tensor is in both formats (C == 1, H == W == 1): no copy needed
 NONE = "none"  # some layout tensor is in neither format (a permute, a slice)
@@ -82,6 +90,23 @@ class Captured:
     regions: list[Region]
     uncaptured: list[tuple[str, str]]  # (module path, why it stays eager)
     output: Any = None  # what the whole original model computes on the example inputs
+    ranks: tuple[int, ...] = BASE_RANKS  # the layout ranks planned (see LAYOUT_RANKS)
+
+
+def planned_ranks(model: nn.Module) -> tuple[int, ...]:
+    """The layout ranks to plan for ``model``: 3, 4 and 5 when it has a 1-d convolution,
+    else 4 and 5.
+
+    >>> planned_ranks(nn.Sequential(nn.Conv1d(2, 4, 3))), planned_ranks(nn.Linear(2, 2))
+    ((3, 4, 5), (4, 5))
+    """
+    has_1d = any(isinstance(m, CONV1D_MODULES) for m in model.modules())
+    return CONV1D_RANKS if has_1d else BASE_RANKS
+
+
+def set_layout_ranks(ranks: tuple[int, ...]) -> None:
+    """Make ``ranks`` the planned layout ranks (in place: modules hold the same list)."""
+    LAYOUT_RANKS[:] = ranks
 
 
 def label_of(tensors: tuple[TensorMeta, ...]) -> int | str | None:
@@ -130,15 +155,18 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *,
 
     ``model`` is not modified (tracing reads it; the run is under ``no_grad`` on the given
     module, so pass a copy when its forward mutates state). Raises ``CaptureError`` naming the
-    node when the example inputs do not run, or when nothing at all can be captured.
+    node when the example inputs do not run, or when nothing at all can be captured. Sets the
+    planned layout ranks for ``model`` (``planned_ranks``).
     """
+    ranks = planned_ranks(model)
+    set_layout_ranks(ranks)
     try:
         gm = fx.symbolic_trace(model)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
     else:
         output = propagate(gm, inputs, dtype=dtype)
-        return Captured([Region("", gm, inputs, output)], [], output)
+        return Captured([Region("", gm, inputs, output)], [], output, ranks)
     seen, output = _record_submodule_inputs(model, inputs, dtype)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
@@ -149,7 +177,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *,
             f"(whole model: {reason}); nothing to plan. Make the model's forward traceable "
             "(no data-dependent control flow) or pass a traceable submodule"
         )
-    return Captured(regions, uncaptured, output)
+    return Captured(regions, uncaptured, output, ranks)
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,

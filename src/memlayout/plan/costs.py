@@ -181,6 +181,8 @@ def fresh_value(value: Any, label: int | None) -> Any:
 def convert_module_to(module: nn.Module, label: int) -> nn.Module:
     """``module``'s rank-4/5 weights in label's format, in place (returns ``module``)."""
     if label == 1:
+        if 3 in LAYOUT_RANKS:  # a 1-d convolution model (#6): Conv1d weights N L C too
+            convert_module(module, Format.CHANNELS_LAST_1D)
         convert_module(module, Format.CHANNELS_LAST)
         return convert_module(module, Format.CHANNELS_LAST_3D)
     module._apply(lambda t: t.contiguous() if t.dim() in LAYOUT_RANKS else t)

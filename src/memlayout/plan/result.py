@@ -45,6 +45,38 @@ class Conversion:
     consumers: list[str]
 
 
+CONV1D_OPS = ("Conv1d", "ConvTranspose1d")
+
+
+def conv1d_notes(nodes: list[NodeChoice]) -> list[str]:
+    """What the plan did with rank 3 (1-d convolutions, NCL vs NLC = channels_last_1d), from
+    the measured costs: planned where NLC won, else why not (slower, or no kernel).
+
+    >>> n = NodeChoice("", "c", "Conv1d", "contiguous", {"contiguous": 1.0, "channels_last": 1.5}, True)
+    >>> conv1d_notes([n])
+    ['rank 3: channels-last-1d (NLC) not beneficial here: measured slower for every 1-d convolution (NLC / NCL time 1.50-1.50); all run NCL']
+    """
+    convs = [n for n in nodes if n.op in CONV1D_OPS]
+    if not convs:
+        return []
+    nlc = sum(n.format == "channels_last" for n in convs)
+    timed = [n for n in convs if n.timed]
+    if not timed:
+        return [f"rank 3: {nlc} of {len(convs)} 1-d convolutions run NLC (channels_last_1d), "
+                "by the analytical cost model (not measured)"]
+    ratios = [n.seconds["channels_last"] / n.seconds["contiguous"] for n in timed
+              if n.seconds.get("channels_last") and n.seconds.get("contiguous")]
+    if not ratios:
+        return ["rank 3: no channels-last-1d (NLC) kernel for the 1-d convolutions here "
+                "(they fail or return NCL when fed NLC); all run NCL"]
+    span = f"NLC / NCL time {min(ratios):.2f}-{max(ratios):.2f}"
+    if min(ratios) >= 1.0 and nlc == 0:
+        return ["rank 3: channels-last-1d (NLC) not beneficial here: measured slower for every "
+                f"1-d convolution ({span}); all run NCL"]
+    return [f"rank 3 planned: {nlc} of {len(convs)} 1-d convolutions run NLC (channels_last_1d), "
+            f"measured per convolution ({span}; < 1: NLC faster)"]
+
+
 @dataclass
 class Plan:
     model: str

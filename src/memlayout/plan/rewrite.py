@@ -1,6 +1,7 @@
 """Rewrite (L2 plan, step 4): apply a solved labelling to a copy of the model.
 
-Conversions (``convert_value``: ``to_format`` on each rank-4/5 tensor) are inserted only where
+Conversions (``convert_value``: ``to_format`` on each rank-4/5 tensor; ``convert_value_1d``
+for a value with rank-3 tensors of a 1-d convolution model) are inserted only where
 a value's format differs from what a consumer was planned for, one per value and target format
 however many consumers it serves. Convolution weights (and rank-4/5 attributes used by planned
 nodes) are converted once, here, never per call.
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memlayout.plan.capture import LAYOUT_RANKS
+from memlayout.plan.capture import CONV1D_RANKS, LAYOUT_RANKS, META_KEY
 from memlayout.plan.costs import convert_value, module_has_layout_params
 from memlayout.plan.problem import OUTPUT_PREFIX, Formulation
 
@@ -69,8 +70,9 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
                 continue
             user_nodes = [output if u.startswith(OUTPUT_PREFIX) else nodes[u] for u in served]
             first = min(user_nodes, key=order.__getitem__)
+            convert = convert_value_1d if _has_rank3(node) else convert_value
             with graph.inserting_before(first):
-                converted = graph.call_function(convert_value, (node, target))
+                converted = graph.call_function(convert, (node, target))
             for u in user_nodes:
                 u.replace_input_with(node, converted)
             made.append((value, target, tuple(served)))
@@ -85,6 +87,34 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
     graph.lint()
     gm.recompile()
     return PlannedGraph(root, gm), made
+
+
+def convert_value_1d(value: Any, label: int) -> Any:
+    """``convert_value`` for a value holding rank-3 tensors of a 1-d convolution model: every
+    rank-3/4/5 tensor in ``label``'s format (rank 3: channels_last_1d), whatever model was
+    planned last (``LAYOUT_RANKS`` is the planning's, this runs in the planned forward).
+
+    >>> convert_value_1d(torch.empty(2, 8, 16), 1).stride()
+    (128, 1, 8)
+    """
+    from memlayout.layout import Format, channels_last_for_rank
+    from memlayout.tensors import to_format
+
+    if isinstance(value, torch.Tensor):
+        if value.dim() in CONV1D_RANKS:
+            fmt = channels_last_for_rank(value.dim()) if label == 1 else Format.CONTIGUOUS
+            return to_format(value, fmt)
+        return value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(convert_value_1d(v, label) for v in value)
+    if isinstance(value, list):
+        return [convert_value_1d(v, label) for v in value]
+    return value
+
+
+def _has_rank3(node: fx.Node) -> bool:
+    meta = node.meta.get(META_KEY)
+    return meta is not None and any(len(t.shape) == 3 for t in meta.layout_tensors)
 
 
 def _convert_tensors(module: nn.Module, label: int) -> None:
