@@ -32,12 +32,8 @@ def available() -> tuple[bool, str]:
         return False, "this torch build has no Tensor.to_mkldnn"
     if not torch.backends.mkldnn.is_available():
         return False, "torch.backends.mkldnn.is_available() is False on this build"
-    import warnings
-
     try:
-        with warnings.catch_warnings():  # it uses the deprecated jit.script_method
-            warnings.simplefilter("ignore", FutureWarning)
-            from torch.utils import mkldnn  # noqa: F401
+        from torch.utils import mkldnn  # noqa: F401
     except ImportError as exc:
         return False, f"torch.utils.mkldnn cannot be imported ({exc})"
     return True, ""
@@ -153,15 +149,15 @@ def _measure(mods: list[nn.Module], x: torch.Tensor, rounds: int, interleaved: A
              worst_error: Any) -> dict[str, Any]:
     import warnings
 
-    with warnings.catch_warnings():  # torch.utils.mkldnn uses the deprecated jit.script_method
-        warnings.simplefilter("ignore", FutureWarning)
-        from torch.utils import mkldnn as mkldnn_utils
+    from torch.utils import mkldnn as mkldnn_utils
 
     planned = nn.Sequential(*mods)
     try:
         dense = copy.deepcopy(planned)
         dense._apply(lambda t: t.contiguous())  # to_mkldnn reorders from plain NCHW weights
-        blocked = mkldnn_utils.to_mkldnn(dense)
+        with warnings.catch_warnings():  # its modules use the deprecated jit.script_method
+            warnings.simplefilter("ignore", FutureWarning)
+            blocked = mkldnn_utils.to_mkldnn(dense)
         with torch.no_grad():
             want = planned(x.clone())
             got = blocked(x.to_mkldnn()).to_dense()
