@@ -334,6 +334,7 @@ def optimize(
     memory_budget: Annotated[str | None, typer.Option(help="Peak activation memory the plan may use, in bytes or with a unit (300MB, 1.5GiB): the fastest plan within it, or an error naming the smallest peak found. Default: none.")] = None,
     padding: Annotated[bool, typer.Option("--padding/--no-padding", help="Time convolutions with channels padded to the vector width and pad where faster; needs --measure. Default: on.")] = True,
     compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide, whichever measures faster (cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
+    train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC (with
@@ -347,7 +348,8 @@ def optimize(
     try:
         spec = load_model(model, batch=batch, image_size=image_size)
         shape = tuple(spec.example_input.shape)
-        console.print(f"{model}: input {shape}, {dtype}, inference, torch threads {__import__('torch').get_num_threads()}")
+        task_name = "training step" if train else "inference"
+        console.print(f"{model}: input {shape}, {dtype}, {task_name}, torch threads {__import__('torch').get_num_threads()}")
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("measuring", total=None)
 
@@ -363,7 +365,7 @@ def optimize(
             else:
                 opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
                                  cache=cache, progress=progress, name=model, guard=guard,
-                                 memory_budget=memory_budget, padding=padding)
+                                 memory_budget=memory_budget, padding=padding, train=train)
     except MemlayoutError as exc:
         _fail(exc)
     plan = opt.plan
@@ -372,8 +374,16 @@ def optimize(
     else:
         console.print(plan.summary())
     v = plan.verification
-    console.print(f"verification: [green]equal[/green] to the original on the example input "
-                  f"(worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}, {v['tensors']} output tensors)")
+    if v.get("train"):
+        noise = v.get("layout_noise")
+        within = (f"; some within 2x the original's own NHWC-vs-NCHW difference, {noise:.2g}"
+                  if noise is not None else "")
+        console.print(f"verification: [green]equal[/green] to the original over one training step "
+                      f"on the example input: outputs, gradients, buffers ({v['tensors']} tensors, "
+                      f"worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}{within})")
+    else:
+        console.print(f"verification: [green]equal[/green] to the original on the example input "
+                      f"(worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}, {v['tensors']} output tensors)")
     if save:
         from pathlib import Path
 
@@ -396,14 +406,16 @@ def optimize(
                 console.print(f"memlayout.compile vs {name}: {r['median']:.3f}x (median of {len(r['ratios'])} "
                               f"per-round ratios {name} / memlayout.compile, range {r['min']:.3f}-{r['max']:.3f})")
     elif rounds > 0:
-        result = compare_with_eager(spec.module, opt, spec.example_input, rounds=rounds)
+        result = compare_with_eager(spec.module, opt, spec.example_input, rounds=rounds,
+                                    train=train)
         c = result["comparison"]
+        unit = "training step (forward, backward, SGD)" if train else "batch"
         for name in ("optimized", "eager_nchw", "eager_nhwc"):
             t = c[name]
             if not t.ok:
                 console.print(f"{name}: failed: {t.error}")
                 continue
-            console.print(f"{name:>10}: median {t.median * 1e3:8.1f} ms per batch (spread {100 * t.spread:.0f} %)")
+            console.print(f"{name:>10}: median {t.median * 1e3:8.1f} ms per {unit} (spread {100 * t.spread:.0f} %)")
         for name in ("eager_nchw", "eager_nhwc"):
             if name in result:
                 r = result[name]

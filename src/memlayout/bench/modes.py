@@ -9,6 +9,7 @@ modes that call is the compilation (reported as compile time, never mixed into t
   ``x.contiguous(memory_format=channels_last)`` (``channels_last_3d`` for video), converted once
   outside the timed region.
 - ``planned``: ``memlayout.optimize(model, (x,), dtype=..., measure=...)`` on the NCHW model
+  (task ``train``: ``train=True``, planned and verified for a training step)
   and input; planning time (cost measurements included, unless cached) is ``setup_s``.
 - ``compile``: ``torch.compile`` (default mode; Inductor picks layouts) on the NCHW model.
 - ``planned+compile``: ``memlayout.compile`` (inference: the plan compiled so it stands,
@@ -179,7 +180,9 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
         note = f"memlayout.compile(backend={compile_backend!r}): kept {kept}"
     elif mode in ("planned", "planned+compile"):
         optimize = find_optimize()
-        model = optimize(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure)
+        # task train: planned for a training step (forward + backward costs, gradients verified)
+        model = optimize(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure,
+                         **({"train": True} if task == "train" else {}))
         model.train(task == "train")
     if mode == "compile" or (mode == "planned+compile" and task == "train"):
         model = torch.compile(model, backend=compile_backend)

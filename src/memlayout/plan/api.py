@@ -13,7 +13,10 @@ True
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,8 @@ from memlayout.plan.problem import OUTPUT_PREFIX, baseline_labels, formulate
 from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan, conv1d_notes
 from memlayout.plan.rewrite import PlannedGraph, rewrite
 from memlayout.plan.solve import Problem, objective, solve_min_cut
-from memlayout.plan.verify import TOLERANCE, compare, verify
+from memlayout.plan.verify import TOLERANCE, compare, verify, verify_training
+from memlayout.tensors import iter_tensors
 
 _DTYPES: dict[str, torch.dtype | None] = {
     "fp32": None, "float32": None, "float": None,
@@ -47,22 +51,86 @@ _DTYPES: dict[str, torch.dtype | None] = {
 Progress = Callable[[int, int, str], None]
 
 
+Signature = tuple[tuple[tuple[int, ...], str, str], ...]
+
+
+def shape_signature(args: Any) -> Signature:
+    """What a plan is made for: shape, dtype and device of every tensor argument.
+
+    >>> shape_signature((torch.zeros(2, 3, 8, 8),))
+    (((2, 3, 8, 8), 'float32', 'cpu'),)
+    """
+    return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device))
+                 for t in iter_tensors(args))
+
+
 class OptimizedModule(nn.Module):
     """The planned model: runs eagerly with the planned layouts (under autocast when planned
     with a dtype); ``state_dict`` keys are the original model's, so state dicts load both
-    ways. ``.plan`` is the :class:`Plan`."""
+    ways. ``.plan`` is the :class:`Plan` of the example's shape.
 
-    def __init__(self, module: nn.Module, plan: Plan, dtype: torch.dtype | None) -> None:
+    A call whose input shape signature (:func:`shape_signature`) differs from the example's
+    is planned on first sight (see ``optimize``'s ``max_plans``): ``.plans`` maps each
+    signature held to its plan, ``.replans`` counts the plans made after the example's."""
+
+    def __init__(self, module: nn.Module, plan: Plan, dtype: torch.dtype | None, *,
+                 replan: Callable[[OptimizedModule, tuple[Any, ...]], tuple[nn.Module, Plan]]
+                 | None = None, max_plans: int = 8, signature: Signature | None = None) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
         self.autocast_dtype = dtype
+        self.max_plans = max_plans
+        self.replans = 0
+        self.__dict__["_replan"] = replan  # plain attributes, not children: one set of weights
+        self.__dict__["_signature"] = signature
+        self.__dict__["_shapes"] = OrderedDict()  # signature -> (module, plan), LRU order
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
 
+    @property
+    def plans(self) -> dict[Signature, Plan]:
+        """The plans held, by input shape signature: the example's first."""
+        held: dict[Signature, Plan] = {}
+        if self._signature is not None:
+            held[self._signature] = self.plan
+        held.update((sig, plan) for sig, (_, plan) in self._shapes.items())
+        return held
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module_for(args, kwargs)
         with autocast_context(device_of(args, self.module), self.autocast_dtype):
-            return self.module(*args, **kwargs)
+            return module(*args, **kwargs)
+
+    def _module_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
+        if self._replan is None or self._signature is None:
+            return self.module
+        sig = shape_signature((args, kwargs))
+        if sig == self._signature:
+            return self.module
+        entry = self._shapes.get(sig)
+        if entry is not None:
+            self._shapes.move_to_end(sig)
+            return entry[0]
+        module, plan = self._replan(self, args)
+        self.replans += 1
+        self._shapes[sig] = (module, plan)
+        while self._shapes and len(self._shapes) > max(0, self.max_plans - 1):
+            self._shapes.popitem(last=False)
+        return module
+
+    def train(self, mode: bool = True) -> OptimizedModule:
+        super().train(mode)
+        for module, _ in self._shapes.values():
+            module.train(mode)
+        return self
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> OptimizedModule:
+        # ``.to()``, ``.cuda()``, ``.double()``: buffers become new tensors, which the plans of
+        # other shapes (not children) would not see; they are planned again when next seen.
+        super()._apply(fn, *args, **kwargs)
+        self._shapes.clear()
+        return self
 
 
 def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -123,7 +191,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              input_format: str | Format | None = None, output_format: str | Format | None = "keep",
              measure: bool = True, cache: bool | str | Path = True,
              progress: Progress | None = None, rounds: int = 5, name: str | None = None,
-             guard: bool = True, guard_rounds: int = 5,
+             guard: bool = True, guard_rounds: int = 5, train: bool = False,
+             keep_weight_formats: bool = False, max_plans: int = 8,
              guard_margin: float = 0.02, memory: bool = True,
              memory_budget: int | str | None = None, padding: bool = True,
              blocked: bool = True) -> OptimizedModule:
@@ -143,6 +212,24 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       is faster by more than ``guard_margin`` in the median of per-round ratios.
       ``plan.guard`` records the ratios and the choice; the measurement is cached with the
       costs (see ``memlayout.plan.guard``).
+    - ``train``: plan a training step. Costs are forward + backward per node in each format
+      (a conversion in the forward brings one of its gradient in the backward: both count),
+      the guard times forward + backward, and verification compares one training step
+      (outputs, every parameter's and input's gradient, BatchNorm's running statistics after
+      it; same RNG state for both, so Dropout draws the same masks) with the original's.
+      The returned module is in train mode; its parameters are ``nn.Parameter``s any
+      optimizer takes (build it from ``optimized.parameters()``), and their gradients come
+      back in their strides (what DDP's gradient buckets expect).
+    - ``keep_weight_formats``: every node that owns a rank-4/5 parameter runs in the format
+      the parameter already has (no new parameter tensors).
+    - ``max_plans``: changing shapes. A call with another input shape signature (shapes,
+      dtypes, devices of the tensor arguments: another batch size or image size) is planned
+      on first sight, on the live weights, with their formats kept (one set of parameters
+      serves every shape), no guard, verified; the plan is cached, at most ``max_plans``
+      plans held (the example's always), least recently used dropped first. The cost cache
+      makes a replan of a known shape measure nothing; it still traces the model, solves,
+      and runs the verification (about 3 forward passes; 2 forward + backward in training).
+      ``optimized.plans`` holds the plans by signature.
     - ``padding`` (with ``measure``): convolutions whose channel counts are not a multiple of
       the vector width run padded where that measures faster (``memlayout.plan.padding``).
     - ``blocked`` (with ``measure``): where this build has mkldnn tensors, chains of supported
@@ -171,11 +258,15 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
                        if isinstance(x, torch.Tensor) and x.dim() in LAYOUT_RANKS else x
                        for x in inputs)
     try:
-        work = copy.deepcopy(model).eval()
+        work = copy.deepcopy(model).train(train)
     except Exception as exc:
         raise PlanError(f"cannot copy {type(model).__name__} to plan on (copy.deepcopy "
                         f"failed: {exc}); the planner never modifies the caller's model") from exc
     store = _open_cache(cache) if measure else None
+    # planning runs the model many times (a training-mode BatchNorm updates its statistics,
+    # Dropout draws): the state the model had and the caller's RNG are restored afterwards
+    saved_state = {k: b.detach().clone() for k, b in work.named_buffers()}
+    rng_state = _rng_state()
     try:
         captured = capture(work, inputs, dtype=run_dtype)
         device = device_of(inputs, work)
@@ -184,13 +275,15 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         solved = []
         for region in captured.regions:
             table = measure_costs(region.gm, region.inputs, dtype=run_dtype, measure=measure,
-                                  cache=store, rounds=rounds, progress=progress)
+                                  cache=store, rounds=rounds, progress=progress, train=train)
             measured += table.measured
             cached += table.cached
             drop_notes(region.gm, region.inputs, table, dtype=run_dtype)  # into node.meta
             form = formulate(region.gm, table,
                              input_label=input_label if region.path == "" else None,
                              output_label=output_label if region.path == "" else "keep")
+            if keep_weight_formats:
+                form = _pin_weight_formats(region.gm, form)
             try:
                 labels = solve_min_cut(form.integer).labels
             except ValueError:
@@ -208,7 +301,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             built, guard_result = _guarded_build(
                 work, solved, inputs, run_dtype, store=store, rounds=guard_rounds,
                 margin=guard_margin, progress=progress, output_label=output_label,
-                reference=captured.output, extra=[input_label, output_label])
+                reference=captured.output, train=train,
+                extra=[input_label, output_label, *(["train"] if train else [])])
         else:
             built = _build(work, solved)
         planned_tree, checks, nodes, conversions = built
@@ -217,7 +311,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
 
         budget = mem.budget_bytes(memory_budget)
         padded: list[dict[str, Any]] = []
-        if padding and measure:
+        # training: a padded convolution's weights are copies made here, they would not train
+        if padding and measure and not train:
             from memlayout.plan.padding import plan_padding, records
 
             padded = records(plan_padding(planned_tree, inputs, dtype=run_dtype, cache=store,
@@ -236,9 +331,13 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
 
             blocked_record = measure_blocked(planned_tree, inputs, dtype=run_dtype, cache=store,
                                              rounds=rounds)
+        _restore_buffers(saved_state, work, planned_tree)
         verify_start = time.perf_counter()
-        verification = _verify(work, planned_tree, inputs, checks, run_dtype,
-                               expected=captured.output)
+        if train:
+            verification = _verify_training(work, planned_tree, inputs, checks, run_dtype)
+        else:
+            verification = _verify(work, planned_tree, inputs, checks, run_dtype,
+                                   expected=captured.output)
         verification["seconds"] = time.perf_counter() - verify_start
         plan = Plan(
             model=name or type(model).__name__, device=device_name(device),
@@ -252,12 +351,117 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             measured=measured, cached=cached, measure=measure,
             planning_seconds=time.perf_counter() - start, verification=verification,
             guard=guard_result, padding=padded, memory=memory_record, blocked=blocked_record,
+            train=train, input_shapes=[list(t.shape) for t in iter_tensors(inputs)],
+            weight_formats_kept=keep_weight_formats,
         )
         plan.notes.extend(conv1d_notes(plan.nodes))  # #6: rank 3, planned or why not
     finally:
         if store is not None:
             store.close()
-    return OptimizedModule(planned_tree, plan, run_dtype)
+        _set_rng_state(rng_state)
+    if train:
+        planned_tree.zero_grad(set_to_none=True)
+    replan = _Replanner(work, planned_tree, dict(
+        dtype=dtype, input_format=input_format, output_format=output_format, measure=measure,
+        cache=cache, rounds=rounds, name=name or type(model).__name__))
+    optimized = OptimizedModule(planned_tree, plan, run_dtype, replan=replan,
+                                max_plans=max_plans, signature=shape_signature(inputs))
+    return optimized.train(True) if train else optimized
+
+
+class _Replanner:
+    """Plans a new input shape of an ``OptimizedModule`` on its live weights: ``base`` is the
+    original model's structure holding the optimized module's parameters and buffers."""
+
+    def __init__(self, base: nn.Module, planned: nn.Module, options: dict[str, Any]) -> None:
+        _share_tensors(base, planned)
+        self.base = base
+        self.options = options
+
+    def __call__(self, optimized: OptimizedModule,
+                 args: tuple[Any, ...]) -> tuple[nn.Module, Plan]:
+        base = self.base
+        _share_tensors(base, optimized.module)  # the live tensors (after .to(), a load, ...)
+        base.train(optimized.training)
+        options = dict(self.options, guard=False, train=optimized.training,
+                       keep_weight_formats=True, max_plans=1)
+        accepted = inspect.signature(optimize).parameters
+        # a plan per shape chooses formats only (issue #10's extra steps stay the example's)
+        options.update({k: False for k in ("memory", "padding", "blocked") if k in accepted})
+        xs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
+        result = optimize(base, xs, **options)
+        module = result.module
+        _share_tensors(module, base)  # same values (a copy of them was planned on)
+        module.train(optimized.training)
+        return module, result.plan
+
+
+def _share_tensors(dst: nn.Module, src: nn.Module) -> None:
+    """Point ``dst``'s parameters and buffers at ``src``'s of the same name and shape."""
+    for kind in ("_parameters", "_buffers"):
+        named = src.named_parameters if kind == "_parameters" else src.named_buffers
+        live = dict(named(remove_duplicate=False))
+        mine = dst.named_parameters if kind == "_parameters" else dst.named_buffers
+        for name, t in list(mine(remove_duplicate=False)):
+            other = live.get(name)
+            if other is None or other is t or other.shape != t.shape:
+                continue
+            owner, _, attr = name.rpartition(".")
+            getattr(dst.get_submodule(owner) if owner else dst, kind)[attr] = other
+
+
+def _pin_weight_formats(gm: fx.GraphModule, form: Any) -> Any:
+    """``form`` with every node that owns (or reads) rank-4/5 parameters pinned to the format
+    those parameters have (canonical strides), where exactly one format fits."""
+    from memlayout.layout import strides_for
+    from memlayout.plan.capture import label_format
+    from memlayout.plan.costs import module_has_layout_params
+
+    pins: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.name not in form.seconds.unary or n.name in form.integer.pins:
+            continue
+        tensors: list[torch.Tensor] = []
+        if n.op == "call_module" and module_has_layout_params(gm, n):
+            sub = gm.get_submodule(n.target)
+            tensors += [t for t in [*sub.parameters(), *sub.buffers()] if t.dim() in LAYOUT_RANKS]
+        for m in n.all_input_nodes:
+            if m.op == "get_attr":
+                value: Any = gm
+                for part in str(m.target).split("."):
+                    value = getattr(value, part, None)
+                if isinstance(value, torch.Tensor) and value.dim() in LAYOUT_RANKS:
+                    tensors.append(value)
+        fits = [label for label in (0, 1) if tensors and all(
+            tuple(t.stride()) == strides_for(tuple(t.shape), label_format(label, t.dim()))
+            for t in tensors)]
+        if len(fits) == 1:
+            pins[n.name] = fits[0]
+    if not pins:
+        return form
+    return dataclasses.replace(
+        form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
+        seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
+
+
+def _restore_buffers(saved: dict[str, torch.Tensor], *modules: nn.Module) -> None:
+    with torch.no_grad():
+        for module in modules:
+            for name, b in module.named_buffers():
+                if name in saved and saved[name].shape == b.shape:
+                    b.copy_(saved[name])
+
+
+def _rng_state() -> tuple[torch.Tensor, Any]:
+    cuda = (torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    return torch.random.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, Any]) -> None:
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 def _build(work: nn.Module, solved: list) -> tuple[nn.Module, list, list[NodeChoice],
@@ -297,7 +501,7 @@ def _build(work: nn.Module, solved: list) -> tuple[nn.Module, list, list[NodeCho
 def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
                    dtype: torch.dtype | None, *, store: CostCache | None, rounds: int,
                    margin: float, progress: Progress | None, output_label: int | str | None,
-                   reference: Any, extra: Any) -> tuple[tuple, dict[str, Any]]:
+                   reference: Any, extra: Any, train: bool = False) -> tuple[tuple, dict[str, Any]]:
     """Build the min-cut plan; time it as a whole model against the original run entirely
     in one format (eager NCHW, eager NHWC: weights and inputs converted, outputs as
     ``output_label`` says), skipping a format the plan already is end to end (or read that
@@ -344,7 +548,7 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
 
     start = time.perf_counter()
     record = g.time_candidates({name: b[0] for name, b in builds.items()}, inputs, dtype,
-                               rounds=rounds, on_step=on_step)
+                               rounds=rounds, on_step=on_step, train=train)
     if store is not None and not record["errors"]:
         store.put(key, record)
     kept = g.decide(record, margin=margin)
@@ -481,15 +685,42 @@ def _verify(work: nn.Module, planned_tree: nn.Module, inputs: tuple[Any, ...], c
     return {"ok": True, "max_error": err, "rtol": rtol, "tensors": count}
 
 
+def _verify_training(work: nn.Module, planned_tree: nn.Module, inputs: tuple[Any, ...],
+                     checks: list, dtype: torch.dtype | None) -> dict[str, Any]:
+    """One training step of the planned model against the original's (``work``): a
+    whole-model plan is compared (and on a mismatch bisected) directly; planned submodules:
+    the whole model, then on a mismatch each region on its own inputs to name the node."""
+    if len(checks) == 1 and checks[0][0].path == "":
+        region, planned = checks[0]
+        v = verify_training(work, planned, inputs, dtype=dtype, reference_graph=region.gm,
+                            planned_graph=planned.graph)
+    else:
+        from memlayout.errors import LayoutVerificationError
+
+        try:
+            v = verify_training(work, planned_tree, inputs, dtype=dtype)
+        except LayoutVerificationError:
+            for region, planned in checks:  # raises naming the node where a region diverges
+                verify_training(region.gm, planned, region.inputs, dtype=dtype,
+                                reference_graph=region.gm, planned_graph=planned.graph,
+                                where=region.path)
+            raise
+    return {"ok": True, "max_error": v.max_error, "rtol": v.tolerance, "tensors": v.tensors,
+            "train": True, "layout_noise": v.layout_noise}
+
+
 __all__ = ["MemlayoutError", "OptimizedModule", "Plan", "optimize", "parse_dtype"]
 
 
 def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inputs: Any, *,
-                       rounds: int = 7, warmup: int = 1) -> dict[str, Any]:
+                       rounds: int = 7, warmup: int = 1, train: bool = False) -> dict[str, Any]:
     """Time the optimized model against eager NCHW and eager NHWC copies of ``model``,
     interleaved round by round (``memlayout.timing.interleaved``), under the plan's autocast.
     All three get the same input (as the example, or in the plan's ``input_format``); the eager
     modes convert it to their format inside the timed call, as a user of them would.
+    ``train``: each call is a training step (gradients cleared, forward, the loss
+    ``sum(0.5 * mean(y ** 2))``, backward outside autocast, ``SGD.step``) of the mode's own
+    model in train mode; ``optimized`` is trained by it.
 
     Returns per mode the ``ModeTiming`` and, for each eager mode, the per-round ratios
     ``eager / optimized`` (> 1: the optimized model is faster), their median and range.
@@ -500,8 +731,8 @@ def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inp
     inputs = _inputs(example_inputs)
     dtype = optimized.autocast_dtype
     device = device_of(inputs, model)
-    nchw = convert_module(copy.deepcopy(model).eval(), Format.CONTIGUOUS)
-    nhwc = copy.deepcopy(model).eval()
+    nchw = convert_module(copy.deepcopy(model).train(train), Format.CONTIGUOUS)
+    nhwc = copy.deepcopy(model).train(train)
     convert_module(nhwc, Format.CHANNELS_LAST)
     convert_module(nhwc, Format.CHANNELS_LAST_3D)
     if optimized.plan.input_format is not None:
@@ -509,12 +740,21 @@ def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inp
 
     def runner(module: nn.Module, fmt: Format | None) -> Callable[[], Any]:
         # Every mode gets the same input; an eager mode converts it as its user would.
+        sgd = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1e-4) \
+            if train else None
+
         def run() -> Any:
             xs = inputs
             if fmt is not None:
                 xs = convert_batch(xs, fmt)
                 if fmt is Format.CHANNELS_LAST:
                     xs = convert_batch(xs, Format.CHANNELS_LAST_3D)
+            if sgd is not None:
+                from memlayout.plan.guard import train_step
+
+                out = train_step(module, xs, dtype)()
+                sgd.step()
+                return out
             with torch.no_grad(), autocast_context(device, dtype):
                 return module(*xs)
         return run

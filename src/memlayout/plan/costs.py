@@ -245,12 +245,18 @@ def device_name(device: torch.device) -> str:
 def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                   dtype: torch.dtype | None = None, measure: bool = True,
                   cache: CostCache | None = None, rounds: int = 5,
-                  progress: Progress | None = None) -> CostTable:
-    """The cost table of every layout node and definite-format value of a captured graph."""
+                  progress: Progress | None = None, train: bool = False) -> CostTable:
+    """The cost table of every layout node and definite-format value of a captured graph.
+
+    ``train``: a node's cost is its forward plus its backward (gradients of its inputs and
+    parameters for a gradient of its output's strides), cached under keys that say so; a
+    conversion costs its forward copy plus the reverse copy of its gradient in the backward
+    (``to_1 + to_0`` either way)."""
     from memlayout.plan.capture import device_of
 
     device = device_of(inputs, gm)
     context = [device_name(device), torch.__version__, str(dtype)]
+    node_context = [*context, "train"] if train else context
     layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
     values = [n for n in gm.graph.nodes if n.op != "get_attr"
               and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in (0, 1)]
@@ -258,7 +264,8 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     todo_nodes: dict[str, list[str]] = {}
     todo_values: dict[str, list[str]] = {}
     for n in layout_nodes:
-        keys = [json.dumps(["node", *context, _describe(gm, n, label), label]) for label in (0, 1)]
+        keys = [json.dumps(["node", *node_context, _describe(gm, n, label), label])
+                for label in (0, 1)]
         records = [cache.get(k) for k in keys] if cache is not None and measure else [None, None]
         if all(r is not None for r in records):
             table.cached += 1
@@ -284,9 +291,13 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     if total:
         runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
                            rounds=rounds, sync=device_sync(str(device)), progress=progress,
-                           total=total)
+                           total=total, train=train)
         with torch.no_grad(), autocast_context(device, dtype):
             runner.run(*inputs)
+    if train:  # the gradient of a converted value is converted back in the backward
+        table.conversions = {
+            name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes)
+            for name, c in table.conversions.items()}
     return table
 
 
@@ -343,8 +354,9 @@ class _Measurer(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, todo_nodes: dict[str, list[str]],
                  todo_values: dict[str, list[str]], table: CostTable, *, measure: bool,
                  cache: CostCache | None, rounds: int, sync: Callable[[], None],
-                 progress: Progress | None, total: int) -> None:
+                 progress: Progress | None, total: int, train: bool = False) -> None:
         super().__init__(gm)
+        self.train = train
         self.todo_nodes, self.todo_values, self.table = todo_nodes, todo_values, table
         self.measure, self.cache, self.rounds, self.sync = measure, cache, rounds, sync
         self.progress, self.total, self.done = progress, total, 0
@@ -375,22 +387,45 @@ class _Measurer(fx.Interpreter):
             self._step(f"{n.name} (conversion)")
         return result
 
-    def _call(self, n: fx.Node, label: int) -> Callable[[], Any]:
+    def _call(self, n: fx.Node, label: int, *, grad: bool = False) -> Callable[[], Any]:
+        """The node run on fresh inputs in ``label``; ``grad``: a training step of it instead
+        (forward, then the gradients of its inputs and parameters, see :func:`_train_step`)."""
         gm = self.module
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda m: self._input(m, label))
+        wrt: list[torch.Tensor] = []
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs),
+                                       lambda m: self._input(m, label, wrt if grad else None))
         if n.op == "call_module":
             target = gm.get_submodule(n.target)
+            if module_has_layout_params(gm, n) or grad:  # a copy: training must not touch it
+                target = copy.deepcopy(target)
             if module_has_layout_params(gm, n):
-                target = convert_module_to(copy.deepcopy(target), label)
-            return lambda: target(*args, **kwargs)
-        if n.op == "call_function":
-            return lambda: n.target(*args, **kwargs)
-        self_arg, *rest = args
-        return lambda: getattr(self_arg, n.target)(*rest, **kwargs)
+                target = convert_module_to(target, label)
+            wrt.extend(p for p in target.parameters() if p.requires_grad)
+            fn: Callable[[], Any] = lambda: target(*args, **kwargs)  # noqa: E731
+        elif n.op == "call_function":
+            fn = lambda: n.target(*args, **kwargs)  # noqa: E731
+        else:
+            self_arg, *rest = args
+            fn = lambda: getattr(self_arg, n.target)(*rest, **kwargs)  # noqa: E731
+        return _train_step(fn, wrt) if grad else fn
 
-    def _input(self, m: fx.Node, label: int) -> Any:
+    def _input(self, m: fx.Node, label: int, wrt: list[torch.Tensor] | None = None) -> Any:
         kind = input_kind(self.module, m)
-        return fresh_value(self.env[m], label if kind in ("term", "param") else None)
+        value = fresh_value(self.env[m], label if kind in ("term", "param") else None)
+        if wrt is not None and m.op != "placeholder":
+            # in training every activation (and parameter) needs its gradient; a model input
+            # does not. ``value`` is a fresh copy: a leaf of its own.
+            for t in _iter_float_tensors(value):
+                if m.op != "get_attr" or getattr(self._attr(m.target), "requires_grad", False):
+                    t.requires_grad_(True)
+                    wrt.append(t)
+        return value
+
+    def _attr(self, target: str) -> Any:
+        value: Any = self.module
+        for part in target.split("."):
+            value = getattr(value, part, None)
+        return value
 
     def _measure_node(self, n: fx.Node) -> None:
         gm = self.module
@@ -412,6 +447,14 @@ class _Measurer(fx.Interpreter):
                 calls[str(label)] = fn
             except Exception as exc:  # this format does not work for this op: a fact
                 records.append({"s": None, "out": None, "error": f"{type(exc).__name__}"})
+        if timed and calls and self.train:
+            steps = self._train_calls(n, calls, first)
+            if steps is None:  # no backward runs here (in place on a leaf): forward only
+                for record in records:
+                    if record["s"] is not None:
+                        record["note"] = "forward only: its backward could not run alone"
+            else:
+                calls = steps
         if timed and calls:
             repeat = max(1, min(50, int(0.004 / max(min(first.values()), 1e-6))))
             result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat,
@@ -421,12 +464,34 @@ class _Measurer(fx.Interpreter):
             self.table.measured += 1
         elif not self.measure and calls:
             for label in calls:
-                records[int(label)]["s"] = _analytical_seconds(gm, n, int(label))
+                # a backward does about twice the work of the forward
+                scale = 3.0 if self.train else 1.0
+                records[int(label)]["s"] = scale * _analytical_seconds(gm, n, int(label))
         self.table.nodes[n.name] = _node_cost(gm, n, records, self.measure)
         for key, record in zip(self.todo_nodes[n.name], records, strict=True):
             self.memo[key] = record
             if self.cache is not None and self.measure:
                 self.cache.put(key, record)
+
+    def _train_calls(self, n: fx.Node, calls: dict[str, Callable[[], Any]],
+                     first: dict[str, float]) -> dict[str, Callable[[], Any]] | None:
+        """A training step of ``n`` per working label (``first`` updated with the step's
+        first-call time), or ``None`` when one of them fails."""
+        import time
+
+        steps: dict[str, Callable[[], Any]] = {}
+        for label in calls:
+            try:
+                step = self._call(n, int(label), grad=True)
+                self.sync()
+                start = time.perf_counter()
+                step()
+                self.sync()
+                first[label] = time.perf_counter() - start
+            except Exception:
+                return None
+            steps[label] = step
+        return steps
 
     def _measure_conversion(self, n: fx.Node, value: Any) -> None:
         meta: ValueMeta = n.meta[META_KEY]
@@ -443,6 +508,33 @@ class _Measurer(fx.Interpreter):
             self.memo[key] = record
             if self.cache is not None:
                 self.cache.put(key, record)
+
+
+def _iter_float_tensors(value: Any) -> list[torch.Tensor]:
+    from memlayout.tensors import iter_tensors
+
+    return [t for t in iter_tensors(value) if t.is_floating_point()]
+
+
+def _train_step(forward: Callable[[], Any], wrt: list[torch.Tensor]) -> Callable[[], Any]:
+    """``forward`` with gradients on, then the gradients of ``wrt`` for a random output
+    gradient with the output's strides (what the consumer's backward hands back), computed
+    outside autocast as in the AMP recipe. Nothing accumulates into ``.grad``."""
+    grads: dict[int, list[torch.Tensor]] = {}
+
+    def step() -> Any:
+        with torch.enable_grad():
+            out = forward()
+        outs = [t for t in _iter_float_tensors(out) if t.requires_grad]
+        if not outs or not wrt:
+            return out
+        if 0 not in grads:
+            grads[0] = [torch.randn_like(t) for t in outs]
+        device_type = outs[0].device.type
+        with torch.autocast(device_type, enabled=False):
+            torch.autograd.grad(outs, wrt, grads[0], allow_unused=True)
+        return out
+    return step
 
 
 # ---------------------------------------------------------------- the analytical fallback

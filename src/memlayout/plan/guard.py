@@ -77,17 +77,21 @@ def cache_key(device: str, dtype: torch.dtype | None, graph_signature: str) -> s
 
 def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
                     dtype: torch.dtype | None, *, rounds: int,
-                    on_step: Callable[[int, str], None] | None = None) -> dict[str, Any]:
+                    on_step: Callable[[int, str], None] | None = None,
+                    train: bool = False) -> dict[str, Any]:
     """Time whole models (``models[PLANNED]`` and the others) interleaved, as they will run
-    (no grad, autocast for ``dtype``). Returns ``{"ratios": {name: per-round planned /
-    candidate time}, "rounds": n, "errors": {name: message}}``."""
+    (no grad, autocast for ``dtype``; ``train``: a training step's forward and backward, the
+    loss ``sum(0.5 * mean(y ** 2))`` over the floating outputs, backward outside autocast,
+    gradients into ``.grad`` as an optimizer reads them; the caller restores buffers).
+    Returns ``{"ratios": {name: per-round planned / candidate time}, "rounds": n,
+    "errors": {name: message}}``."""
     device = device_of(inputs, models[PLANNED])
 
     def runner(module: nn.Module) -> Callable[[], Any]:
         def run() -> Any:
             with torch.no_grad(), autocast_context(device, dtype):
                 return module(*inputs)
-        return run
+        return train_step(module, inputs, dtype) if train else run
 
     fns = {name: runner(m) for name, m in models.items()}
     sync = device_sync(str(device))
@@ -110,6 +114,28 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
                 ratios[name] = [r for c in runs for r in c.ratios(name)]
     return {"ratios": ratios, "rounds": sum(len(c[PLANNED].times) for c in runs),
             "repeat": repeat, "errors": errors}
+
+
+def train_step(module: nn.Module, inputs: tuple[Any, ...],
+               dtype: torch.dtype | None) -> Callable[[], Any]:
+    """One training step of ``module`` without the optimizer: gradients set to ``None``,
+    forward under autocast, ``sum(0.5 * mean(y ** 2))``, backward (into ``.grad``)."""
+    from memlayout.tensors import iter_tensors
+
+    device = device_of(inputs, module)
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> Any:
+        for p in params:
+            p.grad = None
+        with torch.enable_grad(), autocast_context(device, dtype):
+            out = module(*inputs)
+        terms = [0.5 * t.float().square().mean() for t in iter_tensors(out)
+                 if t.is_floating_point() and t.requires_grad]
+        if terms:
+            torch.stack(terms).sum().backward()
+        return out
+    return step
 
 
 def decide(record: Mapping[str, Any], *, margin: float) -> str:

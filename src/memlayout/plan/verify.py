@@ -14,6 +14,7 @@ True
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class Verification:
     tolerance: float  # the rtol applied
     tensors: int
     first_divergent: str | None = None
+    layout_noise: float | None = None  # training: the original's own NHWC-vs-NCHW error used
 
 
 def worst_error(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype | None) -> tuple[float, bool]:
@@ -106,6 +108,307 @@ def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...
         f"{rtol:g} for {dtype or 'float32'}){named}. The plan was not applied; please report "
         "this with the model, or plan with measure=False to try another plan"
     )
+
+
+# ---------------------------------------------------------------- training
+
+
+SEED = 0  # the RNG state both models start a verified step from (Dropout draws the same masks)
+
+
+def training_loss(out: Any) -> torch.Tensor:
+    """A loss that gives every output element its own gradient: the sum over the floating
+    tensors of ``out`` of ``<t, w>`` for a fixed random ``w`` per shape (seeded, so both
+    models get the same), in float32 outside autocast."""
+    gen = torch.Generator().manual_seed(SEED)
+    terms = []
+    for t in iter_tensors(out):
+        if t.is_floating_point() and t.requires_grad:
+            w = torch.randn(tuple(t.shape), generator=gen).to(t.device)
+            terms.append((t.float() * w).sum() / max(1, t.numel()) ** 0.5)
+    if not terms:
+        raise LayoutVerificationError(
+            f"the model's output ({type(out).__name__}) holds no floating tensor that needs a "
+            "gradient: nothing to verify a training step on; plan with train=False")
+    return torch.stack(terms).sum()
+
+
+@dataclass
+class Step:
+    """One verified training step's results: outputs, gradients (by parameter name, and per
+    input), buffers after the step, and each parameter's gradient strides."""
+
+    output: Any
+    grads: dict[str, torch.Tensor | None]
+    input_grads: list[torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    grad_strides: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # name -> (param, grad)
+
+
+def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
+                  names: list[str] | None = None, graph: fx.Graph | None = None,
+                  upto: str | None = None, accumulate: bool = False) -> Step:
+    """Forward (under autocast for ``dtype``) from the RNG state ``SEED``, ``training_loss``
+    and backward, leaving the module's state as it was (buffers restored, ``.grad`` as
+    before, the caller's RNG untouched). ``graph``/``upto``: run ``graph`` over ``module``
+    only up to node ``upto`` and differentiate its value. ``accumulate``: gradients through
+    ``.backward()`` into ``.grad`` (so their strides are what an optimizer and DDP see),
+    else ``torch.autograd.grad``."""
+    device = device_of(inputs, module)
+    params = dict(module.named_parameters())
+    names = [k for k, p in params.items() if p.requires_grad] if names is None else names
+    wrt = [params[k] for k in names if k in params]
+    xs = tuple(x.detach().clone().requires_grad_(x.is_floating_point())
+               if isinstance(x, torch.Tensor) else x for x in inputs)
+    leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    with kept_state(module, list(params.values())):
+        with torch.random.fork_rng(devices=_cuda_devices(device)):
+            torch.manual_seed(SEED)
+            with torch.enable_grad(), autocast_context(device, dtype):
+                if graph is None:
+                    out = module(*xs)
+                else:
+                    try:
+                        _UpTo(module, graph, upto or "").run(*xs)
+                        raise KeyError(upto)
+                    except _Stop as stop:
+                        out = stop.value
+        loss = training_loss(out)
+        if accumulate:
+            for p in wrt:
+                p.grad = None
+            loss.backward()
+            got: list[torch.Tensor | None] = [p.grad for p in wrt] + [x.grad for x in leaves]
+        else:
+            got = list(torch.autograd.grad(loss, [*wrt, *leaves], allow_unused=True))
+        grads = dict(zip([k for k in names if k in params], got[:len(wrt)], strict=True))
+        strides = {k: (tuple(p.stride()), tuple(g.stride()))
+                   for k, p, g in zip(grads, wrt, got, strict=False) if g is not None}
+        buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+    return Step(_detach(out), grads, got[len(wrt):], buffers, strides)
+
+
+NOISE_FACTOR = 2.0  # a planned tensor may differ up to this many times what layout noise does
+
+
+def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
+                    dtype: torch.dtype | None = None, reference_graph: fx.GraphModule | None = None,
+                    planned_graph: fx.Graph | None = None, where: str = "") -> Verification:
+    """One training step of each model from the same state and RNG state: outputs, every
+    parameter's gradient (by name), every input's gradient and the buffers after the step
+    (BatchNorm's running statistics) compared, and each planned parameter's gradient in its
+    parameter's strides. Neither model's state changes.
+
+    A tensor agrees within the dtype's tolerance (``TOLERANCE``), or, failing that, within
+    ``NOISE_FACTOR`` times the error of the original model itself run entirely channels-last
+    (its *layout noise*, measured only then): in bf16 a training step through BatchNorm on a
+    small batch differs between eager NCHW and eager NHWC by more than any fixed tolerance,
+    while a wrong rewrite differs by the size of the values.
+
+    On a mismatch raises ``LayoutVerificationError`` naming the first node whose value or
+    gradients differ (bisected over ``reference_graph``'s nodes, run as ``planned_graph``)
+    when the graphs are given."""
+    want = training_step(reference, inputs, dtype=dtype)
+    got = training_step(planned, inputs, dtype=dtype, names=list(want.grads), accumulate=True)
+
+    def twin() -> Step:
+        return training_step(_channels_last_twin(reference), convert_value_cl(inputs),
+                             dtype=dtype, names=list(want.grads))
+
+    ok, worst, what, count, noise = agree(want, got, dtype, twin)
+    bad_strides = [k for k, (ps, gs) in got.grad_strides.items() if ps != gs]
+    rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
+    if ok and not bad_strides:
+        return Verification(True, worst, rtol, count, layout_noise=noise)
+    if ok:
+        raise LayoutVerificationError(
+            f"the planned model's gradients of {', '.join(bad_strides[:3])} come back in other "
+            "strides than their parameters (an optimizer or DDP's gradient buckets would see "
+            "them); the plan was not applied; please report this with the model")
+    node = None
+    if reference_graph is not None and planned_graph is not None:
+        node = first_divergent_training(reference_graph, planned, planned_graph, inputs,
+                                        dtype=dtype)
+    where_text = f" in {where}" if where else ""
+    named = (f"; first node whose value or gradients differ{where_text}: {node}" if node
+             else "; the divergence could not be narrowed to one node")
+    raise LayoutVerificationError(
+        f"a training step of the planned model differs from the original's (first in the "
+        f"{what}: relative error {worst:.3g}, tolerance {rtol:g} for {dtype or 'float32'} "
+        f"or {NOISE_FACTOR:g}x the original's own channels-last difference){named}. The plan "
+        "was not applied; please report this with the model, or plan with measure=False to "
+        "try another plan")
+
+
+def agree(want: Step, got: Step, dtype: torch.dtype | None,
+          twin: Any = None) -> tuple[bool, float, str, int, float | None]:
+    """Compare two training steps tensor by tensor: ``(all agree, worst relative error,
+    the first that does not, tensors compared, the worst layout noise used)``. ``twin``:
+    a callable giving the reference's channels-last step, called only on a miss."""
+    pairs = _pairs(want, got)
+    twins: dict[str, Any] | None = None
+    ok, worst, what, noise = True, 0.0, "", None
+    for name, w, g in pairs:
+        if g is _MISSING:
+            fine, rel = False, float("inf")
+        elif w is None or g is None:
+            fine, rel = (w is None) == (g is None) or _is_zero(w if g is None else g), 0.0
+        else:
+            fine = compare(w, g, dtype)[0]
+            rel = _error_above_floor(w, g, dtype)
+            if not fine and twin is not None:
+                if twins is None:
+                    twins = {n: t for n, _, t in _pairs(want, twin())}
+                t = twins.get(name)
+                if isinstance(t, torch.Tensor):
+                    natural = _error_above_floor(w, t, dtype)
+                    fine = rel <= NOISE_FACTOR * natural
+                    noise = max(noise or 0.0, natural)
+        if not fine and ok:
+            what = name
+        ok &= fine
+        worst = max(worst, rel)
+    return ok, worst, what, len(pairs), noise
+
+
+def _pairs(want: Step, got: Step) -> list[tuple[str, Any, Any]]:
+    ws, gs = list(iter_tensors(want.output)), list(iter_tensors(got.output))
+    out: list[tuple[str, Any, Any]] = [
+        (f"output {i}", w, gs[i] if i < len(gs) else _MISSING) for i, w in enumerate(ws)]
+    out += [("gradient of " + k, w, got.grads.get(k, _MISSING)) for k, w in want.grads.items()]
+    out += [(f"gradient of input {i}", w, got.input_grads[i] if i < len(got.input_grads)
+             else _MISSING) for i, w in enumerate(want.input_grads)]
+    out += [("buffer " + k, w, got.buffers.get(k, _MISSING)) for k, w in want.buffers.items()]
+    return out
+
+
+def _channels_last_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every rank-4/5 parameter and buffer channels-last: the
+    original run as eager NHWC runs it (its layout noise is what a plan may differ by)."""
+    from memlayout.layout import Format
+    from memlayout.tensors import convert_module
+
+    twin = copy.deepcopy(module)
+    convert_module(twin, Format.CHANNELS_LAST)
+    return convert_module(twin, Format.CHANNELS_LAST_3D)
+
+
+def convert_value_cl(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``inputs`` with rank-4/5 tensors channels-last (``channels_last_3d``)."""
+    from memlayout.layout import Format
+    from memlayout.tensors import convert_batch
+
+    return convert_batch(convert_batch(inputs, Format.CHANNELS_LAST), Format.CHANNELS_LAST_3D)
+
+
+def first_divergent_training(reference: fx.GraphModule, planned: nn.Module,
+                             planned_graph: fx.Graph, inputs: tuple[Any, ...], *,
+                             dtype: torch.dtype | None = None) -> str | None:
+    """Bisect the reference's computing nodes for the first whose value, or the gradients
+    it sends to the parameters and inputs before it, the planned graph computes
+    differently (by the rule of :func:`verify_training`); ``"name (op)"`` or ``None``."""
+    planned_names = {n.name for n in planned_graph.nodes}
+    names = [n.name for n in reference.graph.nodes
+             if n.op.startswith("call_") and n.name in planned_names]
+    if not names:
+        return None
+    twin_gm: list[nn.Module] = []
+
+    def diverged(i: int) -> bool:
+        try:
+            want = training_step(reference, inputs, dtype=dtype, graph=reference.graph,
+                                 upto=names[i])
+        except LayoutVerificationError:  # no gradient flows out of this node: values only
+            return _value_diverged(reference, planned, planned_graph, inputs, names[i], dtype)
+        got = training_step(planned, inputs, dtype=dtype, graph=planned_graph, upto=names[i],
+                            names=list(want.grads))
+
+        def twin() -> Step:
+            if not twin_gm:
+                twin_gm.append(_channels_last_twin(reference))
+            return training_step(twin_gm[0], convert_value_cl(inputs), dtype=dtype,
+                                 graph=reference.graph, upto=names[i], names=list(want.grads))
+        return not agree(want, got, dtype, twin)[0]
+
+    lo, hi = 0, len(names) - 1
+    if not diverged(hi):
+        return _describe(reference, names[hi])
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if diverged(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return _describe(reference, names[lo])
+
+
+def _value_diverged(reference: fx.GraphModule, planned: nn.Module, planned_graph: fx.Graph,
+                    inputs: tuple[Any, ...], name: str, dtype: torch.dtype | None) -> bool:
+    device = device_of(inputs, reference)
+    with kept_state(reference, []), kept_state(planned, []), torch.no_grad(), \
+            autocast_context(device, dtype):
+        with torch.random.fork_rng(devices=_cuda_devices(device)):
+            torch.manual_seed(SEED)
+            want = value_at(reference, reference.graph, name, inputs)
+        with torch.random.fork_rng(devices=_cuda_devices(device)):
+            torch.manual_seed(SEED)
+            got = value_at(planned, planned_graph, name, inputs)
+    return not compare(want, got, dtype)[0]
+
+
+_MISSING: Any = object()
+
+
+def _error_above_floor(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype | None) -> float:
+    """The relative error, with the scale floored at ``atol / rtol``: a gradient that is
+    zero up to rounding (a bias before BatchNorm) is not reported as a huge relative error."""
+    if want.shape != got.shape:
+        return float("inf")
+    if not want.is_floating_point():
+        return 0.0 if torch.equal(want, got) else 1.0
+    rtol, atol = max(TOLERANCE.get(d, TOLERANCE[torch.float32])
+                     for d in (want.dtype, got.dtype, dtype or want.dtype))
+    a, b = want.detach().double().nan_to_num(), got.detach().double().nan_to_num()
+    if not a.numel():
+        return 0.0
+    return (a - b).abs().max().item() / max(a.abs().max().item(), atol / rtol)
+
+
+def _is_zero(t: torch.Tensor | None) -> bool:
+    return t is None or t.numel() == 0 or not bool(t.detach().abs().max() > 0)
+
+
+class kept_state:  # noqa: N801 (a context manager, used like a function)
+    """Buffers restored on exit (a training-mode BatchNorm updates its running statistics),
+    and ``.grad`` of ``params`` put back as it was."""
+
+    def __init__(self, module: nn.Module, params: list[torch.Tensor]) -> None:
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        self.grads = [(p, p.grad) for p in params]
+
+    def __enter__(self) -> kept_state:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        for p, g in self.grads:
+            p.grad = g
+
+
+def _cuda_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_detach(v) for v in value)
+    return value
 
 
 class _Stop(Exception):
