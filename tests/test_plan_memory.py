@@ -88,6 +88,7 @@ def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     more than the unpadded one."""
     monkeypatch.setattr(padding_mod, "decide",
                         lambda seconds, ratios, margin: next(n for n in seconds if n != "unpadded"))
+    monkeypatch.setattr(padding_mod, "whole_model_ratio", lambda *args, **kwargs: 2.0)
 
 
 def test_a_budget_below_the_fastest_plans_peak_is_respected(tmp_path, monkeypatch) -> None:

@@ -77,7 +77,13 @@ def test_the_plan_reports_both_costs_and_pads_only_where_measured_faster(tmp_pat
         assert seconds[UNPADDED] is not None and seconds[UNPADDED] > 0
         assert set(seconds) == {UNPADDED, *variants(net.get_submodule(p["module"]), blocks)}
         assert all(v is not None and v > 0 for v in seconds.values())
-        assert p["chosen"] == decide(seconds, p["ratios"], 0.02)  # its own measurements decide
+        alone = decide(seconds, p["ratios"], 0.02)  # its own measurements decide
+        if p["reverted"]:  # faster alone, but the whole model padded was not
+            assert p["reverted"] == alone and p["chosen"] == UNPADDED
+            assert p["whole_model"] is None or p["whole_model"] <= 1.0
+        else:
+            assert p["chosen"] == alone
+            assert p["chosen"] == UNPADDED or p["whole_model"] > 1.0
         module = opt.module.get_submodule(p["module"])
         assert isinstance(module, PaddedConv2d) == (p["chosen"] != UNPADDED)
     with torch.no_grad():
@@ -86,8 +92,10 @@ def test_the_plan_reports_both_costs_and_pads_only_where_measured_faster(tmp_pat
 
 
 def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every convolution that can be padded is, whatever was measured."""
     monkeypatch.setattr(padding_mod, "decide",
                         lambda seconds, ratios, margin: max(s for s in seconds if s != UNPADDED))
+    monkeypatch.setattr(padding_mod, "whole_model_ratio", lambda *args, **kwargs: 2.0)
 
 
 def test_padding_everything_verifies_equal(tmp_path, monkeypatch) -> None:
@@ -104,6 +112,17 @@ def test_padding_everything_verifies_equal(tmp_path, monkeypatch) -> None:
     opt.load_state_dict(fresh.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(opt(x), fresh(x), rtol=1e-4, atol=1e-5)
+
+
+def test_padding_the_whole_model_must_be_faster_too(tmp_path, monkeypatch) -> None:
+    _pad_everything(monkeypatch)
+    monkeypatch.setattr(padding_mod, "whole_model_ratio", lambda *args, **kwargs: 0.9)
+    net, x = odd_channels_small()
+    opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
+    assert not any(isinstance(m, PaddedConv2d) for m in opt.module.modules())
+    assert all(p["chosen"] == UNPADDED and p["reverted"] and p["whole_model"] == 0.9
+               for p in opt.plan.padding)
+    assert "left unpadded" in opt.plan.summary()
 
 
 def test_a_padding_that_changes_values_is_never_returned(tmp_path, monkeypatch) -> None:

@@ -45,12 +45,21 @@ def padding_summary(padding: list[dict[str, Any]]) -> str:
     if not padding:
         return ""
     padded = [p for p in padding if p["chosen"] != "unpadded"]
+    reverted = [p for p in padding if p.get("reverted")]
+    if reverted:
+        ratio = reverted[0].get("whole_model")
+        measured = "failed" if ratio is None else f"unpadded / padded time {ratio:.3f}"
+        return (f"padded channels: {len(reverted)} of {len(padding)} candidate convolutions "
+                f"measured faster padded alone, but not the whole model with them padded "
+                f"({measured}, median of interleaved rounds): left unpadded")
     if padded:
         saved = sum((p["seconds"]["unpadded"] or 0) - (p["seconds"][p["chosen"]] or 0)
                     for p in padded if p["seconds"].get(p["chosen"]) is not None)
         names = ", ".join(f"{p['module']} {p['chosen']}" for p in padded)
+        whole = padded[0].get("whole_model")
+        model = "" if whole is None else f"; whole model unpadded / padded {whole:.3f}"
         return (f"padded channels: {len(padded)} of {len(padding)} candidate convolutions "
-                f"padded ({names}; measured {saved * 1e3:.3f} ms saved per call)")
+                f"padded ({names}; measured {saved * 1e3:.3f} ms saved per call{model})")
     return (f"padded channels: 0 of {len(padding)} candidate convolutions padded (padded "
             "variants measured slower, pad and crop included)")
 

@@ -13,7 +13,8 @@ Per candidate convolution (``groups == 1``, 2-D) each variant -- unpadded, input
 outputs padded, both -- for each ``k`` of :func:`block_sizes` is timed on the input it receives
 in the planned model, pad and crop included, interleaved through ``memlayout.timing``; a padded
 variant is chosen only when both its minimum and the median of its per-round ratios beat
-unpadded by ``margin`` (see :func:`decide`). Timings are
+unpadded by ``margin`` (see :func:`decide`), and kept only when the whole model with every
+chosen padding then runs faster than without (``whole_model_ratio``). Timings are
 cached in the cost cache (keyed by device, torch version, dtype, convolution, input layout and
 variant). ``PaddedConv2d`` is an ``nn.Conv2d`` with the same parameters (so ``state_dict``
 keys and shapes are the original's) and the padded weights in non-persistent buffers.
@@ -30,6 +31,7 @@ torch.Size([8, 16, 3, 3])
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -178,6 +180,11 @@ class PadChoice:
     chosen: str
     source: str  # "measured", "cache" or "forced"
     ratios: dict[str, float] | None = None  # median per-round unpadded / variant time
+    #: the whole model with every chosen padding vs without: median per-round unpadded /
+    #: padded time (``None``: not checked); ``reverted``: the variant chosen alone, dropped
+    #: because the padded model was not faster as a whole
+    whole_model: float | None = None
+    reverted: str | None = None
 
     @property
     def saved(self) -> float:
@@ -228,6 +235,7 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
     context = [device_name(device), torch.__version__, str(dtype)]
     sync = device_sync(str(device))
     choices: list[PadChoice] = []
+    replacements: dict[str, tuple[nn.Module, nn.Module]] = {}
     for i, (path, conv) in enumerate(convs.items()):
         x = seen.get(path)
         if x is None or x.dim() != 4:
@@ -255,8 +263,61 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
                                  record["seconds"], chosen, source, record["ratios"]))
         if apply and chosen != UNPADDED:
             pin, pout = options[chosen]
-            _replace(model, path, PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout))
+            replacements[path] = (conv, PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout))
+    if not replacements:
+        return choices
+    if force is None:
+        # Ops timed alone can disagree with the model (noise, caches): keep the padding only
+        # if the whole model runs faster with it than without.
+        key = json.dumps(["pad-model", *context, [(c.module, c.chosen, c.input_shape)
+                                                  for c in choices], rounds])
+        ratio = whole_model_ratio(model, inputs, replacements, dtype=dtype, rounds=rounds,
+                                  cache=cache, key=key)
+        if ratio is None or ratio <= 1.0:
+            return [dataclasses.replace(c, chosen=UNPADDED, reverted=c.chosen, whole_model=ratio)
+                    if c.chosen != UNPADDED else c for c in choices]
+        choices = [dataclasses.replace(c, whole_model=ratio) if c.chosen != UNPADDED else c
+                   for c in choices]
+    for path, (_, padded) in replacements.items():
+        _replace(model, path, padded)
     return choices
+
+
+def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
+                      replacements: dict[str, tuple[nn.Module, nn.Module]], *,
+                      dtype: torch.dtype | None, rounds: int, cache: Any = None,
+                      key: str | None = None) -> float | None:
+    """Median of per-round ``unpadded / padded`` whole-model times (``memlayout.timing``,
+    interleaved; modules swapped in before each call), or ``None`` when the padded model
+    fails; cached under ``key``. ``model`` is left unpadded."""
+    from memlayout.timing import device_sync, interleaved
+
+    record = cache.get(key) if cache is not None and key is not None else None
+    if record is not None:
+        return record["ratio"]
+    device = device_of(inputs, model)
+    plain = {p: m for p, (m, _) in replacements.items()}
+    padded = {p: m for p, (_, m) in replacements.items()}
+
+    def runner(modules: dict[str, nn.Module]) -> Callable[[], Any]:
+        def run() -> Any:
+            for p, m in modules.items():
+                _replace(model, p, m)
+            with torch.no_grad(), autocast_context(device, dtype):
+                return model(*inputs)
+        return run
+
+    try:
+        result = interleaved({UNPADDED: runner(plain), "padded": runner(padded)},
+                             rounds=max(rounds, 3), warmup=1, baseline=UNPADDED,
+                             sync=device_sync(str(device)))
+    finally:
+        for p, m in plain.items():
+            _replace(model, p, m)
+    ratio = result.speedup("padded")
+    if cache is not None and key is not None and ratio is not None:
+        cache.put(key, {"ratio": ratio})
+    return ratio
 
 
 def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int]],
