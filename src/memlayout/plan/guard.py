@@ -128,12 +128,13 @@ def train_step(module: nn.Module, inputs: tuple[Any, ...],
     def step() -> Any:
         for p in params:
             p.grad = None
-        with torch.enable_grad(), autocast_context(device, dtype):
-            out = module(*inputs)
-        terms = [0.5 * t.float().square().mean() for t in iter_tensors(out)
-                 if t.is_floating_point() and t.requires_grad]
-        if terms:
-            torch.stack(terms).sum().backward()
+        with torch.enable_grad():
+            with autocast_context(device, dtype):
+                out = module(*inputs)
+            terms = [0.5 * t.float().square().mean() for t in iter_tensors(out)
+                     if t.is_floating_point() and t.requires_grad]
+            if terms:
+                torch.stack(terms).sum().backward()
         return out
     return step
 

@@ -173,14 +173,15 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
                         raise KeyError(upto)
                     except _Stop as stop:
                         out = stop.value
-        loss = training_loss(out)
-        if accumulate:
-            for p in wrt:
-                p.grad = None
-            loss.backward()
-            got: list[torch.Tensor | None] = [p.grad for p in wrt] + [x.grad for x in leaves]
-        else:
-            got = list(torch.autograd.grad(loss, [*wrt, *leaves], allow_unused=True))
+        with torch.enable_grad():  # the caller may be under no_grad (a replan in eval code)
+            loss = training_loss(out)
+            if accumulate:
+                for p in wrt:
+                    p.grad = None
+                loss.backward()
+                got: list[torch.Tensor | None] = [p.grad for p in wrt] + [x.grad for x in leaves]
+            else:
+                got = list(torch.autograd.grad(loss, [*wrt, *leaves], allow_unused=True))
         grads = dict(zip([k for k in names if k in params], got[:len(wrt)], strict=True))
         strides = {k: (tuple(p.stride()), tuple(g.stride()))
                    for k, p, g in zip(grads, wrt, got, strict=False) if g is not None}
