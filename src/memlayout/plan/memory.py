@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memlayout.dispatch import ObservingMode
 from memlayout.errors import PlanError
 from memlayout.plan.capture import autocast_context, device_of
 
@@ -54,7 +54,7 @@ class MemoryPeak:
     method: str
 
 
-class _LiveBytes(TorchDispatchMode):
+class _LiveBytes(ObservingMode):
     """Counts bytes of storages allocated by aten calls while they are alive."""
 
     def __init__(self) -> None:
@@ -63,8 +63,7 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self._tracked: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
+    def observe(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         inputs = {id(s) for s in map(_storage, _tensors((args, kwargs))) if s is not None}
         for t in _tensors(out):
             s = _storage(t)
@@ -72,7 +71,6 @@ class _LiveBytes(TorchDispatchMode):
                 self._track(t, t.numel() * t.element_size())
             elif id(s) not in inputs and id(s) not in self._tracked:
                 self._track(s, s.nbytes())
-        return out
 
     def _track(self, owner: Any, nbytes: int) -> None:
         if nbytes <= 0:
