@@ -185,3 +185,35 @@ def test_bf16_training_plan_is_verified_and_trains(db) -> None:
     got.float().square().mean().backward()
     assert all(p.grad is not None and p.grad.stride() == p.stride()
                for p in opt.parameters() if p.requires_grad)
+
+
+def test_ddp_trains_the_optimized_module_across_shapes(db, tmp_path) -> None:
+    """DDP builds its gradient buckets from the parameters' strides at wrap time: every
+    gradient must come back in those strides, also from a shape planned after wrapping (its
+    plan must use the very parameters DDP holds, or the reducer fails the next step)."""
+    import warnings
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this build")
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = Net()
+    opt = optimize(model, _x(), train=True, measure=False, cache=db)
+    assert any(format_of(p) is Format.CHANNELS_LAST for p in opt.parameters())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        ddp = DistributedDataParallel(opt)
+        sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n in (2, 3, 2, 3):
+                ddp(_x(n)).square().mean().backward()
+                assert all(p.grad.stride() == p.stride() for p in opt.parameters())
+                sgd.step()
+                sgd.zero_grad()
+        assert not [w for w in caught if "strides do not match" in str(w.message)]
+        assert opt.replans == 1
+    finally:
+        dist.destroy_process_group()

@@ -273,7 +273,7 @@ def bench(
             command += [flag, str(value)]
     layouts = {"nchw": "eager, contiguous (NCHW) model and input", "nhwc": "eager, model.to(memory_format=channels_last) + channels-last input (channels_last_3d for video)",
                "planned": f"memlayout.optimize(model, (x,), dtype=..., measure={plan_costs == 'measured'})", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
-               "planned+compile": "torch.compile of the planned model"}
+               "planned+compile": "memlayout.compile (inference): the plan compiled with Inductor's layout optimization off, or Inductor's own layout, whichever measures faster; train: torch.compile of the planned model"}
     console.print(f"[bold]memlayout bench[/bold]: {len(cfg.models)} models x {','.join(cfg.dtypes)} x {','.join(cfg.tasks)}, "
                   f"batch {cfg.batch}, {cfg.rounds} interleaved rounds, device {cfg.device}, threads {threads or 'default'}")
     for mode in cfg.modes:

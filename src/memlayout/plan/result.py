@@ -146,7 +146,8 @@ class Plan:
         ]
         if pred:
             parts = [f"{k} {v * 1e3:.2f} ms" for k, v in pred.items()]
-            lines.append("predicted: " + ", ".join(parts))
+            step = " (training step: forward + backward)" if self.train else ""
+            lines.append(f"predicted{step}: " + ", ".join(parts))
         verify = self.verification.get("seconds")
         of_which = f" (of which verification {verify:.1f} s)" if verify is not None else ""
         lines.append(f"measured {self.measured}, from cache {self.cached}, "
