@@ -132,3 +132,22 @@ def test_state_dict_loads_into_every_shape_s_plan(db) -> None:
     with torch.no_grad():  # batch 2's plan (not replanned) sees the loaded statistics
         assert _close(model(x), opt(x))
     assert opt.replans == 1
+
+
+def test_a_shape_whose_plan_fails_runs_the_original_computation(db, monkeypatch) -> None:
+    from memlayout.errors import LayoutVerificationError
+
+    model = Small()
+    opt = optimize(model, _x(4), measure=False, cache=db)
+
+    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise LayoutVerificationError("a planted mismatch")
+
+    monkeypatch.setattr(api, "_verify", failing)
+    x = _x(3)
+    with pytest.warns(UserWarning, match="a planted mismatch"), torch.no_grad():
+        got = opt(x)
+    with torch.no_grad():
+        assert _close(model.eval()(x), got)
+        opt(_x(3))  # not planned again
+    assert opt.replans == 1 and len(opt.plans) == 1

@@ -71,11 +71,20 @@ class OptimizedModule(nn.Module):
 
     A call whose input shape signature (:func:`shape_signature`) differs from the example's
     is planned on first sight (see ``optimize``'s ``max_plans``): ``.plans`` maps each
-    signature held to its plan, ``.replans`` counts the plans made after the example's."""
+    signature held to its plan, ``.replans`` counts the plans made after the example's. A
+    shape whose plan fails (capture or verification) runs the original model's computation
+    on the same weights, with a warning, and is not planned again.
+
+    >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    >>> opt = optimize(net, torch.randn(2, 3, 8, 8), train=True, measure=False, cache=False)
+    >>> opt(torch.randn(3, 3, 8, 8)).sum().backward()  # batch 3: planned now, once
+    >>> opt.replans, [p.input_shapes for p in opt.plans.values()]
+    (1, [[[2, 3, 8, 8]], [[3, 3, 8, 8]]])
+    """
 
     def __init__(self, module: nn.Module, plan: Plan, dtype: torch.dtype | None, *,
-                 replan: Callable[[OptimizedModule, tuple[Any, ...]], tuple[nn.Module, Plan]]
-                 | None = None, max_plans: int = 8, signature: Signature | None = None) -> None:
+                 replan: _Replanner | None = None, max_plans: int = 8,
+                 signature: Signature | None = None) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
@@ -94,7 +103,7 @@ class OptimizedModule(nn.Module):
         held: dict[Signature, Plan] = {}
         if self._signature is not None:
             held[self._signature] = self.plan
-        held.update((sig, plan) for sig, (_, plan) in self._shapes.items())
+        held.update((sig, plan) for sig, (_, plan) in self._shapes.items() if plan is not None)
         return held
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -112,7 +121,15 @@ class OptimizedModule(nn.Module):
         if entry is not None:
             self._shapes.move_to_end(sig)
             return entry[0]
-        module, plan = self._replan(self, args)
+        try:
+            module, plan = self._replan(self, args)
+        except MemlayoutError as exc:
+            import warnings
+
+            warnings.warn(f"memlayout: planning input shapes {[s for s, _, _ in sig]} failed "
+                          f"({exc}); running the original model's computation (same weights) "
+                          "for them", stacklevel=3)
+            module, plan = self._replan.base, None
         self.replans += 1
         self._shapes[sig] = (module, plan)
         while self._shapes and len(self._shapes) > max(0, self.max_plans - 1):
@@ -366,7 +383,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         cache=cache, rounds=rounds, name=name or type(model).__name__))
     optimized = OptimizedModule(planned_tree, plan, run_dtype, replan=replan,
                                 max_plans=max_plans, signature=shape_signature(inputs))
-    return optimized.train(True) if train else optimized
+    return optimized.train(train)
 
 
 class _Replanner:
@@ -382,9 +399,10 @@ class _Replanner:
                  args: tuple[Any, ...]) -> tuple[nn.Module, Plan]:
         base = self.base
         _share_tensors(base, optimized.module)  # the live tensors (after .to(), a load, ...)
-        base.train(optimized.training)
-        options = dict(self.options, guard=False, train=optimized.training,
-                       keep_weight_formats=True, max_plans=1)
+        training = optimized.module.training
+        base.train(training)
+        options = dict(self.options, guard=False, train=training, keep_weight_formats=True,
+                       max_plans=1)
         accepted = inspect.signature(optimize).parameters
         # a plan per shape chooses formats only (issue #10's extra steps stay the example's)
         options.update({k: False for k in ("memory", "padding", "blocked") if k in accepted})
@@ -392,7 +410,7 @@ class _Replanner:
         result = optimize(base, xs, **options)
         module = result.module
         _share_tensors(module, base)  # same values (a copy of them was planned on)
-        module.train(optimized.training)
+        module.train(training)
         return module, result.plan
 
 
