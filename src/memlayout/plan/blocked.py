@@ -84,6 +84,9 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
         return {"available": True, "note": f"not measured under autocast ({dtype}): mkldnn "
                 "modules are measured in fp32 only", "chains": []}
     found = chains(model)
+    if not found:
+        return {"available": True, "note": "no chain of supported ops (Conv2d, BatchNorm2d, "
+                "ReLU, MaxPool2d in an nn.Sequential) found", "chains": [], "applied": False}
     seen = _first_inputs(model, inputs, found)
     from memlayout.plan.costs import device_name
     from memlayout.plan.verify import worst_error
