@@ -145,7 +145,10 @@ def test_killed_during_a_checkpoint_write_the_previous_one_survives(work, tmp_pa
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT
-        while not [p for p in stale_temporaries(ckpt_dir) if p.stat().st_size > 0]:
+        latest = ckpt_dir / LATEST
+        # the first write done (latest.pt there), the second one begun (its temporary file)
+        while not (latest.exists() and [p for p in stale_temporaries(ckpt_dir)
+                                        if p.stat().st_size > 0]):
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "the second checkpoint write never started"
             time.sleep(0.05)
@@ -157,7 +160,6 @@ def test_killed_during_a_checkpoint_write_the_previous_one_survives(work, tmp_pa
     assert proc.returncode == -signal.SIGKILL
     partial = stale_temporaries(ckpt_dir)
     assert partial  # the half-written file is there: the kill was mid-write
-    latest = ckpt_dir / LATEST
     assert latest.stat().st_size > partial[0].stat().st_size
     state = load_checkpoint(latest)
     assert state["step"] == 8 and state["epoch"] == 1 and state["step_in_epoch"] == 0
@@ -166,3 +168,4 @@ def test_killed_during_a_checkpoint_write_the_previous_one_survives(work, tmp_pa
                                 batch=4, image_size=IMAGE, epochs=2, resume=True,
                                 checkpoint=str(ckpt_dir)))
     assert resumed.start_step == 8 and resumed.step == 16
+    assert load_checkpoint(latest)["step"] == 16 and not stale_temporaries(ckpt_dir)

@@ -505,6 +505,7 @@ def train(
     plan_costs: Annotated[str, typer.Option(help="Planner costs for --layout planned: measured (cached) or analytic. Default: measured.")] = "measured",
     sync_bn: Annotated[bool, typer.Option("--sync-bn", help="SyncBatchNorm under torchrun (CUDA only). Default: off.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the weights, data order and dropout. Default: 0.")] = 0,
+    threads: Annotated[int | None, typer.Option(help="torch.set_num_threads per process (1 is steadier on a loaded machine). Default: torch's setting (torchrun: 1).")] = None,
 ) -> None:
     """Train an image classifier (reference loop) in one layout, on one process or under
     torchrun (DDP); print images/s, loss and accuracy per interval."""
@@ -527,6 +528,8 @@ def train(
     try:
         if plan_costs not in ("measured", "analytic"):
             raise MemlayoutError(f"--plan-costs {plan_costs!r} is neither measured nor analytic")
+        if threads is not None:
+            torch.set_num_threads(threads)
         info = init_distributed(device)
         if not info.is_main:
             out = Console(quiet=True)

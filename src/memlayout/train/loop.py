@@ -301,7 +301,10 @@ class Trainer:
         state = self.state()
         if not self.dist.is_main:
             return None
-        return ckpt.atomic_save(state, Path(self.config.checkpoint) / ckpt.LATEST)
+        folder = Path(self.config.checkpoint)
+        for stale in ckpt.stale_temporaries(folder):  # left by a writer that was killed
+            stale.unlink(missing_ok=True)
+        return ckpt.atomic_save(state, folder / ckpt.LATEST)
 
     def load(self, path: Path) -> None:
         state = ckpt.load_checkpoint(path)
