@@ -133,3 +133,25 @@ def test_cuda_peaks_come_from_the_allocator() -> None:
     got = peak_memory(net, (x,))
     assert got.method == "cuda_allocator"
     assert got.peak_bytes >= 2 * _nbytes(2, 8, 32, 32)  # both activations live at the second conv
+
+
+def test_a_second_plan_reads_memory_padding_and_mkldnn_records_from_the_cache(
+        tmp_path, monkeypatch) -> None:
+    from memlayout.plan import blocked, memory
+
+    net, x = unet_small()
+    options = dict(cache=tmp_path / "c.sqlite", guard=False, rounds=1)
+    first = optimize(net, x, **options).plan
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("ran a forward although everything was cached")
+
+    for module, name in ((memory, "peak_memory"), (padding_mod, "_inputs_of"),
+                         (blocked, "_first_inputs")):
+        monkeypatch.setattr(module, name, no_run)
+    second = optimize(net, x, **options).plan
+    assert second.memory == first.memory
+    assert [(p["module"], p["chosen"]) for p in second.padding] == \
+        [(p["module"], p["chosen"]) for p in first.padding]
+    assert [c["ratio"] for c in second.blocked["chains"]] == \
+        [c["ratio"] for c in first.blocked["chains"]]

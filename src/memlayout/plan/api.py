@@ -327,13 +327,16 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         from memlayout.plan import memory as mem
 
         budget = mem.budget_bytes(memory_budget)
+        # records below are cached under the plan's signature: a second plan runs no forward
+        signature = mem.plan_signature(solved, [guard_result.get("kept", "planned"),
+                                                input_label, output_label, train])
         padded: list[dict[str, Any]] = []
         # training: a padded convolution's weights are copies made here, they would not train
         if padding and measure and not train:
             from memlayout.plan.padding import plan_padding, records
 
             padded = records(plan_padding(planned_tree, inputs, dtype=run_dtype, cache=store,
-                                          rounds=rounds, progress=progress))
+                                          rounds=rounds, progress=progress, signature=signature))
         memory_record: dict[str, Any] = {}
         if memory or budget is not None:
             (planned_tree, checks, nodes, conversions), memory_record = mem.memory_step(
@@ -341,13 +344,14 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
                 kept=guard_result.get("kept", "planned"), predicted=predicted,
                 build=lambda s: _build(work, s),
                 build_uniform=lambda label: _build_uniform(
-                    work, solved, inputs, label, _output_label(captured.output, output_label)))
+                    work, solved, inputs, label, _output_label(captured.output, output_label)),
+                cache=store, signature=signature)
         blocked_record: dict[str, Any] = {}
         if blocked and measure:
             from memlayout.plan.blocked import measure_blocked
 
             blocked_record = measure_blocked(planned_tree, inputs, dtype=run_dtype, cache=store,
-                                             rounds=rounds)
+                                             rounds=rounds, signature=signature)
         _restore_buffers(saved_state, work, planned_tree)
         verify_start = time.perf_counter()
         if train:

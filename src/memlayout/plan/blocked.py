@@ -70,9 +70,11 @@ def _ok(m: nn.Module) -> bool:
 
 
 def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
-                    cache: Any = None, rounds: int = 5) -> dict[str, Any]:
+                    cache: Any = None, rounds: int = 5,
+                    signature: str | None = None) -> dict[str, Any]:
     """Time each chain of ``model`` (as planned) against the same chain in mkldnn tensors;
-    the plan's ``blocked`` record."""
+    the plan's ``blocked`` record (cached whole under the plan's ``signature``, see
+    ``memory.plan_signature``: a second plan of the same model runs nothing)."""
     ok, why = available()
     if not ok:
         return {"available": False, "note": why, "chains": []}
@@ -87,8 +89,17 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
     if not found:
         return {"available": True, "note": "no chain of supported ops (Conv2d, BatchNorm2d, "
                 "ReLU, MaxPool2d in an nn.Sequential) found", "chains": [], "applied": False}
-    seen = _first_inputs(model, inputs, found)
     from memlayout.plan.costs import device_name
+
+    whole_key = None
+    if cache is not None and signature is not None:
+        whole_key = json.dumps(["mkldnn-plan", device_name(device), torch.__version__,
+                                signature, rounds])
+        cached = cache.get(whole_key)
+        if cached is not None:
+            cached["chains"] = [{**c, "source": "cache"} for c in cached["chains"]]
+            return cached
+    seen = _first_inputs(model, inputs, found)
     from memlayout.plan.verify import worst_error
     from memlayout.timing import interleaved
 
@@ -124,7 +135,10 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
             "applied (opaque tensors would need every consumer rewritten)" if out
             else "no chain of supported ops (Conv2d, BatchNorm2d, ReLU, MaxPool2d in an "
             "nn.Sequential) found")
-    return {"available": True, "note": note, "chains": out, "applied": False}
+    record = {"available": True, "note": note, "chains": out, "applied": False}
+    if whole_key is not None and not any("error" in c for c in out):
+        cache.put(whole_key, record)
+    return record
 
 
 def _first_inputs(model: nn.Module, inputs: tuple[Any, ...],

@@ -221,19 +221,45 @@ def describe_bytes(n: int) -> str:
 PENALTIES = (1.0, 4.0, 16.0, 256.0)
 
 
+def plan_signature(solved: list, extra: Any) -> str:
+    """A hash of the solved regions (graphs, shapes, strides, labels) and ``extra``: the key
+    under which this plan's padding, mkldnn and memory records are cached."""
+    from memlayout.plan.guard import signature
+
+    return signature([(r.path, r.gm, labels) for (r, _, _, labels) in solved], extra)
+
+
 def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
                 built: tuple, *, solved: list, kept: str, predicted: dict[str, float],
                 budget: int | None, padding: list[dict[str, Any]],
                 build: Callable[[list], tuple],
-                build_uniform: Callable[[int], tuple]) -> tuple[tuple, dict[str, Any]]:
+                build_uniform: Callable[[int], tuple], cache: Any = None,
+                signature: str | None = None) -> tuple[tuple, dict[str, Any]]:
     """Measure the peak of the original (``work``) and of the plan ``built``; with a
     ``budget`` the plan is over, consider other plans (the min-cut plan unpadded, plans that
     weigh conversion bytes more, all-NCHW, all-NHWC), fastest predicted first, and return the
     first that fits (``PlanError`` when none does). Returns the build kept and the plan's
-    ``memory`` record."""
-    original = peak_memory(work, inputs, dtype=dtype)
-    planned = peak_memory(built[0], inputs, dtype=dtype)
+    ``memory`` record. With a ``cache`` and the plan's ``signature`` the two peaks are
+    cached (they follow from the graph, shapes and plan), so a second plan runs no forward."""
+    import json
+
+    from memlayout.plan.costs import device_name
+
     padded = [p["module"] for p in padding if p["chosen"] != "unpadded"]
+    key = None
+    if cache is not None and signature is not None:
+        key = json.dumps(["memory", device_name(device_of(inputs, work)), torch.__version__,
+                          str(dtype), signature, [(p["module"], p["chosen"]) for p in padding]])
+    peaks = cache.get(key) if key is not None else None
+    if peaks is not None:
+        original = MemoryPeak(*peaks["original"])
+        planned = MemoryPeak(*peaks["planned"])
+    else:
+        original = peak_memory(work, inputs, dtype=dtype)
+        planned = peak_memory(built[0], inputs, dtype=dtype)
+        if key is not None:
+            cache.put(key, {"original": list(original.__dict__.values()),
+                            "planned": list(planned.__dict__.values())})
     record: dict[str, Any] = {
         "method": planned.method, "original": original.peak_bytes, "planned": planned.peak_bytes,
         "original_end": original.end_bytes, "planned_end": planned.end_bytes,

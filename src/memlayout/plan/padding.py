@@ -216,14 +216,16 @@ def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
 def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
                  cache: Any = None, rounds: int = 5, margin: float = 0.02,
                  progress: Progress | None = None, blocks: tuple[int, ...] | None = None,
-                 force: str | None = None, apply: bool = True) -> list[PadChoice]:
+                 force: str | None = None, apply: bool = True,
+                 signature: str | None = None) -> list[PadChoice]:
     """Measure every eligible convolution of ``model`` (a planned model, run as it will run)
     unpadded and padded; replace the ones where a padded variant is faster by ``margin`` with
     a :class:`PaddedConv2d` (in place, when ``apply``). ``force``: a variant name (``"both16"``)
-    chosen wherever it exists, unmeasured (tests). Returns one :class:`PadChoice` per
+    chosen wherever it exists, unmeasured (tests). ``signature``: the plan's (see
+    ``memory.plan_signature``): the choices are cached under it, so a second plan of the same
+    model pads from the cache without running it. Returns one :class:`PadChoice` per
     candidate convolution."""
     from memlayout.plan.costs import device_name
-    from memlayout.timing import device_sync, interleaved
 
     device = device_of(inputs, model)
     blocks = blocks or block_sizes(device, dtype)
@@ -231,8 +233,39 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
              if path and variants(m, blocks)}
     if not convs:
         return []
-    seen = _inputs_of(model, inputs, list(convs), dtype)
     context = [device_name(device), torch.__version__, str(dtype)]
+    whole_key = None
+    if cache is not None and signature is not None and force is None:
+        whole_key = json.dumps(["pad-plan", *context, signature, blocks, rounds, margin])
+        cached = cache.get(whole_key)
+        if cached is not None:
+            return _reapply(model, [PadChoice(**c) for c in cached], blocks, apply)
+    choices = _plan_padding(model, inputs, convs, dtype=dtype, cache=cache, rounds=rounds,
+                            margin=margin, progress=progress, blocks=blocks, force=force,
+                            apply=apply, context=context)
+    if whole_key is not None:
+        cache.put(whole_key, records(choices))
+    return choices
+
+
+def _reapply(model: nn.Module, choices: list[PadChoice], blocks: tuple[int, ...],
+             apply: bool) -> list[PadChoice]:
+    for c in choices:
+        if apply and c.chosen != UNPADDED:
+            conv = model.get_submodule(c.module)
+            pin, pout = variants(conv, blocks)[c.chosen]
+            _replace(model, c.module, PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout))
+    return [dataclasses.replace(c, source="cache") for c in choices]
+
+
+def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn.Module], *,
+                  dtype: torch.dtype | None, cache: Any, rounds: int, margin: float,
+                  progress: Progress | None, blocks: tuple[int, ...], force: str | None,
+                  apply: bool, context: list[str]) -> list[PadChoice]:
+    from memlayout.timing import device_sync, interleaved
+
+    device = device_of(inputs, model)
+    seen = _inputs_of(model, inputs, list(convs), dtype)
     sync = device_sync(str(device))
     choices: list[PadChoice] = []
     replacements: dict[str, tuple[nn.Module, nn.Module]] = {}
