@@ -165,11 +165,15 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
         with torch.random.fork_rng(devices=_cuda_devices(device)):
             torch.manual_seed(SEED)
             with torch.enable_grad(), autocast_context(device, dtype):
+                # non-leaf copies (same strides): a forward that works on its input in place
+                # must not fail on a leaf that needs a gradient
+                args = tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad
+                             else x for x in xs)
                 if graph is None:
-                    out = module(*xs)
+                    out = module(*args)
                 else:
                     try:
-                        _UpTo(module, graph, upto or "").run(*xs)
+                        _UpTo(module, graph, upto or "").run(*args)
                         raise KeyError(upto)
                     except _Stop as stop:
                         out = stop.value
