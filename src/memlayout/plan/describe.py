@@ -3,7 +3,7 @@
 >>> memory_summary({"method": "tensor_lifetime", "original": 2_000_000, "planned": 3_000_000,
 ...                 "parameters": {"original": 10, "planned": 10}, "budget": None,
 ...                 "chosen": "planned", "candidates": {}})
-'peak activation memory (tensor-lifetime count): planned 3.00 MB vs original 2.00 MB (1.50x)'
+'peak activation memory (tensor-lifetime count, one inference forward): planned 3.00 MB vs original 2.00 MB (1.50x)'
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def memory_summary(memory: dict[str, Any]) -> str:
         return ""
     o, p = memory["original"], memory["planned"]
     ratio = f" ({p / o:.2f}x)" if o else ""
-    line = (f"peak activation memory ({_METHODS.get(memory['method'], memory['method'])}): "
+    line = (f"peak activation memory ({_METHODS.get(memory['method'], memory['method'])}, "
+            "one inference forward): "
             f"planned {_mb(p)} vs original {_mb(o)}{ratio}")
     params = memory.get("parameters", {})
     if params and params.get("planned") != params.get("original"):
