@@ -63,12 +63,14 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
             input_format: str | None = None, output_format: str | None = "keep",
             measure: bool = True, cache: Any = True, progress: Progress | None = None,
             name: str | None = None, rounds: int = 5, margin: float = 0.0,
-            guard: bool = True, **compile_kwargs: Any) -> OptimizedModule:
+            guard: bool = True, plan_kwargs: Mapping[str, Any] | None = None,
+            **compile_kwargs: Any) -> OptimizedModule:
     """Plan ``model`` (``memlayout.optimize``), then compile it so the plan's strides reach the
     kernels (Inductor's ``layout_optimization`` off for that compile), or compile the original
     and let Inductor decide, whichever is faster here by more than ``margin`` (median of
     ``rounds`` interleaved per-round ratios); ``plan.compiled`` says which.
 
+    ``plan_kwargs`` go to ``memlayout.optimize`` as well (``memory=False``, ...);
     ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``options``, ``dynamic``,
     ...). With a backend other than Inductor there is no layout decision to override: the
     planned model is compiled as asked and nothing is timed. The returned module is compiled in
@@ -79,7 +81,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     start = time.perf_counter()
     optimized = optimize(model, example_inputs, dtype=dtype, input_format=input_format,
                          output_format=output_format, measure=measure, cache=cache,
-                         progress=progress, name=name, guard=guard)
+                         progress=progress, name=name, guard=guard, **(plan_kwargs or {}))
     run_dtype = parse_dtype(dtype)
     plan = optimized.plan
     inputs = _inputs(example_inputs)
