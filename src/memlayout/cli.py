@@ -278,6 +278,15 @@ def bench(
                   f"batch {cfg.batch}, {cfg.rounds} interleaved rounds, device {cfg.device}, threads {threads or 'default'}")
     for mode in cfg.modes:
         console.print(f"  {mode:16s} {layouts[mode]}")
+    from memlayout.bench.records import Environment
+
+    env_now = Environment.collect(cfg.device)
+    if env_now.overloaded:
+        console.print(f"[yellow]warning[/yellow]: load average {env_now.load_average:.1f} on "
+                      f"{env_now.cpu_count} CPUs: other jobs compete for the cores, so timings "
+                      "will be stretched and noisy (summary.md says so). With OpenMP spinning "
+                      "(OMP_WAIT_POLICY unset), multi-threaded runs suffer most; "
+                      "OMP_WAIT_POLICY=PASSIVE or --threads 1 limits the damage.")
 
     per_case = len(cfg.modes) * cfg.rounds
     todo = [(m, d, t) for m in cfg.models for d in cfg.dtypes for t in cfg.tasks if (m, d, t) not in done]

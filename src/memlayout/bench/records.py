@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ class Environment:
     python: str
     platform: str
     timestamp: str
+    #: 1-minute load average and CPU count when the run started (``None`` where unknown):
+    #: with more runnable jobs than cores every timing is stretched and noisy
+    load_average: float | None = None
+    cpu_count: int | None = None
+    #: OpenMP's wait policy (``OMP_WAIT_POLICY``; empty: the runtime's default, spinning)
+    omp_wait_policy: str = ""
 
     @classmethod
     def collect(cls, device: str, threads: int | None = None) -> Environment:
@@ -50,7 +57,17 @@ class Environment:
             python=platform.python_version(),
             platform=platform.platform(),
             timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            load_average=_load_average(),
+            cpu_count=os.cpu_count(),
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
         )
+
+    @property
+    def overloaded(self) -> bool:
+        """More runnable jobs than cores when the run started: timings are not to be trusted
+        beyond their direction."""
+        return (self.load_average is not None and self.cpu_count is not None
+                and self.load_average > self.cpu_count)
 
 
 @dataclass(frozen=True)
@@ -122,6 +139,13 @@ def device_name(device: str) -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or sys.platform
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # not on every platform
+        return None
 
 
 def _version(dist: str) -> str:

@@ -66,7 +66,7 @@ def read_json(path: Path) -> list[BenchRecord]:
     env_fields = {f.name for f in dataclasses.fields(Environment)}
     records = []
     for row in json.loads(path.read_text()):
-        env = Environment(**{k: row[k] for k in env_fields})
+        env = Environment(**{k: row[k] for k in env_fields if k in row})  # older files lack some
         values = {k: v for k, v in row.items() if k not in env_fields}
         for key in ("round_times_s", "round_speedups"):
             values[key] = tuple(values[key])
@@ -171,6 +171,13 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
         "(min-max over rounds); > 1 is faster. bf16 = `torch.autocast` (weights fp32). "
         "train = forward + backward + SGD step.",
     ]
+    busy = sorted({(r.env.timestamp, r.env.load_average) for r in result.records
+                   if r.env.overloaded})
+    if busy:
+        lines.append(f"- **the machine was busy**: load average {max(b[1] for b in busy):.1f} on "
+                     f"{env.cpu_count} CPUs when {len(busy)} of the runs started; more jobs than "
+                     "cores stretch every timing: trust these ratios for direction only "
+                     f"(OMP_WAIT_POLICY={env.omp_wait_policy or 'default'})")
     stamps = sorted({r.env.timestamp for r in result.records})
     if len(stamps) > 1:
         versions = sorted({f"torch {r.env.torch}, memlayout {r.env.memlayout}"
