@@ -112,7 +112,9 @@ class OptimizedModule(nn.Module):
             return module(*args, **kwargs)
 
     def _module_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
-        if self._replan is None or self._signature is None:
+        if self._replan is None or self._signature is None or _compiling():
+            # under torch.compile the example's plan serves every shape (its conversions do
+            # not depend on the shape; dynamo recompiles per shape): no planning traced (#6)
             return self.module
         sig = shape_signature((args, kwargs))
         if sig == self._signature:
@@ -148,6 +150,11 @@ class OptimizedModule(nn.Module):
         super()._apply(fn, *args, **kwargs)
         self._shapes.clear()
         return self
+
+
+def _compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
 
 
 def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
