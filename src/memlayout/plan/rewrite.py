@@ -112,6 +112,24 @@ def convert_value_1d(value: Any, label: int) -> Any:
     return value
 
 
+def _quiet_dynamo_about_layout_caches() -> None:
+    """The conversions a plan inserts call the layout algebra's ``lru_cache``d stride rules
+    (pure functions of shapes); dynamo traces through them and warns that the cache is
+    ignored. Declare them safe where this torch has the (private) registry: no warning."""
+    try:
+        from torch._dynamo.utils import allow_lru_cache_wrapper_trace_without_warning as allow
+    except ImportError:  # older torch: no such registry, the warning stays (harmless)
+        return
+    from memlayout import layout
+
+    for value in vars(layout).values():
+        if hasattr(value, "cache_info") and hasattr(value, "__wrapped__"):
+            allow(value)
+
+
+_quiet_dynamo_about_layout_caches()
+
+
 def _has_rank3(node: fx.Node) -> bool:
     meta = node.meta.get(META_KEY)
     return meta is not None and any(len(t.shape) == 3 for t in meta.layout_tensors)
