@@ -151,3 +151,11 @@ def test_a_shape_whose_plan_fails_runs_the_original_computation(db, monkeypatch)
         assert _close(model.eval()(x), got)
         opt(_x(3))  # not planned again
     assert opt.replans == 1 and len(opt.plans) == 1
+
+
+def test_max_plans_below_one_is_a_clear_error(db) -> None:
+    from memlayout.errors import PlanError
+
+    model = Small()
+    with pytest.raises(PlanError, match="max_plans"):
+        optimize(model, _x(2), measure=False, cache=db, max_plans=0)

@@ -269,6 +269,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     if not isinstance(model, nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     run_dtype = parse_dtype(dtype)
+    if not isinstance(max_plans, int) or max_plans < 1:
+        raise PlanError(f"max_plans must be an int >= 1 (the example's plan is always held), "
+                        f"got {max_plans!r}; 1 plans every other shape at each call")
     input_label = _label(input_format, "input_format")
     if output_format == "keep":
         output_label: int | str | None = "keep"
