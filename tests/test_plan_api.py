@@ -304,7 +304,9 @@ def test_permute_runs_where_its_output_has_a_format(db) -> None:
     from_cl = memlayout.to_format(y, Format.CHANNELS_LAST).permute(0, 2, 3, 1)
     assert format_of(from_cl) is Format.CONTIGUOUS  # torch: NHWC memory, NHWC shape: dense
     assert format_of(y.permute(0, 2, 3, 1)) is None  # NCHW memory: a strided view
-    opt = memlayout.optimize(model, x, cache=db, rounds=1)
+    # the analytical costs: a measured plan (and its whole-model guard) would make the label
+    # depend on this machine's timings, and a test must not
+    opt = memlayout.optimize(model, x, measure=False)
     first = next(n for n in opt.plan.nodes if n.op == ".permute")
     assert first.format == "channels_last"
     with torch.no_grad():
