@@ -33,7 +33,9 @@ _PLANNER = {"optimize", "OptimizedModule", "Plan"}
 
 def __getattr__(name: str):
     # The planner (torch.fx, scipy) loads on first use: `import memlayout` stays light.
-    if name == "compile":  # plan, then torch.compile; the builtin is shadowed only here
+    # memlayout.compile: plan, then torch.compile. Not in __all__: `from memlayout import *`
+    # must not shadow the builtin compile in the caller's namespace.
+    if name == "compile":
         from memlayout.plan import compiled
 
         return compiled.compile
@@ -57,7 +59,6 @@ __all__ = [
     "Plan",
     "PlanError",
     "audit",
-    "compile",
     "convert_batch",
     "convert_module",
     "dim_order",
