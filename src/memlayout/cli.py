@@ -273,7 +273,7 @@ def bench(
             command += [flag, str(value)]
     layouts = {"nchw": "eager, contiguous (NCHW) model and input", "nhwc": "eager, model.to(memory_format=channels_last) + channels-last input (channels_last_3d for video)",
                "planned": f"memlayout.optimize(model, (x,), dtype=..., measure={plan_costs == 'measured'})", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
-               "planned+compile": "memlayout.compile (inference): the plan compiled with Inductor's layout optimization off, or Inductor's own layout, whichever measures faster; train: torch.compile of the planned model"}
+               "planned+compile": "memlayout.compile (inference): the plan compiled with Inductor's layout optimization off, or Inductor's own layout unless the plan measures >2% faster; train: torch.compile of the planned model"}
     console.print(f"[bold]memlayout bench[/bold]: {len(cfg.models)} models x {','.join(cfg.dtypes)} x {','.join(cfg.tasks)}, "
                   f"batch {cfg.batch}, {cfg.rounds} interleaved rounds, device {cfg.device}, threads {threads or 'default'}")
     for mode in cfg.modes:
@@ -342,7 +342,7 @@ def optimize(
     guard: Annotated[bool, typer.Option("--guard/--no-guard", help="Time the whole planned model against all-NCHW and all-NHWC (cached) and keep the plan unless one is clearly faster; needs --measure. Default: on.")] = True,
     memory_budget: Annotated[str | None, typer.Option(help="Peak activation memory the plan may use, in bytes or with a unit (300MB, 1.5GiB): the fastest plan within it, or an error naming the smallest peak found. Default: none.")] = None,
     padding: Annotated[bool, typer.Option("--padding/--no-padding", help="Time convolutions with channels padded to the vector width and pad where faster; needs --measure. Default: on.")] = True,
-    compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide, whichever measures faster (cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
+    compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide (kept unless the plan measures >2% faster; cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned

@@ -13,7 +13,7 @@ modes that call is the compilation (reported as compile time, never mixed into t
   and input; planning time (cost measurements included, unless cached) is ``setup_s``.
 - ``compile``: ``torch.compile`` (default mode; Inductor picks layouts) on the NCHW model.
 - ``planned+compile``: ``memlayout.compile`` (inference: the plan compiled so it stands,
-  or Inductor's own layout, whichever measures faster); training: ``torch.compile`` of the
+  or Inductor's own layout unless the plan measures >2 % faster); training: ``torch.compile`` of the
   planned model.
 
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
@@ -171,7 +171,7 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
         x = x.contiguous(memory_format=memory_format)
     elif mode == "planned+compile" and task == "infer":
         # memlayout.compile: the plan compiled so that it stands (Inductor's layout
-        # optimization off), or Inductor's own layout, whichever measured faster here
+        # optimization off), or Inductor's own layout unless the plan measured >2 % faster
         from memlayout.plan.compiled import compile as plan_and_compile
 
         model = plan_and_compile(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure,
