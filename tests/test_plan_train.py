@@ -169,6 +169,19 @@ def test_a_rewrite_wrong_only_in_the_backward_is_named(db, monkeypatch) -> None:
     optimize(model, _x(), train=False, measure=False, cache=db)  # inference: values are right
 
 
+def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> None:
+    """Below rounding: with a float32 tolerance of 1e-9 every float32 comparison of a
+    channels-last plan fails, yet the same models agree in float64 (a layout changes no
+    value): verified, and the record says by how much in float64."""
+    from memlayout.plan import verify as v
+
+    monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
+    opt = optimize(Net(), _x(), train=True, measure=False, cache=db)
+    record = opt.plan.verification
+    assert record["max_error"] > 1e-9  # float32 missed it ...
+    assert record["float64_error"] is not None and record["float64_error"] <= 1e-9  # ... float64 not
+
+
 def test_bf16_training_plan_is_verified_and_trains(db) -> None:
     model = Net()
     reference = copy.deepcopy(model).train()

@@ -282,11 +282,13 @@ def bench(
 
     env_now = Environment.collect(cfg.device)
     if env_now.overloaded:
+        advice = ("" if env_now.omp_wait_policy.upper() == "PASSIVE" else
+                  f" OpenMP threads spin while waiting (OMP_WAIT_POLICY="
+                  f"{env_now.omp_wait_policy or 'unset'}): multi-threaded runs suffer most; "
+                  "OMP_WAIT_POLICY=PASSIVE or --threads 1 limits the damage.")
         console.print(f"[yellow]warning[/yellow]: load average {env_now.load_average:.1f} on "
                       f"{env_now.cpu_count} CPUs: other jobs compete for the cores, so timings "
-                      "will be stretched and noisy (summary.md says so). With OpenMP spinning "
-                      "(OMP_WAIT_POLICY unset), multi-threaded runs suffer most; "
-                      "OMP_WAIT_POLICY=PASSIVE or --threads 1 limits the damage.")
+                      f"will be stretched and noisy (summary.md says so).{advice}")
 
     per_case = len(cfg.modes) * cfg.rounds
     todo = [(m, d, t) for m in cfg.models for d in cfg.dtypes for t in cfg.tasks if (m, d, t) not in done]
@@ -384,9 +386,9 @@ def optimize(
         console.print(plan.summary())
     v = plan.verification
     if v.get("train"):
-        noise = v.get("layout_noise")
-        within = (f"; some within 2x the original's own NHWC-vs-NCHW difference, {noise:.2g}"
-                  if noise is not None else "")
+        exact = v.get("float64_error")
+        within = (f"; beyond it only by rounding: in float64 the same models differ by {exact:.2g}"
+                  if exact is not None else "")
         console.print(f"verification: [green]equal[/green] to the original over one training step "
                       f"on the example input: outputs, gradients, buffers ({v['tensors']} tensors, "
                       f"worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}{within})")

@@ -738,7 +738,7 @@ def _verify_training(work: nn.Module, planned_tree: nn.Module, inputs: tuple[Any
                                 where=region.path)
             raise
     return {"ok": True, "max_error": v.max_error, "rtol": v.tolerance, "tensors": v.tensors,
-            "train": True, "layout_noise": v.layout_noise}
+            "train": True, "float64_error": v.float64_error}
 
 
 __all__ = ["MemlayoutError", "OptimizedModule", "Plan", "optimize", "parse_dtype"]
