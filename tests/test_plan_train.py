@@ -230,3 +230,23 @@ def test_ddp_trains_the_optimized_module_across_shapes(db, tmp_path) -> None:
         assert opt.replans == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_optimize_command_train_verifies_a_step_and_times_training_steps(tmp_path,
+                                                                         monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from memlayout.cli import app
+    from memlayout.plan.result import Plan
+
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["optimize", "torchvision:resnet18", "--train",
+                                      "--batch", "2", "--image-size", "32", "--rounds", "1",
+                                      "--no-measure", "--save", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "training step" in result.output
+    assert "equal to the original over one training step" in result.output
+    assert "per training step" in result.output and "optimized vs eager_nhwc" in result.output
+    plan = Plan.from_json(out.read_text())
+    assert plan.train and plan.verification["train"] and plan.input_shapes == [[2, 3, 32, 32]]
