@@ -173,3 +173,19 @@ def test_signature_follows_shapes_and_labels() -> None:
 @pytest.fixture
 def db(tmp_path):
     return tmp_path / "costs.sqlite"
+
+
+def test_refresh_measures_everything_again_and_overwrites_the_cache(db, monkeypatch) -> None:
+    _fake_clock(monkeypatch, {"all_contiguous": 1.0})
+    model, x = Branchy().eval(), _x()
+    first = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    again = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2, refresh=True)
+    assert again.plan.measured == first.plan.measured and again.plan.cached == 0
+    assert again.plan.guard["source"] == "measured"
+    # what the refresh measured is what the cache now holds: a third plan reads it back
+    monkeypatch.setattr(guard, "interleaved", _no_timing)
+    monkeypatch.setattr(costs, "interleaved", _no_timing)
+    third = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert third.plan.measured == 0 and third.plan.guard["source"] == "cache"
+    assert third.plan.guard["candidates"] == again.plan.guard["candidates"]
+    assert [n.seconds for n in third.plan.nodes] == [n.seconds for n in again.plan.nodes]

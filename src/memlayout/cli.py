@@ -342,6 +342,7 @@ def optimize(
     rounds: Annotated[int, typer.Option(help="Interleaved rounds of the speed comparison (0: skip it). Default: 7.")] = 7,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Use the cost cache ($MEMLAYOUT_CACHE_DIR or $XDG_CACHE_HOME/memlayout). Default: on.")] = True,
     guard: Annotated[bool, typer.Option("--guard/--no-guard", help="Time the whole planned model against all-NCHW and all-NHWC (cached) and keep the plan unless one is clearly faster; needs --measure. Default: on.")] = True,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Measure every cost and whole-model decision again and overwrite the cached ones (e.g. numbers taken on a busy machine). Default: off.")] = False,
     memory_budget: Annotated[str | None, typer.Option(help="Peak activation memory the plan may use, in bytes or with a unit (300MB, 1.5GiB): the fastest plan within it, or an error naming the smallest peak found. Default: none.")] = None,
     padding: Annotated[bool, typer.Option("--padding/--no-padding", help="Time convolutions with channels padded to the vector width and pad where faster; needs --measure. Default: on.")] = True,
     compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide (kept unless the plan measures >2% faster; cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
@@ -372,11 +373,13 @@ def optimize(
 
                 opt = plan_and_compile(spec.module, spec.example_input, dtype=dtype,
                                        measure=measure, cache=cache, progress=progress,
-                                       name=model, guard=guard)
+                                       name=model, guard=guard,
+                                       plan_kwargs={"refresh": refresh})
             else:
                 opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
                                  cache=cache, progress=progress, name=model, guard=guard,
-                                 memory_budget=memory_budget, padding=padding, train=train)
+                                 memory_budget=memory_budget, padding=padding, train=train,
+                                 refresh=refresh)
     except MemlayoutError as exc:
         _fail(exc)
     plan = opt.plan

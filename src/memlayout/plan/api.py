@@ -219,7 +219,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              keep_weight_formats: bool = False, max_plans: int = 8,
              guard_margin: float = 0.02, memory: bool = True,
              memory_budget: int | str | None = None, padding: bool = True,
-             blocked: bool = True) -> OptimizedModule:
+             blocked: bool = True, refresh: bool = False) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -227,7 +227,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     - ``input_format``: the format inputs arrive in (default: as the example is).
     - ``output_format``: ``"keep"`` (as the original returns them), a format, or ``None``.
     - ``measure=False``: an analytical cost model instead of timing; ``cache``: ``True`` (the
-      user cache, see ``memlayout.plan.costs.cache_path``), ``False``, or a database path.
+      user cache, see ``memlayout.plan.costs.cache_path``), ``False``, or a database path;
+      ``refresh=True`` measures everything again (costs and the guard's, padding's, memory's
+      records) and overwrites what the cache held, e.g. numbers taken on a busy machine.
     - ``progress(done, total, what)`` is called while measuring.
     - ``guard`` (with ``measure``): per-op costs are measured in isolation, so the min-cut
       plan is also timed as a whole model against the original run entirely NCHW and
@@ -289,7 +291,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     except Exception as exc:
         raise PlanError(f"cannot copy {type(model).__name__} to plan on (copy.deepcopy "
                         f"failed: {exc}); the planner never modifies the caller's model") from exc
-    store = _open_cache(cache) if measure else None
+    store = _open_cache(cache, refresh=refresh) if measure else None
     # planning runs the model many times (a training-mode BatchNorm updates its statistics,
     # Dropout draws): the state the model had and the caller's RNG are restored afterwards
     saved_state = {k: b.detach().clone() for k, b in work.named_buffers()}
@@ -664,11 +666,11 @@ def _format(label: int, rank: int) -> Format:
     return label_format(label, rank)
 
 
-def _open_cache(cache: bool | str | Path) -> CostCache | None:
+def _open_cache(cache: bool | str | Path, *, refresh: bool = False) -> CostCache | None:
     if cache is False:
         return None
     try:
-        return CostCache(None if cache is True else Path(cache))
+        return CostCache(None if cache is True else Path(cache), refresh=refresh)
     except Exception as exc:  # an unwritable cache must not stop planning: measure instead
         import warnings
 

@@ -203,21 +203,31 @@ def cache_path() -> Path:
 
 
 class CostCache:
-    """A key -> JSON record store in SQLite."""
+    """A key -> JSON record store in SQLite.
 
-    def __init__(self, path: Path | str | None = None) -> None:
+    ``refresh=True``: records written before this store was opened read as missing, so every
+    cost and whole-model decision is measured again and overwrites the old record (after a
+    run on a busy machine, say); what this store itself wrote reads back as usual.
+    """
+
+    def __init__(self, path: Path | str | None = None, *, refresh: bool = False) -> None:
         self.path = Path(path) if path is not None else cache_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.refresh = refresh
+        self._written: set[str] = set()
         self._db = sqlite3.connect(self.path)
         self._db.execute("CREATE TABLE IF NOT EXISTS costs (key TEXT PRIMARY KEY, value TEXT)")
 
     def get(self, key: str) -> Any:
+        if self.refresh and key not in self._written:
+            return None
         row = self._db.execute("SELECT value FROM costs WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else None
 
     def put(self, key: str, value: Any) -> None:
         self._db.execute("INSERT OR REPLACE INTO costs VALUES (?, ?)", (key, json.dumps(value)))
         self._db.commit()
+        self._written.add(key)
 
     def close(self) -> None:
         self._db.close()
