@@ -73,7 +73,8 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     per-round ratios), else the original compiled as asked: when in doubt, exactly what
     ``torch.compile`` gives.
 
-    ``plan_kwargs`` go to ``memlayout.optimize`` as well (``memory=False``, ...);
+    ``plan_kwargs`` go to ``memlayout.optimize`` as well (``memory=False``, ...;
+    ``refresh=True`` also measures this planned-vs-Inductor decision again);
     ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``options``, ``dynamic``,
     ...). With a backend other than Inductor there is no layout decision to override: the
     planned model is compiled as asked and nothing is timed. The returned module is compiled in
@@ -113,7 +114,8 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     }
     decision = inductor_layout_decision(model, inputs, run_dtype)
     record["inductor_layout_opt"] = decision
-    store = _open_cache(cache) if measure else None
+    refresh = bool((plan_kwargs or {}).get("refresh", False))  # re-measure this decision too
+    store = _open_cache(cache, refresh=refresh) if measure else None
     key = _cache_key(model, inputs, run_dtype, plan, compile_kwargs)
     try:
         cached = store.get(key) if store is not None else None
