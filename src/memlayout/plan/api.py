@@ -27,11 +27,11 @@ from torch import fx, nn
 from memlayout.errors import MemlayoutError, PlanError
 from memlayout.layout import Format
 from memlayout.plan.capture import (
-    LAYOUT_RANKS,
     autocast_context,
     capture,
     device_of,
     iter_nodes,
+    layout_ranks,
 )
 from memlayout.plan.costs import CostCache, device_name, measure_costs
 from memlayout.plan.drops import drop_notes, notes_of
@@ -284,7 +284,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         from memlayout.tensors import to_format
 
         inputs = tuple(to_format(x, _format(input_label, x.dim()))
-                       if isinstance(x, torch.Tensor) and x.dim() in LAYOUT_RANKS else x
+                       if isinstance(x, torch.Tensor) and x.dim() in layout_ranks() else x
                        for x in inputs)
     try:
         work = copy.deepcopy(model).train(train)
@@ -458,13 +458,13 @@ def _pin_weight_formats(gm: fx.GraphModule, form: Any) -> Any:
         tensors: list[torch.Tensor] = []
         if n.op == "call_module" and module_has_layout_params(gm, n):
             sub = gm.get_submodule(n.target)
-            tensors += [t for t in [*sub.parameters(), *sub.buffers()] if t.dim() in LAYOUT_RANKS]
+            tensors += [t for t in [*sub.parameters(), *sub.buffers()] if t.dim() in layout_ranks()]
         for m in n.all_input_nodes:
             if m.op == "get_attr":
                 value: Any = gm
                 for part in str(m.target).split("."):
                     value = getattr(value, part, None)
-                if isinstance(value, torch.Tensor) and value.dim() in LAYOUT_RANKS:
+                if isinstance(value, torch.Tensor) and value.dim() in layout_ranks():
                     tensors.append(value)
         fits = [label for label in (0, 1) if tensors and all(
             tuple(t.stride()) == strides_for(tuple(t.shape), label_format(label, t.dim()))

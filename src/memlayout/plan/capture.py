@@ -16,6 +16,7 @@ one eager run, and the parts left eager are listed with the reason.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,11 +32,13 @@ from memlayout.tensors import iter_tensors
 # The ranks planned (a value's format is a choice): 4 and 5 always (channels_last(_3d)); 3
 # (N L C in memory, channels_last_1d) only while planning a model with 1-d convolutions, whose
 # NLC input makes torch's Conv1d run an NLC kernel (rank-3 values elsewhere, such as a
-# transformer's tokens, are not convolution layouts). ``capture`` sets it per model, in place,
-# so every ``in LAYOUT_RANKS`` test below the planner sees the current model's ranks.
+# transformer's tokens, are not convolution layouts). ``capture`` sets them per model in a
+# context variable (``layout_ranks()``): each thread (and asyncio task) sees the ranks of the
+# model it plans, never another thread's.
 BASE_RANKS = (4, 5)
 CONV1D_RANKS = (3, 4, 5)
-LAYOUT_RANKS: list[int] = list(BASE_RANKS)
+_LAYOUT_RANKS: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar(
+    "memlayout_layout_ranks", default=BASE_RANKS)
 CONV1D_MODULES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 META_KEY = "memlayout"
 FREE = "free"  # every layout tensor is in both formats (C == 1, H == W == 1): no copy needed
@@ -67,7 +70,7 @@ class ValueMeta:
 
     @property
     def layout_tensors(self) -> tuple[TensorMeta, ...]:
-        return tuple(t for t in self.tensors if len(t.shape) in LAYOUT_RANKS)
+        return tuple(t for t in self.tensors if len(t.shape) in layout_ranks())
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +93,7 @@ class Captured:
     regions: list[Region]
     uncaptured: list[tuple[str, str]]  # (module path, why it stays eager)
     output: Any = None  # what the whole original model computes on the example inputs
-    ranks: tuple[int, ...] = BASE_RANKS  # the layout ranks planned (see LAYOUT_RANKS)
+    ranks: tuple[int, ...] = BASE_RANKS  # the layout ranks planned (see layout_ranks)
 
 
 def planned_ranks(model: nn.Module) -> tuple[int, ...]:
@@ -104,14 +107,24 @@ def planned_ranks(model: nn.Module) -> tuple[int, ...]:
     return CONV1D_RANKS if has_1d else BASE_RANKS
 
 
+def layout_ranks() -> tuple[int, ...]:
+    """The layout ranks being planned in this context: ``BASE_RANKS`` unless ``capture`` is
+    planning a model with 1-d convolutions.
+
+    >>> layout_ranks()
+    (4, 5)
+    """
+    return _LAYOUT_RANKS.get()
+
+
 def set_layout_ranks(ranks: tuple[int, ...]) -> None:
-    """Make ``ranks`` the planned layout ranks (in place: modules hold the same list)."""
-    LAYOUT_RANKS[:] = ranks
+    """Make ``ranks`` the planned layout ranks of this context (thread)."""
+    _LAYOUT_RANKS.set(tuple(ranks))
 
 
 def label_of(tensors: tuple[TensorMeta, ...]) -> int | str | None:
     """The two-format label of a value made of ``tensors`` (see :class:`ValueMeta`)."""
-    layout = [t for t in tensors if len(t.shape) in LAYOUT_RANKS]
+    layout = [t for t in tensors if len(t.shape) in layout_ranks()]
     if not layout:
         return None
     in0 = all(Format.CONTIGUOUS.value in t.formats for t in layout)
@@ -259,7 +272,7 @@ def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any,
         path = f"{prefix}.{name}" if prefix else name
         if path not in seen:
             continue  # not called by forward: nothing runs, nothing to plan
-        if not any(len(p.shape) in LAYOUT_RANKS for p in child.parameters()) and not _has_children(child):
+        if not any(len(p.shape) in layout_ranks() for p in child.parameters()) and not _has_children(child):
             continue  # a leaf without layout parameters (activation, flatten): left as is
         try:
             gm = fx.symbolic_trace(child)
@@ -286,7 +299,7 @@ def _cl(rank: int) -> Format:
 
 def label_format(label: int, rank: int) -> Format:
     """The ``Format`` a two-format label means for a tensor of ``rank`` dims."""
-    return _cl(rank) if label == 1 and rank in LAYOUT_RANKS else Format.CONTIGUOUS
+    return _cl(rank) if label == 1 and rank in layout_ranks() else Format.CONTIGUOUS
 
 
 def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:

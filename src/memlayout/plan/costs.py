@@ -36,12 +36,12 @@ from torch import fx, nn
 from memlayout.layout import Format, strides_for
 from memlayout.plan.capture import (
     FREE,
-    LAYOUT_RANKS,
     META_KEY,
     NONE,
     ValueMeta,
     autocast_context,
     label_format,
+    layout_ranks,
     node_target_name,
 )
 from memlayout.tensors import convert_module
@@ -120,7 +120,7 @@ def module_has_layout_params(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op != "call_module":
         return False
     sub = gm.get_submodule(n.target)
-    return any(t.dim() in LAYOUT_RANKS for t in [*sub.parameters(), *sub.buffers()])
+    return any(t.dim() in layout_ranks() for t in [*sub.parameters(), *sub.buffers()])
 
 
 def is_layout_node(gm: fx.GraphModule, n: fx.Node) -> bool:
@@ -151,7 +151,7 @@ def convert_value(value: Any, label: int) -> Any:
     from memlayout.tensors import to_format
 
     if isinstance(value, torch.Tensor):
-        if value.dim() in LAYOUT_RANKS:
+        if value.dim() in layout_ranks():
             return to_format(value, label_format(label, value.dim()))
         return value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
@@ -165,7 +165,7 @@ def fresh_value(value: Any, label: int | None) -> Any:
     """A copy of ``value`` (``label``: in that format; ``None``: same strides), so a timed op
     that works in place never touches the real activations."""
     if isinstance(value, torch.Tensor):
-        if label is not None and value.dim() in LAYOUT_RANKS:
+        if label is not None and value.dim() in layout_ranks():
             strides = strides_for(tuple(value.shape), label_format(label, value.dim()))
         else:
             strides = value.stride()
@@ -181,11 +181,11 @@ def fresh_value(value: Any, label: int | None) -> Any:
 def convert_module_to(module: nn.Module, label: int) -> nn.Module:
     """``module``'s rank-4/5 weights in label's format, in place (returns ``module``)."""
     if label == 1:
-        if 3 in LAYOUT_RANKS:  # a 1-d convolution model (#6): Conv1d weights N L C too
+        if 3 in layout_ranks():  # a 1-d convolution model (#6): Conv1d weights N L C too
             convert_module(module, Format.CHANNELS_LAST_1D)
         convert_module(module, Format.CHANNELS_LAST)
         return convert_module(module, Format.CHANNELS_LAST_3D)
-    module._apply(lambda t: t.contiguous() if t.dim() in LAYOUT_RANKS else t)
+    module._apply(lambda t: t.contiguous() if t.dim() in layout_ranks() else t)
     return module
 
 
@@ -345,7 +345,7 @@ def _describe(gm: fx.GraphModule, n: fx.Node, label: int) -> str:
         parts = []
         for t in meta.tensors:
             strides = t.strides
-            if kind in ("term", "param") and len(t.shape) in LAYOUT_RANKS:
+            if kind in ("term", "param") and len(t.shape) in layout_ranks():
                 strides = strides_for(t.shape, label_format(label, len(t.shape)))
             parts.append(f"{t.dtype}{list(t.shape)}{list(strides)}")
         return "T(" + ",".join(parts) + ")"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memlayout.plan.capture import CONV1D_RANKS, LAYOUT_RANKS, META_KEY
+from memlayout.plan.capture import CONV1D_RANKS, META_KEY, layout_ranks
 from memlayout.plan.costs import convert_value, module_has_layout_params
 from memlayout.plan.problem import OUTPUT_PREFIX, Formulation
 
@@ -92,7 +92,7 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
 def convert_value_1d(value: Any, label: int) -> Any:
     """``convert_value`` for a value holding rank-3 tensors of a 1-d convolution model: every
     rank-3/4/5 tensor in ``label``'s format (rank 3: channels_last_1d), whatever model was
-    planned last (``LAYOUT_RANKS`` is the planning's, this runs in the planned forward).
+    planned last (``layout_ranks()`` is the planning's, this runs in the planned forward).
 
     >>> convert_value_1d(torch.empty(2, 8, 16), 1).stride()
     (128, 1, 8)
@@ -146,7 +146,7 @@ def _convert_attr(root: nn.Module, target: str, label: int) -> None:
     owner_path, _, name = target.rpartition(".")
     owner = root.get_submodule(owner_path) if owner_path else root
     value = getattr(owner, name, None)
-    if not isinstance(value, torch.Tensor) or value.dim() not in LAYOUT_RANKS:
+    if not isinstance(value, torch.Tensor) or value.dim() not in layout_ranks():
         return
     converted = convert_value(value.detach(), label)
     if converted is value.detach() or converted.stride() == value.stride():
