@@ -407,34 +407,30 @@ def optimize(
         from memlayout.plan.compiled import compare_compiled
 
         result = compare_compiled(spec.module, opt, spec.example_input, rounds=rounds)
-        c = result["comparison"]
-        for name in ("memlayout.compile", "torch.compile", "eager_nchw"):
-            t = c[name]
-            if not t.ok:
-                console.print(f"{name}: failed: {t.error}")
-                continue
-            console.print(f"{name:>17}: median {t.median * 1e3:8.1f} ms per batch (spread {100 * t.spread:.0f} %)")
-        for name in ("torch.compile", "eager_nchw"):
-            if name in result:
-                r = result[name]
-                console.print(f"memlayout.compile vs {name}: {r['median']:.3f}x (median of {len(r['ratios'])} "
-                              f"per-round ratios {name} / memlayout.compile, range {r['min']:.3f}-{r['max']:.3f})")
+        _print_comparison(result, "memlayout.compile", ("torch.compile", "eager_nchw"), "batch")
     elif rounds > 0:
         result = compare_with_eager(spec.module, opt, spec.example_input, rounds=rounds,
                                     train=train)
-        c = result["comparison"]
         unit = "training step (forward, backward, SGD)" if train else "batch"
-        for name in ("optimized", "eager_nchw", "eager_nhwc"):
-            t = c[name]
-            if not t.ok:
-                console.print(f"{name}: failed: {t.error}")
-                continue
-            console.print(f"{name:>10}: median {t.median * 1e3:8.1f} ms per {unit} (spread {100 * t.spread:.0f} %)")
-        for name in ("eager_nchw", "eager_nhwc"):
-            if name in result:
-                r = result[name]
-                console.print(f"optimized vs {name}: {r['median']:.3f}x (median of {len(r['ratios'])} "
-                              f"per-round ratios {name} / optimized, range {r['min']:.3f}-{r['max']:.3f})")
+        _print_comparison(result, "optimized", ("eager_nchw", "eager_nhwc"), unit)
+
+
+def _print_comparison(result: dict, base: str, others: tuple[str, ...], unit: str) -> None:
+    """Each mode's median time, then ``base`` against each other mode (median of per-round
+    ratios other / base: > 1, ``base`` is faster)."""
+    c = result["comparison"]
+    width = max(len(n) for n in (base, *others))
+    for name in (base, *others):
+        t = c[name]
+        if not t.ok:
+            console.print(f"{name}: failed: {t.error}")
+            continue
+        console.print(f"{name:>{width}}: median {t.median * 1e3:8.1f} ms per {unit} (spread {100 * t.spread:.0f} %)")
+    for name in others:
+        if name in result:
+            r = result[name]
+            console.print(f"{base} vs {name}: {r['median']:.3f}x (median of {len(r['ratios'])} "
+                          f"per-round ratios {name} / {base}, range {r['min']:.3f}-{r['max']:.3f})")
 
 
 @app.command()

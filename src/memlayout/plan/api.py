@@ -798,13 +798,19 @@ def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inp
                      "eager_nhwc": runner(nhwc, Format.CHANNELS_LAST)},
                     rounds=rounds, warmup=warmup, baseline="optimized",
                     sync=device_sync(str(device)))
-    out: dict[str, Any] = {"comparison": c}
-    opt_times = c["optimized"].times
-    for name in ("eager_nchw", "eager_nhwc"):
-        ratios = [e / o for e, o in zip(c[name].times, opt_times, strict=False) if o > 0]
-        if ratios:
-            import statistics
+    return {"comparison": c, **ratios_against(c, "optimized", ("eager_nchw", "eager_nhwc"))}
 
+
+def ratios_against(c: Any, base: str, others: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Per other mode, the per-round ratios ``other time / base time`` of the interleaved
+    comparison ``c`` (> 1: ``base`` is faster) with their median, min and max; a mode with no
+    timed round is left out."""
+    import statistics
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in others:
+        ratios = [e / o for e, o in zip(c[name].times, c[base].times, strict=False) if o > 0]
+        if ratios:
             out[name] = {"median": statistics.median(ratios), "min": min(ratios),
                          "max": max(ratios), "ratios": ratios}
     return out

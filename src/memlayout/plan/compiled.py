@@ -324,7 +324,6 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
     defaults and eager NCHW, interleaved round by round, under the plan's autocast. Returns
     the ``Comparison`` and, per other mode, the per-round ratios ``other / compiled`` (> 1: the
     compiled plan is faster), their median and range."""
-    import statistics
 
     from memlayout.layout import Format
     from memlayout.tensors import convert_batch, convert_module
@@ -351,14 +350,10 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
                      "eager_nchw": runner(eager, Format.CONTIGUOUS)},
                     rounds=rounds, warmup=warmup, baseline="memlayout.compile",
                     sync=device_sync(str(device)))
-    out: dict[str, Any] = {"comparison": c}
-    base = c["memlayout.compile"].times
-    for name in ("torch.compile", "eager_nchw"):
-        ratios = [e / o for e, o in zip(c[name].times, base, strict=False) if o > 0]
-        if ratios:
-            out[name] = {"median": statistics.median(ratios), "min": min(ratios),
-                         "max": max(ratios), "ratios": ratios}
-    return out
+    from memlayout.plan.api import ratios_against
+
+    return {"comparison": c,
+            **ratios_against(c, "memlayout.compile", ("torch.compile", "eager_nchw"))}
 
 
 __all__ = ["INDUCTOR", "PLANNED", "compare_compiled", "compile", "inductor_layout_decision"]
