@@ -15,6 +15,7 @@ True
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -309,16 +310,7 @@ def first_divergent_training(reference: fx.GraphModule, planned: nn.Module,
                             names=list(want.grads))
         return not agree(want, got, tolerance_of)[0]
 
-    lo, hi = 0, len(names) - 1
-    if not diverged(hi):
-        return _describe(reference, names[hi])
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if diverged(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return _describe(reference, names[lo])
+    return _describe(reference, names[_bisect(len(names), diverged)])
 
 
 def _value_diverged(reference: fx.GraphModule, planned: nn.Module, planned_graph: fx.Graph,
@@ -433,17 +425,27 @@ def first_divergent(reference: fx.GraphModule, planned: nn.Module, planned_graph
             got = value_at(planned, planned_graph, names[i], inputs)
         return not compare(want, got, dtype)[0]
 
-    lo, hi = 0, len(names) - 1
+    return _describe(reference, names[_bisect(len(names), diverged)])
+
+
+def _bisect(count: int, diverged: Callable[[int], bool]) -> int:
+    """The first index in ``range(count)`` where ``diverged`` holds, assuming that once a node
+    diverges every later one does; the last index when none does (the output differs only
+    after the last node: blame the last).
+
+    >>> _bisect(8, lambda i: i >= 5), _bisect(8, lambda i: False)
+    (5, 7)
+    """
+    lo, hi = 0, count - 1
     if not diverged(hi):
-        hi = len(names) - 1  # the output differs only after the last node: blame the last
-        return _describe(reference, names[hi])
+        return hi
     while lo < hi:
         mid = (lo + hi) // 2
         if diverged(mid):
             hi = mid
         else:
             lo = mid + 1
-    return _describe(reference, names[lo])
+    return lo
 
 
 def _describe(gm: fx.GraphModule, name: str) -> str:
