@@ -181,6 +181,11 @@ def test_quick_zoo_cli_writes_every_record_and_output(tmp_path):
     if r18["status"] == "ok":
         assert f"{r18['speedup']:.2f}x ({r18['speedup_min']:.2f}-{r18['speedup_max']:.2f})" in table_lines[0]
     assert "resnet18" in result.output and "wrote" in result.output
+    chose = md.split("## What the planner chose", 1)[-1] if planner else ""
+    for r in rows:
+        if r["mode"].startswith("planned") and r["status"] == "ok":
+            assert r["note"].startswith(("plan: ", "memlayout.compile")), r["note"]
+            assert r["note"].replace("|", "\\|") in chose
 
 
 def test_every_mode_trains_or_reports_why(tmp_path):
@@ -198,6 +203,21 @@ def test_every_mode_trains_or_reports_why(tmp_path):
             assert r.status == "unavailable"
         else:
             assert r.status == "ok", (r.mode, r.error)
+    if planner:
+        # the planned record says what the plan chose: the headline of the same plan made
+        # directly (analytic costs: no timing, so the same choice)
+        import memlayout
+        from memlayout.models import load_model
+
+        built = load_model(f"{path}:tiny", batch=2, image_size=8)
+        for r in records:
+            if r.mode == "planned":
+                opt = memlayout.optimize(built.module.train(), (built.example_input,),
+                                         dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[r.dtype]),
+                                         measure=False, train=True)
+                assert r.note == opt.plan.headline()
+            if r.mode == "planned+compile":
+                assert r.note.startswith("plan: ") and "torch.compile" in r.note
             assert r.rounds == 2 and r.flops and r.speedup is not None
 
 

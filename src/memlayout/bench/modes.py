@@ -185,9 +185,12 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
         model = optimize(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure,
                          **({"train": True} if task == "train" else {}))
         model.train(task == "train")
+        plan = getattr(model, "plan", None)
+        note = plan.headline() if plan is not None else ""
     if mode == "compile" or (mode == "planned+compile" and task == "train"):
         model = torch.compile(model, backend=compile_backend)
-        note = f"torch.compile(backend={compile_backend!r}); first call = compile time"
+        note = "; ".join(n for n in (note, f"torch.compile(backend={compile_backend!r}); "
+                                      "first call = compile time") if n)
     step = _step_fn(model, x, dtype, task, device)
     setup_s = time.perf_counter() - start
 

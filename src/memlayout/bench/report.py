@@ -195,9 +195,23 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
         lines += ["## Errors, unavailable modes, retries", ""]
         lines += [f"- {_md_escape(line)}" for line in issues]
         lines.append("")
+    choices = plan_choices(result.records)
+    if choices:
+        lines += ["## What the planner chose", ""]
+        lines += [f"- {_md_escape(line)}" for line in choices]
+        lines.append("")
     if plot_name:
         lines += [f"![speedup vs NCHW]({plot_name})", ""]
     return write_atomic(path, "\n".join(lines))
+
+
+def plan_choices(records: Sequence[BenchRecord]) -> list[str]:
+    """One line per planned case whose record carries the plan's headline
+    (``Plan.headline``: formats, conversions, what the guard kept) or memlayout.compile's
+    choice."""
+    return [f"{_short(r.model)} {r.dtype} {r.task} {r.mode}: {r.note}" for r in records
+            if r.mode.startswith("planned") and r.status == "ok"
+            and r.note.startswith(("plan:", "memlayout.compile"))]
 
 
 def _cell(record: BenchRecord | None) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memlayout.layout import Format, strides_for
+from memlayout.layout import Format, channels_last_for_rank, strides_for
 from memlayout.plan.capture import (
     FREE,
     META_KEY,
@@ -145,19 +145,21 @@ def is_agnostic(gm: fx.GraphModule, n: fx.Node) -> bool:
 # ---------------------------------------------------------------- converting values
 
 
-def convert_value(value: Any, label: int) -> Any:
-    """Every rank-4/5 tensor inside ``value`` in the format ``label`` means for its rank
-    (canonical strides: ``to_format``); other tensors and objects unchanged."""
+def convert_value(value: Any, label: int, ranks: tuple[int, ...] | None = None) -> Any:
+    """Every tensor inside ``value`` whose rank is in ``ranks`` (default: the planned model's
+    ``layout_ranks()``) in the format ``label`` means for its rank (canonical strides:
+    ``to_format``); other tensors and objects unchanged."""
     from memlayout.tensors import to_format
 
     if isinstance(value, torch.Tensor):
-        if value.dim() in layout_ranks():
-            return to_format(value, label_format(label, value.dim()))
+        if value.dim() in (layout_ranks() if ranks is None else ranks):
+            fmt = channels_last_for_rank(value.dim()) if label == 1 else Format.CONTIGUOUS
+            return to_format(value, fmt)
         return value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(convert_value(v, label) for v in value)
+        return tuple(convert_value(v, label, ranks) for v in value)
     if isinstance(value, list):
-        return [convert_value(v, label) for v in value]
+        return [convert_value(v, label, ranks) for v in value]
     return value
 
 

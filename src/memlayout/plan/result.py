@@ -167,6 +167,22 @@ class Plan:
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
+    def headline(self) -> str:
+        """One short line: what runs in which format and what the guard kept (for a bench
+        record's note, a log line)."""
+        counts = self.counts
+        line = (f"plan: {counts.get('channels_last', 0)}/{len(self.nodes)} layout nodes "
+                f"channels_last, {len(self.conversions)} conversions "
+                f"({self.conversion_bytes / 1e6:.1f} MB)")
+        g = self.guard
+        if g.get("candidates"):
+            ratios = ", ".join(f"planned/{name} {c['median']:.3f}"
+                               for name, c in g["candidates"].items())
+            line += f"; guard kept {g['kept']} ({ratios})"
+        elif g.get("skipped"):
+            line += f"; the plan is {' and '.join(g['skipped'])}"
+        return line
+
     def compiled_summary(self) -> str:
         """What ``memlayout.compile`` kept (``memlayout.plan.compiled``) in one line."""
         c = self.compiled

@@ -97,19 +97,7 @@ def convert_value_1d(value: Any, label: int) -> Any:
     >>> convert_value_1d(torch.empty(2, 8, 16), 1).stride()
     (128, 1, 8)
     """
-    from memlayout.layout import Format, channels_last_for_rank
-    from memlayout.tensors import to_format
-
-    if isinstance(value, torch.Tensor):
-        if value.dim() in CONV1D_RANKS:
-            fmt = channels_last_for_rank(value.dim()) if label == 1 else Format.CONTIGUOUS
-            return to_format(value, fmt)
-        return value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(convert_value_1d(v, label) for v in value)
-    if isinstance(value, list):
-        return [convert_value_1d(v, label) for v in value]
-    return value
+    return convert_value(value, label, CONV1D_RANKS)
 
 
 def _quiet_dynamo_about_layout_caches() -> None:
