@@ -54,11 +54,12 @@ def test_guard_replaces_the_plan_with_a_clearly_faster_uniform_one(db, monkeypat
     model, x = Branchy().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=3)
     g = opt.plan.guard
-    assert g["source"] == "measured" and g["rounds"] == 3
+    assert g["source"] == "measured"
     if target in g["skipped"]:  # the min-cut plan already is that labelling
-        assert g["kept"] == "planned"
+        # (the fake clock times the plan like the other candidate: a tie, timed twice as long)
+        assert g["kept"] == "planned" and g["extended"] and g["rounds"] == 6
     else:
-        assert g["kept"] == target
+        assert g["kept"] == target and not g["extended"] and g["rounds"] == 3
         assert g["candidates"][target] == {"median": 2.0, "min": 2.0, "max": 2.0}
     convs = [n.format for n in opt.plan.nodes if n.op == "Conv2d"]
     assert convs and set(convs) == {fmt}  # convolutions are never pinned: all follow the kept
@@ -137,6 +138,26 @@ def test_guard_keeps_the_plan_within_the_margin(db, monkeypatch) -> None:
     g = opt.plan.guard
     assert g["kept"] == "planned" and g["candidates"]
     assert all(c["median"] == pytest.approx(1 / 0.99) for c in g["candidates"].values())
+
+
+def test_by_default_the_fastest_is_kept_and_a_close_call_is_timed_twice_as_long(
+        db, monkeypatch) -> None:
+    # every other candidate 1 % faster: with the default margin (0) a candidate replaces the
+    # plan, and 1 % is a close call (guard.CLOSE), so the rounds are doubled first
+    _fake_clock(monkeypatch, {"planned": 1.0}, default=0.99)
+    opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard_rounds=3)
+    g = opt.plan.guard
+    assert g["margin"] == 0.0 and g["extended"] and g["rounds"] == 6
+    assert g["kept"] in g["candidates"] and g["kept"] != "planned"
+    assert "twice the rounds" in opt.plan.summary()
+    assert opt.plan.verification["ok"]
+
+
+def test_a_clear_call_is_not_extended(db, monkeypatch) -> None:
+    _fake_clock(monkeypatch, {"planned": 1.0}, default=1.5)
+    opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard_rounds=3)
+    g = opt.plan.guard
+    assert g["kept"] == "planned" and not g["extended"] and g["rounds"] == 3
 
 
 def test_second_optimize_measures_nothing_not_even_the_guard(db, monkeypatch) -> None:

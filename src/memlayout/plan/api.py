@@ -217,7 +217,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              progress: Progress | None = None, rounds: int = 5, name: str | None = None,
              guard: bool = True, guard_rounds: int = 5, train: bool = False,
              keep_weight_formats: bool = False, max_plans: int = 8,
-             guard_margin: float = 0.02, memory: bool = True,
+             guard_margin: float = 0.0, memory: bool = True,
              memory_budget: int | str | None = None, padding: bool = True,
              blocked: bool = True, refresh: bool = False) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
@@ -234,8 +234,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     - ``guard`` (with ``measure``): per-op costs are measured in isolation, so the min-cut
       plan is also timed as a whole model against the original run entirely NCHW and
       entirely NHWC (as eager runs it; a plan that already is one of them end to end runs as
-      that eager model), interleaved for ``guard_rounds`` rounds; the plan is kept unless one
-      is faster by more than ``guard_margin`` in the median of per-round ratios.
+      that eager model), interleaved for ``guard_rounds`` rounds (twice that for a close
+      call); the plan is kept unless one is faster by more than ``guard_margin`` (default 0:
+      the fastest in the median of per-round ratios is kept).
       ``plan.guard`` records the ratios and the choice; the measurement is cached with the
       costs (see ``memlayout.plan.guard``).
     - ``train``: plan a training step. Costs are forward + backward per node in each format
@@ -578,11 +579,13 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
     def on_step(_round: int, name: str) -> None:
         steps[0] += 1
         if progress is not None:
-            progress(steps[0], rounds * len(builds), f"whole model, {name}")
+            # a close call runs as many rounds again (memlayout.plan.guard.is_close)
+            total = rounds * len(builds) * (1 + (steps[0] > rounds * len(builds)))
+            progress(steps[0], total, f"whole model, {name}")
 
     start = time.perf_counter()
     record = g.time_candidates({name: b[0] for name, b in builds.items()}, inputs, dtype,
-                               rounds=rounds, on_step=on_step, train=train)
+                               rounds=rounds, on_step=on_step, train=train, margin=margin)
     if store is not None and not record["errors"]:
         store.put(key, record)
     kept = g.decide(record, margin=margin)

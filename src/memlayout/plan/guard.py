@@ -6,7 +6,10 @@ is timed as a whole model against the original run entirely in one format, exact
 NCHW and eager NHWC run it (weights and inputs converted; outputs as the plan keeps them),
 except a format the plan already runs end to end, interleaved round by round through
 ``memlayout.timing.interleaved``. The plan is kept unless another candidate is
-faster by more than ``margin`` in the median of the per-round ratios ``planned / candidate``.
+faster by more than ``margin`` (default 0: the faster in the median) in the median of the
+per-round ratios ``planned / candidate``. A close call (a candidate's median within ``CLOSE``
+of the threshold ``1 + margin``) is timed for as many rounds again before it is decided: on a
+noisy machine five rounds cannot tell 2 % apart, and the bar is "never below 0.98x".
 
 The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
 autocast dtype and a signature of the captured graphs (every node, its shapes, strides and
@@ -18,6 +21,8 @@ dtypes, and the plan's labels): a second plan of the same model times nothing.
 'all_channels_last'
 >>> decide({"ratios": {"all_channels_last": [1.01, 1.0, 1.02]}, "rounds": 3}, margin=0.02)
 'planned'
+>>> decide({"ratios": {"all_channels_last": [1.01, 1.0, 1.02]}, "rounds": 3}, margin=0.0)
+'all_channels_last'
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from memlayout.plan.capture import META_KEY, autocast_context, device_of
 from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"
+CLOSE = 0.03  # a median ratio this near the threshold is timed for twice the rounds
 UNIFORM = {"all_contiguous": 0, "all_channels_last": 1}  # eager in one format -> its label
 
 
@@ -78,13 +84,14 @@ def cache_key(device: str, dtype: torch.dtype | None, graph_signature: str) -> s
 def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
                     dtype: torch.dtype | None, *, rounds: int,
                     on_step: Callable[[int, str], None] | None = None,
-                    train: bool = False) -> dict[str, Any]:
+                    train: bool = False, margin: float | None = None) -> dict[str, Any]:
     """Time whole models (``models[PLANNED]`` and the others) interleaved, as they will run
     (no grad, autocast for ``dtype``; ``train``: a training step's forward and backward, the
     loss ``sum(0.5 * mean(y ** 2))`` over the floating outputs, backward outside autocast,
     gradients into ``.grad`` as an optimizer reads them; the caller restores buffers).
+    With ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more.
     Returns ``{"ratios": {name: per-round planned / candidate time}, "rounds": n,
-    "errors": {name: message}}``."""
+    "errors": {name: message}, "extended": bool}``."""
     device = device_of(inputs, models[PLANNED])
 
     def runner(module: nn.Module) -> Callable[[], Any]:
@@ -106,14 +113,37 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
     if PLANNED in live and rounds > len(runs):
         runs.append(interleaved(live, rounds=rounds - len(runs), warmup=0, repeat=repeat,
                                 baseline=PLANNED, sync=sync, on_step=on_step))
-    errors = {n: t.error for c in (probe, *runs) for n, t in c.modes.items() if t.error}
-    ratios: dict[str, list[float]] = {}
-    if PLANNED not in errors:
-        for name in live:
-            if name != PLANNED and name not in errors:
-                ratios[name] = [r for c in runs for r in c.ratios(name)]
-    return {"ratios": ratios, "rounds": sum(len(c[PLANNED].times) for c in runs),
-            "repeat": repeat, "errors": errors}
+
+    def record(extended: bool = False) -> dict[str, Any]:
+        errors = {n: t.error for c in (probe, *runs) for n, t in c.modes.items() if t.error}
+        ratios: dict[str, list[float]] = {}
+        if PLANNED not in errors:
+            for name in live:
+                if name != PLANNED and name not in errors:
+                    ratios[name] = [r for c in runs for r in c.ratios(name)]
+        return {"ratios": ratios, "rounds": sum(len(c[PLANNED].times) for c in runs),
+                "repeat": repeat, "errors": errors, "extended": extended}
+
+    first = record()
+    if margin is None or first["errors"] or not is_close(first, margin=margin):
+        return first
+    runs.append(interleaved(live, rounds=rounds, warmup=0, repeat=repeat, baseline=PLANNED,
+                            sync=sync, on_step=on_step))
+    return record(extended=True)
+
+
+def is_close(record: Mapping[str, Any], *, margin: float) -> bool:
+    """The best candidate's median ratio (the one ``decide`` weighs) is within ``CLOSE`` of
+    the threshold ``1 + margin``: too near to decide on this many rounds.
+
+    >>> is_close({"ratios": {"all_channels_last": [1.01, 0.99, 1.02]}}, margin=0.0)
+    True
+    >>> is_close({"ratios": {"all_channels_last": [1.2, 1.1, 1.3], "all_contiguous": [1.0]}},
+    ...          margin=0.0)
+    False
+    """
+    medians = [statistics.median(r) for r in record["ratios"].values() if r]
+    return bool(medians) and abs(max(medians) - (1.0 + margin)) < CLOSE
 
 
 def train_step(module: nn.Module, inputs: tuple[Any, ...],
@@ -152,6 +182,7 @@ def describe(record: Mapping[str, Any], *, kept: str, margin: float, source: str
     """The guard's entry in ``Plan.guard`` (plain data)."""
     return {
         "kept": kept, "margin": margin, "source": source, "rounds": record["rounds"],
+        "extended": record.get("extended", False),
         "repeat": record.get("repeat", 1),
         "candidates": {name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
                        for name, r in record["ratios"].items() if r},

@@ -214,6 +214,8 @@ class Plan:
         parts += [f"{name} failed: {err}" for name, err in g["errors"].items()]
         source = ("from the cache" if g["source"] == "cache"
                   else f"measured now, {g.get('seconds', 0.0):.1f} s")
+        if g.get("extended"):
+            source += "; a close call, so timed for twice the rounds"
         return (f"guard: kept {g['kept']}; planned / candidate time, whole model, median of "
                 f"{g['rounds']} interleaved rounds ({source}; a candidate replaces the plan "
                 f"above {1 + g['margin']:.2f}): " + "; ".join(parts))
