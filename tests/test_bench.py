@@ -479,6 +479,36 @@ def test_resume_keeps_measured_cases_and_runs_only_the_missing_ones(tmp_path):
     assert "rounds: 2 then, 3 now" in " ".join(mismatch.output.split())
 
 
+def test_steady_heap_is_applied_recorded_and_part_of_the_resume_check(tmp_path, monkeypatch):
+    from memlayout import malloc
+
+    calls = []
+
+    def fake_steady_heap() -> bool:  # the real one changes this process for good
+        calls.append(1)
+        monkeypatch.setitem(malloc._state, "steady", True)
+        return True
+
+    monkeypatch.setattr(malloc, "steady_heap", fake_steady_heap)
+    path, out = _models_file(tmp_path), tmp_path / "out"
+    result = CliRunner().invoke(app, _bench_args(path, out, ["tiny"], "--steady-heap"))
+    assert result.exit_code == 0, result.output
+    assert calls == [1]
+    rows = json.loads((out / "results.json").read_text())
+    assert {r["malloc"] for r in rows} == {malloc.describe()}
+    summary = (out / "summary.md").read_text()
+    assert f"allocator: {malloc.describe()}" in summary and "--steady-heap" in summary
+    mismatch = CliRunner().invoke(app, _bench_args(path, out, ["tiny"], "--resume"))
+    assert mismatch.exit_code != 0
+    assert "steady_heap: True then, False now" in " ".join(mismatch.output.split())
+    # a config.json from before the field existed had the default (off): it resumes
+    config = json.loads((out / "config.json").read_text())
+    del config["steady_heap"]
+    (out / "config.json").write_text(json.dumps(config))
+    resumed = CliRunner().invoke(app, _bench_args(path, out, ["tiny"], "--resume"))
+    assert resumed.exit_code == 0, resumed.output
+
+
 def test_a_run_killed_mid_way_keeps_every_finished_case(tmp_path):
     import subprocess
     import sys

@@ -221,6 +221,7 @@ def bench(
     plan_costs: Annotated[str, typer.Option(help="Planner costs for the planned modes: measured (on this machine, cached) or analytic (no timing, faster). Default: measured.")] = "measured",
     out: Annotated[str, typer.Option(help="Folder for results.csv, results.json, speedup.png, summary.md, config.json; rewritten after every model x dtype x task, so a stopped run keeps what it measured. Default: bench-results.")] = "bench-results",
     resume: Annotated[bool, typer.Option("--resume", help="Keep the records already in --out and run only the cases missing there (same settings required; more models, dtypes or tasks are fine). Default: off (start over).")] = False,
+    steady_heap: Annotated[bool, typer.Option("--steady-heap", help="Keep glibc's heap for the whole run (memlayout.malloc.steady_heap): large CPU tensors stop being unmapped and page-faulted in again every step. Default: off (the allocator as users run it).")] = False,
 ) -> None:
     """Time every layout strategy on each model, interleaved round by round in one process, and
     report speedups over eager NCHW (median of per-round ratios), FLOP/s and compile times."""
@@ -254,7 +255,7 @@ def bench(
             list(dict.fromkeys(specs)), modes=modes, dtypes=dtype, tasks=task, batch=batch,
             image_size=image_size, rounds=rounds, warmup=warmup, threads=threads, device=device,
             compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=tuple(sizes),
-            plan_measure=plan_costs == "measured")
+            plan_measure=plan_costs == "measured", steady_heap=steady_heap)
         previous = resume_records(Path(out), cfg) if resume else []
     except MemlayoutError as exc:
         _fail(exc)
@@ -271,6 +272,7 @@ def bench(
                                  ("--out", out, None)):
         if value is not None and value != default:
             command += [flag, str(value)]
+    command += ["--steady-heap"] if steady_heap else []
     layouts = {"nchw": "eager, contiguous (NCHW) model and input", "nhwc": "eager, model.to(memory_format=channels_last) + channels-last input (channels_last_3d for video)",
                "planned": f"memlayout.optimize(model, (x,), dtype=..., measure={plan_costs == 'measured'})", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
                "planned+compile": "memlayout.compile (inference): the plan compiled with Inductor's layout optimization off, or Inductor's own layout unless the plan measures >2% faster; train: torch.compile of the planned model"}

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from memlayout.bench.zoo import ZOO_NAMES, ZooEntry, zoo
 
 #: what a resumed run must share with the run it continues (models, dtypes, tasks may grow)
 RESUME_FIELDS = ("modes", "batch", "image_size", "rounds", "warmup", "threads", "device",
-                 "compile_backend", "plan_measure", "gemm_size", "zoo_sizes")
+                 "compile_backend", "plan_measure", "gemm_size", "zoo_sizes", "steady_heap")
 
 
 def write_outputs(result: BenchResult, out_dir: Path, *, command: str = "") -> dict[str, Path]:
@@ -64,7 +65,10 @@ def resume_records(out_dir: Path, config: BenchConfig) -> list[BenchRecord]:
     if not saved.is_file():
         raise BenchConfigError(f"{out_dir} has results.json but no config.json (written by an "
                                "older memlayout): cannot check the settings match; use a new --out")
-    before = json.loads(saved.read_text())
+    # a field an older config.json lacks had its default then
+    defaults = {f.name: f.default for f in dataclasses.fields(BenchConfig)
+                if f.name in RESUME_FIELDS}
+    before = json.loads(json.dumps(defaults | json.loads(saved.read_text())))
     now = json.loads(json.dumps({name: getattr(config, name) for name in RESUME_FIELDS}))
     diffs = [f"{name}: {before.get(name)!r} then, {now[name]!r} now" for name in RESUME_FIELDS
              if before.get(name) != now[name]]

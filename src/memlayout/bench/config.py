@@ -58,6 +58,9 @@ class BenchConfig:
     gemm_size: int | None = None
     #: per-model image sizes from a zoo, used when ``image_size`` is ``None``
     zoo_sizes: tuple[tuple[str, int], ...] = ()
+    #: ``memlayout.malloc.steady_heap()`` for the rest of the process before the first case:
+    #: no page-fault churn from glibc returning large blocks to the OS after every step
+    steady_heap: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from memlayout import malloc
+
 STATUSES = ("ok", "error", "unavailable")
 
 
@@ -44,6 +46,9 @@ class Environment:
     cpu_count: int | None = None
     #: OpenMP's wait policy (``OMP_WAIT_POLICY``; empty: the runtime's default, spinning)
     omp_wait_policy: str = ""
+    #: the host allocator (``memlayout.malloc.describe``): glibc's default refaults every large
+    #: block each step, a steady heap or jemalloc/tcmalloc do not
+    malloc: str = ""
 
     @classmethod
     def collect(cls, device: str, threads: int | None = None) -> Environment:
@@ -60,6 +65,7 @@ class Environment:
             load_average=_load_average(),
             cpu_count=os.cpu_count(),
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
+            malloc=malloc.describe(),
         )
 
     @property

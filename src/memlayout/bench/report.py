@@ -161,7 +161,8 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
     if command:
         lines += ["```", command, "```", ""]
     lines += [
-        f"- machine: {env.device_name}, device `{env.device}`, {env.threads} threads; {env.platform}",
+        f"- machine: {env.device_name}, device `{env.device}`, {env.threads} threads; {env.platform}"
+        + (f"; allocator: {env.malloc}" if env.malloc else ""),
         f"- versions: torch {env.torch}, torchvision {env.torchvision}, memlayout {env.memlayout}, "
         f"Python {env.python}; {env.timestamp}",
         f"- {cfg.rounds} interleaved rounds after {cfg.warmup} warm-up call(s) per mode; "

@@ -84,6 +84,10 @@ def run_bench(config: BenchConfig, *, on_event: Callable[[BenchEvent], None] | N
     emit = on_event or (lambda event: None)
     done = on_case or (lambda records: None)
     skipped = set(skip)
+    if config.steady_heap:
+        from memlayout import malloc
+
+        malloc.steady_heap()
     with _threads(config.threads):
         env = Environment.collect(config.device)
         records: list[BenchRecord] = []
