@@ -21,6 +21,14 @@ def test_torchvision_classification_spec():
     assert spec.module(spec.example_input).shape == (2, 1000)
 
 
+def test_inception_v3_runs_at_its_own_299_pixels_and_trains_there():
+    spec = load_model("torchvision:inception_v3", batch=2)
+    assert tuple(spec.example_input.shape) == (2, 3, 299, 299)
+    out = spec.module.train()(spec.example_input)  # the auxiliary head runs in training
+    assert out.logits.shape == out.aux_logits.shape == (2, 1000)
+    assert load_model("torchvision:inception_v3", batch=1, image_size=224).example_input.shape[-1] == 224
+
+
 def test_video_spec_is_rank_5():
     spec = load_model("torchvision:r3d_18", batch=1, image_size=32)
     assert spec.example_input.dim() == 5 and spec.fmt is Format.CHANNELS_LAST_3D

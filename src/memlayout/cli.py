@@ -43,7 +43,7 @@ def main() -> None:
 def inspect(
     model: Annotated[str, typer.Argument(help="Model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 2.")] = 2,
-    image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; video 112).")] = None,
+    image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; inception_v3 299; video 112).")] = None,
 ) -> None:
     """Run MODEL once in channels-last and show the format of its parameters and module outputs."""
     from memlayout.inspection import inspect_model
@@ -81,7 +81,7 @@ def audit(
     train: Annotated[bool, typer.Option("--train", help="Forward + backward of the outputs' sum, model in train mode. Default: forward only, eval mode, no grad.")] = False,
     dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
-    image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; video 112).")] = None,
+    image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; inception_v3 299; video 112).")] = None,
     format: Annotated[str | None, typer.Option("--format", help="channels_last or channels_last_3d. Default: the model's (video: channels_last_3d).")] = None,
     device: Annotated[str, typer.Option(help="Device to run on. Default: cpu.")] = "cpu",
     json_path: Annotated[str | None, typer.Option("--json", help="Write the whole report as JSON here. Default: none.")] = None,
@@ -211,7 +211,7 @@ def bench(
     dtype: Annotated[str, typer.Option(help="Comma-separated dtypes: fp32, bf16 (torch.autocast). Default: fp32.")] = "fp32",
     task: Annotated[str, typer.Option(help="Comma-separated tasks: infer (no grad), train (forward + backward + SGD step). Default: infer.")] = "infer",
     batch: Annotated[int, typer.Option(help="Batch size; halved and retried on out of memory. Default: 8.")] = 8,
-    image_size: Annotated[int | None, typer.Option(help="Image height and width. Default: the zoo's (quick: 64), else the model's own (224; video 112).")] = None,
+    image_size: Annotated[int | None, typer.Option(help="Image height and width. Default: the zoo's (quick: 64), else the model's own (224; inception_v3 299; video 112).")] = None,
     rounds: Annotated[int, typer.Option(help="Interleaved timed rounds; every mode runs once per round. Default: 7.")] = 7,
     warmup: Annotated[int, typer.Option(help="Untimed calls per mode before the rounds, after the first (compiling) call. Default: 1.")] = 1,
     threads: Annotated[int | None, typer.Option(help="torch.set_num_threads for the run. Default: torch's current setting.")] = None,
@@ -337,7 +337,7 @@ def optimize(
     model: Annotated[str, typer.Argument(help="Model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
     dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
-    image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; video 112).")] = None,
+    image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; inception_v3 299; video 112).")] = None,
     save: Annotated[str | None, typer.Option(help="Write the plan as JSON here. Default: none.")] = None,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="Time each layout node here (cached), or use the analytical model. Default: measure.")] = True,
     explain: Annotated[bool, typer.Option("--explain", help="Print every node's choice and costs. Default: off.")] = False,

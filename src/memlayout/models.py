@@ -35,6 +35,9 @@ from memlayout.layout import Format
 _DEFAULT_SIZE = {"classification": 224, "segmentation": 224, "detection": 224, "video": 112,
                  "custom": 224, "timm": 224}
 VIDEO_FRAMES = 8
+# Models whose own input size is not their kind's: inception_v3's auxiliary classifier (run in
+# training) needs 299x299 (at 224 its 5x5 convolution sees a 3x3 map and fails).
+_NATIVE_SIZE = {"inception_v3": 299}
 
 
 @dataclass
@@ -124,7 +127,7 @@ def _torchvision(spec: str, name: str, batch: int, image_size: int | None,
     fmt = Format.CHANNELS_LAST
     if kind == "detection":
         module = module.backbone
-    size = image_size or _DEFAULT_SIZE[kind]
+    size = image_size or _NATIVE_SIZE.get(name) or _DEFAULT_SIZE[kind]
     if kind == "video":
         fmt = Format.CHANNELS_LAST_3D
         example = torch.randn(batch, 3, VIDEO_FRAMES, size, size, generator=generator)
