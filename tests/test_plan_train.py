@@ -250,3 +250,65 @@ def test_optimize_command_train_verifies_a_step_and_times_training_steps(tmp_pat
     assert "per training step" in result.output and "optimized vs eager_nhwc" in result.output
     plan = Plan.from_json(out.read_text())
     assert plan.train and plan.verification["train"] and plan.input_shapes == [[2, 3, 32, 32]]
+
+
+class _DropoutHead(nn.Module):
+    """squeezenet1_0's classifier shape: Dropout on a 4-D activation, then a 1x1 convolution;
+    and an SE-style 1x1 convolution on an (N, C, 1, 1) map, whose weight's strides are
+    ambiguous (size-1 kernel dims)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.se = nn.Conv2d(16, 16, 1)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Conv2d(16, 10, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        y = y * torch.sigmoid(self.se(y.mean((2, 3), keepdim=True)))
+        return self.head(self.drop(y)).mean((2, 3))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_dropout_on_channels_last_and_ambiguous_1x1_weights_verify(db, dtype) -> None:
+    # Dropout draws its mask in memory order: on a channels-last activation the same seed drops
+    # other elements than on NCHW (a real difference of the step, not of the layout), so the
+    # step is verified with Dropout off; the module's own mode is untouched.
+    model = _DropoutHead().train()
+    x = torch.randn(4, 3, 12, 12)
+    opt = optimize(model, x, train=True, measure=False, cache=db, dtype=dtype)
+    assert opt.plan.verification["ok"] and opt.plan.counts["channels_last"] > 0
+    assert model.drop.training and all(m.training for m in opt.modules())
+    torch.manual_seed(0)
+    a = opt(x)
+    torch.manual_seed(0)
+    b = opt(x)
+    assert torch.equal(a, b) and not torch.equal(a, model.eval()(x))  # dropout still drops
+    model.train()
+    # the SE weight's gradient agrees with its strides on every dim of size > 1
+    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = opt(x).float().square().mean()
+    loss.backward()
+    from memlayout.layout import strides_agree
+
+    for name, p in opt.named_parameters():
+        assert strides_agree(tuple(p.shape), tuple(p.stride()), tuple(p.grad.stride())), name
+
+
+def test_gradient_strides_are_compared_on_dims_of_size_above_one() -> None:
+    # a 1x1 convolution's weight (8, 8, 1, 1) is laid out the same with strides (8, 1, 1, 1)
+    # and (8, 1, 8, 8); a gradient that comes back in the other one (bf16 autocast did, on
+    # efficientnet_b0's squeeze-excitation weights) is not a mismatch, as autograd's gradient
+    # layout contract and memlayout.train's DDP check say
+    from memlayout.plan.verify import verify_training
+
+    reference = nn.Sequential(nn.Conv2d(8, 8, 1))
+    planned = copy.deepcopy(reference)
+    w = planned[0].weight
+    w.register_hook(lambda g: g.contiguous().as_strided(g.shape, (8, 1, 8, 8)))
+    result = verify_training(reference, planned, (torch.randn(2, 8, 4, 4),))
+    assert result.ok
+    planned.zero_grad(set_to_none=True)
+    planned(torch.randn(2, 8, 4, 4)).sum().backward()
+    assert w.grad.stride() == (8, 1, 8, 8) and w.stride() == (8, 1, 1, 1)  # the case is real

@@ -236,3 +236,16 @@ def _check_pair(shape: Shape, strides: Strides) -> None:
         raise ValueError(f"shape {shape} and strides {strides} differ in rank")
     if any(s < 0 for s in shape):
         raise ValueError(f"shape {shape} has a negative size")
+
+
+def strides_agree(shape: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Two stride tuples of a tensor of ``shape`` lay it out alike: equal on every dim of size
+    > 1 (a size-1 dim's stride moves nothing; autograd's gradient layout contract compares
+    strides the same way).
+
+    >>> strides_agree((8, 4, 1, 1), (4, 1, 1, 1), (4, 1, 4, 4))
+    True
+    >>> strides_agree((8, 4, 3, 3), (36, 9, 3, 1), (36, 1, 12, 4))
+    False
+    """
+    return all(s == 1 or x == y for s, x, y in zip(shape, a, b, strict=True))

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from memlayout.errors import TrainError
-from memlayout.layout import is_non_overlapping_and_dense
+from memlayout.layout import is_non_overlapping_and_dense, strides_agree
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def grad_layout_mismatches(model: nn.Module) -> list[str]:
         g = p.grad
         if g is None or g.shape != p.shape:
             continue
-        if any(s > 1 and a != b for s, a, b in zip(p.shape, p.stride(), g.stride(), strict=True)):
+        if not strides_agree(tuple(p.shape), tuple(p.stride()), tuple(g.stride())):
             bad.append(f"{name} (param strides {tuple(p.stride())}, grad {tuple(g.stride())})")
     return bad
 
