@@ -116,7 +116,7 @@ def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...
 # ---------------------------------------------------------------- training
 
 
-SEED = 0  # the RNG state both models start a verified step from (Dropout draws the same masks)
+SEED = 0  # the RNG state both models start a verified step from (Dropout is off: _masks_off)
 
 
 def training_loss(out: Any) -> torch.Tensor:
