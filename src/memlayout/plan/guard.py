@@ -7,8 +7,8 @@ NCHW and eager NHWC run it (weights and inputs converted; outputs as the plan ke
 except a format the plan already runs end to end, interleaved round by round through
 ``memlayout.timing.interleaved``. The plan is kept unless another candidate is
 faster by more than ``margin`` (default 0: the faster in the median) in the median of the
-per-round ratios ``planned / candidate``. A close call (a candidate's median within ``CLOSE``
-of the threshold ``1 + margin``) is timed for as many rounds again before it is decided: on a
+per-round ratios ``planned / candidate``. A close call (the best candidate's median within
+``CLOSE`` of the threshold ``1 + margin``) is timed for as many rounds again before it is decided: on a
 noisy machine five rounds cannot tell 2 % apart, and the bar is "never below 0.98x".
 
 The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
