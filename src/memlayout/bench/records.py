@@ -39,7 +39,7 @@ class Environment:
     memlayout: str
     python: str
     platform: str
-    timestamp: str
+    timestamp: str  # UTC, to the millisecond: two runs within one second stay two (--resume)
     #: 1-minute load average and CPU count when the run started (``None`` where unknown):
     #: with more runnable jobs than cores every timing is stretched and noisy
     load_average: float | None = None
@@ -61,7 +61,7 @@ class Environment:
             memlayout=_version("memlayout"),
             python=platform.python_version(),
             platform=platform.platform(),
-            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
             load_average=_load_average(),
             cpu_count=os.cpu_count(),
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
