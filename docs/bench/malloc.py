@@ -7,9 +7,10 @@ default: a few that allocate heavily. The heap setting lasts for a whole process
 cannot share one: each round starts one child process per setting, in alternating order
 (default first, then steady first, ...). A child builds the model (batch 8, 224x224), makes 3
 untimed steps (the steady heap settles in the first few) and times ``--steps`` more; it reports
-the median step time and the minor page faults per step (``getrusage``). Printed per case: the
-median over rounds of the per-round ratio default / steady (> 1: the steady heap is faster)
-with its range, and the faults per step under each setting.
+the median step time, the minor page faults per step and its peak resident memory
+(``getrusage``). Printed per case: the median over rounds of the per-round ratio default /
+steady (> 1: the steady heap is faster) with its range, the faults per step and the peak
+resident memory under each setting.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def child(case: str, steps: int, threads: int, steady: bool) -> None:
         times.append(time.perf_counter() - t0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     print(json.dumps({"median_s": statistics.median(times), "faults": statistics.median(faults),
+                      "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "malloc": malloc.describe()}))
 
 
@@ -87,17 +89,19 @@ def main() -> None:
         child(args.child, args.steps, args.threads, args.steady)
         return
     for case in args.cases:
-        ratios, faults = [], {False: [], True: []}
+        ratios, faults, rss = [], {False: [], True: []}, {False: [], True: []}
         for r in range(args.rounds):
             got = {}
             for steady in ((False, True) if r % 2 == 0 else (True, False)):
                 got[steady] = run(case, args.steps, args.threads, steady)
                 faults[steady].append(got[steady]["faults"])
+                rss[steady].append(got[steady]["max_rss_mb"])
             ratios.append(got[False]["median_s"] / got[True]["median_s"])
         print(f"{case:28s} default/steady time {statistics.median(ratios):.3f} "
               f"({min(ratios):.2f}-{max(ratios):.2f}), {args.rounds} rounds; minor faults per "
               f"step: default {statistics.median(faults[False]):.0f}, "
-              f"steady {statistics.median(faults[True]):.0f}", flush=True)
+              f"steady {statistics.median(faults[True]):.0f}; peak resident MB: default "
+              f"{max(rss[False]):.0f}, steady {max(rss[True]):.0f}", flush=True)
 
 
 if __name__ == "__main__":

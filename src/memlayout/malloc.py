@@ -13,7 +13,7 @@ Timings with and without: ``docs/bench/malloc.py``.
 ``steady_heap()`` asks glibc (``mallopt``) to serve every block from the heap and never give
 freed memory back: after a few steps (the heap settles; a small allocation can take a freed
 hole, so the heap grows by a few blocks first) nothing faults. The cost: the process keeps its
-peak heap (resnet18 training at 128 px: 894 MB resident vs 882 MB). jemalloc or tcmalloc
+peak heap (``docs/bench/malloc.py`` prints the peak resident memory under each). jemalloc or tcmalloc
 under ``LD_PRELOAD`` do the same job where installed; ``describe()`` says which allocator a
 run had, for the records.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 # mallopt parameters (malloc.h)
@@ -32,7 +33,9 @@ _ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", 
 _state = {"steady": False}
 
 
+@functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL | None:
+    # find_library runs ldconfig in a subprocess: once per process, not per record
     name = ctypes.util.find_library("c")
     if name is None:
         return None
