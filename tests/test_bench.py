@@ -214,8 +214,10 @@ def test_every_mode_trains_or_reports_why(tmp_path):
             if r.mode == "planned":
                 opt = memlayout.optimize(built.module.train(), (built.example_input,),
                                          dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[r.dtype]),
-                                         measure=False, train=True)
+                                         measure=False, train=True, input_format="auto")
                 assert r.note == opt.plan.headline()
+                # timed with its input in the format the plan chose, converted beforehand
+                assert r.input_format == opt.plan.input_format
             if r.mode == "planned+compile":
                 assert r.note.startswith("plan: ") and "torch.compile" in r.note
             assert r.rounds == 2 and r.flops and r.speedup is not None

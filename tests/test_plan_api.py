@@ -173,6 +173,30 @@ def test_channels_last_input_needs_no_input_conversion(db) -> None:
     assert [c.value for c in opt.plan.conversions if c.value == "x"] == []
 
 
+@pytest.mark.parametrize("model_cls", [Branchy, Features])
+def test_auto_input_format_is_the_better_of_the_two_pinned_ones(db, model_cls) -> None:
+    # the input's format as one more variable: the optimum is the best over both pinnings
+    # (a second method: two solves with the input fixed), and that format is what it asks for.
+    # The output format is fixed: "keep" would follow the example's format, which differs.
+    model, x = model_cls().eval(), _x()
+    kw = dict(cache=db, measure=False, output_format="contiguous")
+    pinned = {fmt: memlayout.optimize(model, x, input_format=fmt, **kw).plan
+              for fmt in ("contiguous", "channels_last")}
+    auto = memlayout.optimize(model, x, input_format="auto", **kw)
+    best = min(pinned.values(), key=lambda p: p.predicted["planned"])
+    assert auto.plan.predicted["planned"] == pytest.approx(best.predicted["planned"], rel=1e-6)
+    assert auto.plan.input_format in pinned
+    assert auto.plan.predicted["planned"] == pytest.approx(
+        pinned[auto.plan.input_format].predicted["planned"], rel=1e-6)
+    assert not any(c.value == "x" for c in auto.plan.conversions)  # arrives as it should
+    assert any("input_format='auto'" in n for n in auto.plan.notes)
+    seen = []
+    auto.module.register_forward_pre_hook(lambda m, args: seen.append(format_of(args[0])))
+    with torch.no_grad():  # an NCHW batch is converted on entry; the result is the same
+        torch.testing.assert_close(auto(x), model(x), rtol=1e-4, atol=1e-5)
+    assert seen == [Format.parse(auto.plan.input_format)]
+
+
 def test_plan_json_round_trip(db) -> None:
     plan = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1).plan
     again = memlayout.Plan.from_json(plan.to_json())

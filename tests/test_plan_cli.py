@@ -27,3 +27,17 @@ def test_optimize_command_rejects_an_unknown_dtype(tmp_path, monkeypatch) -> Non
                                       "--batch", "1", "--image-size", "32"])
     assert result.exit_code == 2
     assert "dtype 'int8' is not supported" in result.output
+
+
+def test_optimize_command_lets_the_plan_choose_the_input_format(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "plan.json"
+    args = ["optimize", "torchvision:resnet18", "--batch", "1", "--image-size", "32",
+            "--rounds", "0", "--no-measure"]
+    result = CliRunner().invoke(app, [*args, "--input-format", "auto", "--save", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = Plan.from_json(out.read_text())
+    assert plan.input_format in ("contiguous", "channels_last")
+    assert f"inputs should arrive {plan.input_format}" in " ".join(plan.notes)
+    bad = CliRunner().invoke(app, [*args, "--input-format", "nlc"])
+    assert bad.exit_code == 2 and "input_format 'nlc'" in bad.output

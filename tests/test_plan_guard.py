@@ -92,6 +92,41 @@ def test_an_eager_candidate_keeps_output_format_and_state_dict_keys(db, monkeypa
     opt.load_state_dict(Features().state_dict())
 
 
+@pytest.mark.parametrize("target,fmt", [("all_channels_last", "channels_last"),
+                                        ("all_contiguous", "contiguous")])
+def test_auto_input_format_times_each_candidate_with_its_own_inputs(db, monkeypatch, target,
+                                                                    fmt) -> None:
+    # input_format="auto": no candidate pays an input conversion in its timed call, and when
+    # an eager model wins, its format is the one the inputs should arrive in
+    _fake_clock(monkeypatch, {target: 1.0})
+    _plan_all_contiguous(monkeypatch)
+    seen: dict[str, set] = {}
+    real = guard.time_candidates
+
+    def spy(models, inputs, dtype, **kwargs):
+        own = kwargs.get("inputs_of") or {}
+        for name in models:
+            seen[name] = {memlayout.format_of(t) for t in own.get(name, inputs)}
+        return real(models, inputs, dtype, **kwargs)
+
+    monkeypatch.setattr(guard, "time_candidates", spy)
+    model, x = Branchy().eval(), _x()
+    opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2, input_format="auto")
+    g = opt.plan.guard
+    for name, label in guard.UNIFORM.items():
+        if name in seen:
+            assert seen[name] == {memlayout.Format.parse(api.FORMAT_NAMES[label])}
+    assert seen["planned"] == {memlayout.Format.CONTIGUOUS}  # the plan: all contiguous
+    if target in g["skipped"]:
+        assert g["kept"] == "planned"
+    else:
+        assert g["kept"] == target
+    assert opt.plan.input_format == fmt
+    assert [c.value for c in opt.plan.conversions if c.value == "x"] == []
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+
+
 class DictOut(torch.nn.Module):
     """Segmentation models return a dict of feature maps."""
 

@@ -349,6 +349,7 @@ def optimize(
     padding: Annotated[bool, typer.Option("--padding/--no-padding", help="Time convolutions with channels padded to the vector width and pad where faster; needs --measure. Default: on.")] = True,
     compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide (kept unless the plan measures >2% faster; cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
+    input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous, channels_last, or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example (contiguous).")] = None,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC (with
@@ -375,13 +376,13 @@ def optimize(
 
                 opt = plan_and_compile(spec.module, spec.example_input, dtype=dtype,
                                        measure=measure, cache=cache, progress=progress,
-                                       name=model, guard=guard,
+                                       name=model, guard=guard, input_format=input_format,
                                        plan_kwargs={"refresh": refresh})
             else:
                 opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
                                  cache=cache, progress=progress, name=model, guard=guard,
                                  memory_budget=memory_budget, padding=padding, train=train,
-                                 refresh=refresh)
+                                 refresh=refresh, input_format=input_format)
     except MemlayoutError as exc:
         _fail(exc)
     plan = opt.plan

@@ -8,13 +8,16 @@ modes that call is the compilation (reported as compile time, never mixed into t
 - ``nhwc``: eager, the PyTorch tutorial's recipe ``model.to(memory_format=channels_last)`` and
   ``x.contiguous(memory_format=channels_last)`` (``channels_last_3d`` for video), converted once
   outside the timed region.
-- ``planned``: ``memlayout.optimize(model, (x,), dtype=..., measure=...)`` on the NCHW model
-  (task ``train``: ``train=True``, planned and verified for a training step)
-  and input; planning time (cost measurements included, unless cached) is ``setup_s``.
+- ``planned``: ``memlayout.optimize(model, (x,), dtype=..., measure=..., input_format="auto")``
+  on the NCHW model (task ``train``: ``train=True``, planned and verified for a training step);
+  the plan chooses the format its input arrives in (its conversion costed like any other) and
+  the input is converted to it once outside the timed region, as ``nhwc``'s is: each eager
+  mode gets its input in its own format, none converts it per call. Planning time (cost
+  measurements included, unless cached) is ``setup_s``.
 - ``compile``: ``torch.compile`` (default mode; Inductor picks layouts) on the NCHW model.
 - ``planned+compile``: ``memlayout.compile`` (inference: the plan compiled so it stands,
   or Inductor's own layout unless the plan measures >2 % faster); training: ``torch.compile`` of the
-  planned model.
+  planned model. Both compiled modes get the NCHW input, as ``compile`` does.
 
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
 fp32, matmuls and convolutions run in bf16); the backward pass runs outside autocast as the
@@ -46,7 +49,13 @@ from torch import nn
 
 from memlayout.bench.config import ModeUnavailable
 from memlayout.layout import Format
-from memlayout.tensors import format_name, format_of, iter_tensors, torch_memory_format
+from memlayout.tensors import (
+    convert_batch,
+    format_name,
+    format_of,
+    iter_tensors,
+    torch_memory_format,
+)
 from memlayout.timing import device_sync
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -182,11 +191,17 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
     elif mode in ("planned", "planned+compile"):
         optimize = find_optimize()
         # task train: planned for a training step (forward + backward costs, gradients verified)
+        eager = mode == "planned"  # its input in the plan's format, like nhwc's (see above)
         model = optimize(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure,
-                         **({"train": True} if task == "train" else {}))
+                         **({"train": True} if task == "train" else {}),
+                         **({"input_format": "auto"} if eager else {}))
         model.train(task == "train")
         plan = getattr(model, "plan", None)
         note = plan.headline() if plan is not None else ""
+        if eager and plan is not None and plan.input_format is not None:
+            x = convert_batch(x, Format.parse(plan.input_format))
+            if plan.input_format == "channels_last":  # a video model's rank-5 input
+                x = convert_batch(x, Format.CHANNELS_LAST_3D)
     if mode == "compile" or (mode == "planned+compile" and task == "train"):
         model = torch.compile(model, backend=compile_backend)
         note = "; ".join(n for n in (note, f"torch.compile(backend={compile_backend!r}); "

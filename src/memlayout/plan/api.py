@@ -35,7 +35,7 @@ from memlayout.plan.capture import (
 )
 from memlayout.plan.costs import CostCache, device_name, measure_costs
 from memlayout.plan.drops import drop_notes, notes_of
-from memlayout.plan.problem import OUTPUT_PREFIX, baseline_labels, formulate
+from memlayout.plan.problem import AUTO, OUTPUT_PREFIX, baseline_labels, formulate
 from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan, conv1d_notes
 from memlayout.plan.rewrite import PlannedGraph, rewrite
 from memlayout.plan.solve import Problem, objective, solve_min_cut
@@ -84,7 +84,8 @@ class OptimizedModule(nn.Module):
 
     def __init__(self, module: nn.Module, plan: Plan, dtype: torch.dtype | None, *,
                  replan: _Replanner | None = None, max_plans: int = 8,
-                 signature: Signature | None = None) -> None:
+                 signature: Signature | None = None,
+                 ranks: tuple[int, ...] = (4, 5)) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
@@ -94,6 +95,7 @@ class OptimizedModule(nn.Module):
         self.__dict__["_replan"] = replan  # plain attributes, not children: one set of weights
         self.__dict__["_signature"] = signature
         self.__dict__["_shapes"] = OrderedDict()  # signature -> (module, plan), LRU order
+        self.__dict__["_ranks"] = tuple(ranks)  # the layout ranks planned (inputs converted)
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
 
@@ -107,22 +109,26 @@ class OptimizedModule(nn.Module):
         return held
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module_for(args, kwargs)
+        module, plan = self._module_for(args, kwargs)
+        if plan is not None and plan.input_format is not None:
+            # the format the plan's inputs arrive in: a no-op for inputs already in it
+            args = _inputs_in(args, FORMAT_NAMES.index(plan.input_format), self._ranks)
         with autocast_context(device_of(args, self.module), self.autocast_dtype):
             return module(*args, **kwargs)
 
-    def _module_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
+    def _module_for(self, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[nn.Module, Plan | None]:
         if self._replan is None or self._signature is None or _compiling():
             # under torch.compile the example's plan serves every shape (its conversions do
             # not depend on the shape; dynamo recompiles per shape): no planning traced (#6)
-            return self.module
+            return self.module, self.plan
         sig = shape_signature((args, kwargs))
         if sig == self._signature:
-            return self.module
+            return self.module, self.plan
         entry = self._shapes.get(sig)
         if entry is not None:
             self._shapes.move_to_end(sig)
-            return entry[0]
+            return entry
         try:
             module, plan = self._replan(self, args)
         except MemlayoutError as exc:
@@ -136,7 +142,7 @@ class OptimizedModule(nn.Module):
         self._shapes[sig] = (module, plan)
         while self._shapes and len(self._shapes) > max(0, self.max_plans - 1):
             self._shapes.popitem(last=False)
-        return module
+        return module, plan
 
     def train(self, mode: bool = True) -> OptimizedModule:
         super().train(mode)
@@ -224,7 +230,12 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
     - ``dtype``: plan and run under autocast (``"bf16"``, ``"fp16"``); ``None``/fp32: as is.
-    - ``input_format``: the format inputs arrive in (default: as the example is).
+    - ``input_format``: the format inputs arrive in (default: as the example is), or
+      ``"auto"``: the plan chooses it (for a pipeline that can deliver either, as
+      ``memlayout.data``'s loader can), with the inputs' conversion costed like any other;
+      ``plan.input_format`` says which, and the guard times each candidate with its inputs in
+      its own format. Whenever ``plan.input_format`` is set, rank-4/5 inputs are converted to
+      it on entry, which costs nothing when they already arrive in it.
     - ``output_format``: ``"keep"`` (as the original returns them), a format, or ``None``.
     - ``measure=False``: an analytical cost model instead of timing; ``cache``: ``True`` (the
       user cache, see ``memlayout.plan.costs.cache_path``), ``False``, or a database path;
@@ -276,18 +287,15 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     if not isinstance(max_plans, int) or max_plans < 1:
         raise PlanError(f"max_plans must be an int >= 1 (the example's plan is always held), "
                         f"got {max_plans!r}; 1 plans every other shape at each call")
-    input_label = _label(input_format, "input_format")
+    auto_input = isinstance(input_format, str) and input_format.strip().lower() == AUTO
+    input_label = None if auto_input else _label(input_format, "input_format")
     if output_format == "keep":
         output_label: int | str | None = "keep"
     else:
         output_label = _label(output_format, "output_format")
     inputs = _inputs(example_inputs)
     if input_label is not None:
-        from memlayout.tensors import to_format
-
-        inputs = tuple(to_format(x, _format(input_label, x.dim()))
-                       if isinstance(x, torch.Tensor) and x.dim() in layout_ranks() else x
-                       for x in inputs)
+        inputs = _inputs_in(inputs, input_label)
     try:
         work = copy.deepcopy(model).train(train)
     except Exception as exc:
@@ -310,8 +318,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             measured += table.measured
             cached += table.cached
             drop_notes(region.gm, region.inputs, table, dtype=run_dtype)  # into node.meta
+            root_input = AUTO if auto_input else input_label
             form = formulate(region.gm, table,
-                             input_label=input_label if region.path == "" else None,
+                             input_label=root_input if region.path == "" else None,
                              output_label=output_label if region.path == "" else "keep")
             if keep_weight_formats:
                 form = _pin_weight_formats(region.gm, form)
@@ -327,13 +336,24 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             predicted["all_contiguous"] += objective(relaxed, baseline_labels(form.seconds, 0)) or 0.0
             predicted["all_channels_last"] += objective(relaxed, baseline_labels(form.seconds, 1)) or 0.0
             solved.append((region, table, form, labels))
+        # input_format="auto": the format the solver gave the inputs (None: no root graph
+        # input in a definite format, they stay as the example is)
+        entry = _chosen_input(solved) if auto_input else input_label
+        if auto_input and entry is not None:
+            inputs = _inputs_in(inputs, entry)
         guard_result: dict[str, Any] = {}
         if guard and measure and any(len(s[3]) for s in solved):
             built, guard_result = _guarded_build(
                 work, solved, inputs, run_dtype, store=store, rounds=guard_rounds,
                 margin=guard_margin, progress=progress, output_label=output_label,
                 reference=captured.output, train=train,
-                extra=[input_label, output_label, *(["train"] if train else [])])
+                own_inputs=auto_input and entry is not None,
+                extra=[AUTO if auto_input else input_label, output_label,
+                       *(["train"] if train else [])])
+            kept_label = _guard_uniform_label(guard_result)
+            if auto_input and entry is not None and kept_label is not None:
+                entry = kept_label  # an eager model won: its inputs arrive in its format
+                inputs = _inputs_in(inputs, entry)
         else:
             built = _build(work, solved)
         planned_tree, checks, nodes, conversions = built
@@ -343,7 +363,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         budget = mem.budget_bytes(memory_budget)
         # records below are cached under the plan's signature: a second plan runs no forward
         signature = mem.plan_signature(solved, [guard_result.get("kept", "planned"),
-                                                input_label, output_label, train])
+                                                AUTO if auto_input else input_label,
+                                                output_label, train])
         padded: list[dict[str, Any]] = []
         # training: a padded convolution's weights are copies made here, they would not train
         if padding and measure and not train:
@@ -358,7 +379,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
                 kept=guard_result.get("kept", "planned"), predicted=predicted,
                 build=lambda s: _build(work, s),
                 build_uniform=lambda label: _build_uniform(
-                    work, solved, inputs, label, _output_label(captured.output, output_label)),
+                    work, solved, inputs, label, _output_label(captured.output, output_label),
+                    arrive=entry if auto_input else None),
                 cache=store, signature=signature)
         blocked_record: dict[str, Any] = {}
         if blocked and measure:
@@ -378,7 +400,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             model=name or type(model).__name__, device=device_name(device),
             torch_version=torch.__version__,
             dtype=None if run_dtype is None else str(run_dtype).removeprefix("torch."),
-            input_format=None if input_label is None else FORMAT_NAMES[input_label],
+            input_format=None if entry is None else FORMAT_NAMES[entry],
             output_format=output_label if output_label in (None, "keep") else FORMAT_NAMES[output_label],  # type: ignore[index]
             nodes=nodes, conversions=conversions, predicted=predicted,
             regions=[r.path for r in captured.regions],
@@ -390,6 +412,12 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
             weight_formats_kept=keep_weight_formats,
         )
         plan.notes.extend(conv1d_notes(plan.nodes))  # #6: rank 3, planned or why not
+        if auto_input:
+            plan.notes.append(
+                f"input_format='auto': inputs should arrive {FORMAT_NAMES[entry]} (converted "
+                "on entry otherwise)" if entry is not None else
+                "input_format='auto': no input in a definite format at the top level; inputs "
+                "are taken as they come")
     finally:
         if store is not None:
             store.close()
@@ -400,7 +428,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         dtype=dtype, input_format=input_format, output_format=output_format, measure=measure,
         cache=cache, rounds=rounds, name=name or type(model).__name__))
     optimized = OptimizedModule(planned_tree, plan, run_dtype, replan=replan,
-                                max_plans=max_plans, signature=shape_signature(inputs))
+                                max_plans=max_plans, signature=shape_signature(inputs),
+                                ranks=layout_ranks())
     return optimized.train(train)
 
 
@@ -537,14 +566,18 @@ def _build(work: nn.Module, solved: list) -> tuple[nn.Module, list, list[NodeCho
 def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
                    dtype: torch.dtype | None, *, store: CostCache | None, rounds: int,
                    margin: float, progress: Progress | None, output_label: int | str | None,
-                   reference: Any, extra: Any, train: bool = False) -> tuple[tuple, dict[str, Any]]:
+                   reference: Any, extra: Any, train: bool = False,
+                   own_inputs: bool = False) -> tuple[tuple, dict[str, Any]]:
     """Build the min-cut plan; time it as a whole model against the original run entirely
     in one format (eager NCHW, eager NHWC: weights and inputs converted, outputs as
     ``output_label`` says), skipping a format the plan already is end to end (or read that
     measurement from the cache); return the kept one's build and the guard's record
-    (``memlayout.plan.guard``)."""
+    (``memlayout.plan.guard``). ``own_inputs`` (``input_format="auto"``): each candidate is
+    timed with its inputs already in its format (the plan's: as ``inputs`` are), none of
+    them converts on entry."""
     from memlayout.plan import guard as g
 
+    arrive = (lambda label: label) if own_inputs else (lambda label: None)
     planned = _build(work, solved)
     skipped = [name for name, label in g.UNIFORM.items() if _is_uniform(solved, planned, label)]
     names = [name for name in g.UNIFORM if name not in skipped]
@@ -554,7 +587,8 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
         # The plan runs the model in one format end to end: run it exactly as that eager model
         # (no graph module in between), so it is what it is compared with, not a copy of it.
         eager = _build_uniform(work, solved, inputs, g.UNIFORM[skipped[0]],
-                               _output_label(reference, output_label))
+                               _output_label(reference, output_label),
+                               arrive=arrive(g.UNIFORM[skipped[0]]))
         planned = (eager[0], [], planned[2], planned[3])
     if not names:
         return planned, {"kept": g.PLANNED, "margin": margin, "source": "none", "rounds": 0,
@@ -564,7 +598,8 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
         if name == g.PLANNED:
             return planned
         return _build_uniform(work, solved, inputs, g.UNIFORM[name],
-                              _output_label(reference, output_label))
+                              _output_label(reference, output_label),
+                              arrive=arrive(g.UNIFORM[name]))
 
     device = device_of(inputs, work)
     key = g.cache_key(device_name(device), dtype, g.signature(
@@ -585,14 +620,45 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
             progress(steps[0], total, f"whole model, {name}")
 
     start = time.perf_counter()
+    inputs_of = {name: _inputs_in(inputs, g.UNIFORM[name]) for name in names} \
+        if own_inputs else None
     record = g.time_candidates({name: b[0] for name, b in builds.items()}, inputs, dtype,
-                               rounds=rounds, on_step=on_step, train=train, margin=margin)
+                               rounds=rounds, on_step=on_step, train=train, margin=margin,
+                               inputs_of=inputs_of)
     if store is not None and not record["errors"]:
         store.put(key, record)
     kept = g.decide(record, margin=margin)
     described = g.describe(record, kept=kept, margin=margin, source="measured", skipped=skipped)
     described["seconds"] = time.perf_counter() - start
     return builds[kept], described
+
+
+def _guard_uniform_label(record: dict[str, Any]) -> int | None:
+    """The label of the eager model the guard kept (``None``: it kept the plan)."""
+    from memlayout.plan.guard import UNIFORM
+
+    return UNIFORM.get(record.get("kept", ""))
+
+
+def _chosen_input(solved: list) -> int | None:
+    """The label the solver gave the top-level graph's inputs (``input_format="auto"``: all
+    tied to one), ``None`` when none is a variable (no top-level graph, no input in a
+    definite format)."""
+    for region, _, form, labels in solved:
+        if region.path == "":
+            for n in region.gm.graph.nodes:
+                if n.op == "placeholder" and n.name in form.seconds.unary:
+                    return labels[n.name]
+    return None
+
+
+def _inputs_in(inputs: tuple[Any, ...], label: int,
+               ranks: tuple[int, ...] | None = None) -> tuple[Any, ...]:
+    """``inputs`` with every tensor of a layout rank (``ranks``, default the planning's) in
+    ``label``'s format; the same tensor when it already is."""
+    from memlayout.plan.costs import convert_value
+
+    return convert_value(tuple(inputs), label, ranks)
 
 
 def _is_uniform(solved: list, planned: tuple, label: int) -> bool:
@@ -635,10 +701,11 @@ def _outputs_to(module: nn.Module, args: tuple[Any, ...], output: Any, *, label:
 
 
 def _build_uniform(work: nn.Module, solved: list, inputs: tuple[Any, ...], label: int,
-                   output_label: int | str | None) -> tuple:
+                   output_label: int | str | None, *, arrive: int | None = None) -> tuple:
     """The original model run entirely in ``label``, as eager NCHW / NHWC: a copy with its
     weights converted, inputs converted on entry (outputs to ``output_label``) by hooks,
-    so ``state_dict`` keys stay the original's."""
+    so ``state_dict`` keys stay the original's. ``arrive``: the label inputs arrive in
+    (``None``: as captured), for the conversions listed."""
     import functools
 
     from memlayout.plan.costs import convert_module_to
@@ -656,7 +723,9 @@ def _build_uniform(work: nn.Module, solved: list, inputs: tuple[Any, ...], label
         region, table = solved[0][0], solved[0][1]
         for n in region.gm.graph.nodes:
             meta = n.meta.get("memlayout")
-            if n.op == "placeholder" and meta is not None and meta.label == 1 - label:
+            if n.op != "placeholder" or meta is None or meta.label not in (0, 1):
+                continue
+            if (meta.label if arrive is None else arrive) == 1 - label:
                 cost = table.conversions.get(n.name)
                 conversions.append(Conversion(
                     "", n.name, fmt, [list(t.shape) for t in meta.layout_tensors], meta.nbytes,

@@ -84,23 +84,26 @@ def cache_key(device: str, dtype: torch.dtype | None, graph_signature: str) -> s
 def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
                     dtype: torch.dtype | None, *, rounds: int,
                     on_step: Callable[[int, str], None] | None = None,
-                    train: bool = False, margin: float | None = None) -> dict[str, Any]:
+                    train: bool = False, margin: float | None = None,
+                    inputs_of: Mapping[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
     """Time whole models (``models[PLANNED]`` and the others) interleaved, as they will run
     (no grad, autocast for ``dtype``; ``train``: a training step's forward and backward, the
     loss ``sum(0.5 * mean(y ** 2))`` over the floating outputs, backward outside autocast,
     gradients into ``.grad`` as an optimizer reads them; the caller restores buffers).
     With ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more.
+    ``inputs_of``: a candidate's own inputs (e.g. in its format), instead of ``inputs``.
     Returns ``{"ratios": {name: per-round planned / candidate time}, "rounds": n,
     "errors": {name: message}, "extended": bool}``."""
     device = device_of(inputs, models[PLANNED])
 
-    def runner(module: nn.Module) -> Callable[[], Any]:
+    def runner(module: nn.Module, xs: tuple[Any, ...]) -> Callable[[], Any]:
         def run() -> Any:
             with torch.no_grad(), autocast_context(device, dtype):
-                return module(*inputs)
-        return train_step(module, inputs, dtype) if train else run
+                return module(*xs)
+        return train_step(module, xs, dtype) if train else run
 
-    fns = {name: runner(m) for name, m in models.items()}
+    own = inputs_of or {}
+    fns = {name: runner(m, own.get(name, inputs)) for name, m in models.items()}
     sync = device_sync(str(device))
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
     # sample lasts ~20 ms (one call is mostly timer noise). When one call is long enough the

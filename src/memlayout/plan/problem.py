@@ -34,9 +34,15 @@ class Formulation:
     unit: float = 1.0
 
 
-def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | None,
+#: ``input_label`` meaning "the plan chooses the format inputs arrive in"
+AUTO = "auto"
+
+
+def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | None,
               output_label: int | str | None) -> Formulation:
-    """``input_label``: the format graph inputs arrive in (``None``: as captured).
+    """``input_label``: the format graph inputs arrive in (``None``: as captured; ``AUTO``:
+    chosen, each input in a definite format a variable at no cost of its own, all of them
+    tied to one format).
     ``output_label``: ``"keep"`` (as the original returns them), 0/1, or ``None`` (free)."""
     unary: dict[str, tuple[float, float]] = {}
     pins: dict[str, int] = {}
@@ -78,15 +84,22 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | None,
             if cost.out[pin] in (0, 1):
                 producers[n.name] = cost.out[pin]  # type: ignore[assignment]
     # values in a definite format that no layout node decides: inputs, rank-2 -> rank-4 views
+    free_inputs: list[str] = []
     for n in gm.graph.nodes:
         meta: ValueMeta | None = n.meta.get(META_KEY)
         if n.name in table.nodes or n.op in ("get_attr", "output") or meta is None:
             continue
         if meta.label in (0, 1):
+            if n.op == "placeholder" and input_label == AUTO:
+                unary[n.name] = (0.0, 0.0)
+                producers[n.name] = n.name
+                free_inputs.append(n.name)
+                continue
             label = meta.label
             if n.op == "placeholder" and input_label is not None:
                 label = input_label
-            producers[n.name] = label
+            producers[n.name] = label  # type: ignore[assignment]
+    ties.extend((free_inputs[0], other) for other in free_inputs[1:])
     # ties: one module (its weights) or one parameter serves every node that uses it
     by_owner: dict[str, list[str]] = {}
     for n in gm.graph.nodes:

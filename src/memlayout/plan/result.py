@@ -174,6 +174,8 @@ class Plan:
         line = (f"plan: {counts.get('channels_last', 0)}/{len(self.nodes)} layout nodes "
                 f"channels_last, {len(self.conversions)} conversions "
                 f"({self.conversion_bytes / 1e6:.1f} MB)")
+        if self.input_format is not None:
+            line += f", input {self.input_format}"
         g = self.guard
         if g.get("candidates"):
             ratios = ", ".join(f"planned/{name} {c['median']:.3f}"
