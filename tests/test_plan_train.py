@@ -270,11 +270,60 @@ class _DropoutHead(nn.Module):
         return self.head(self.drop(y)).mean((2, 3))
 
 
+class _FunctionalDropout(nn.Module):
+    """Dropout called as a function inside forward, on a 4-D activation: no module to find."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.head = nn.Conv2d(16, 10, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.dropout(torch.relu(self.conv(x)), 0.5, self.training)
+        return self.head(torch.dropout(y, 0.2, self.training)).mean((2, 3))
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5])
+def test_verified_dropout_draws_its_mask_in_logical_order(p) -> None:
+    from memlayout.plan.verify import _layout_free_dropout
+
+    x = torch.randn(4, 8, 6, 6) + 3  # no zeros of its own
+    cl = x.contiguous(memory_format=torch.channels_last)
+    for drop in (lambda t: nn.functional.dropout(t, p, True), lambda t: torch.dropout(t, p, True),
+                 nn.Dropout(p), lambda t: nn.functional.dropout(t.clone(), p, True, True)):
+        with _layout_free_dropout():
+            torch.manual_seed(3)
+            a = drop(x)
+            torch.manual_seed(3)
+            b = drop(cl)
+        assert torch.equal(a, b) and b.is_contiguous(memory_format=torch.channels_last)
+        kept = a != 0
+        torch.testing.assert_close(a, x * kept / (1 - p))  # dropout's definition
+        assert abs(1 - kept.float().mean().item() - p) < 0.06  # 1152 draws
+    # alpha dropout keeps a SELU network's activations at mean 0, variance 1 (as torch's does)
+    big = torch.randn(400_000)
+    with _layout_free_dropout():
+        y = nn.functional.alpha_dropout(big, p, True)
+    ref = nn.functional.alpha_dropout(big, p, True)
+    assert abs(y.mean().item() - ref.mean().item()) < 0.02
+    assert abs(y.std().item() - ref.std().item()) < 0.02
+    dropped = y.unique(return_counts=True)[1].max().item() / y.numel()  # all one value
+    assert dropped == pytest.approx(p, abs=0.01)
+
+
+def test_a_functional_dropout_model_plans_and_verifies_for_training(db) -> None:
+    model = _FunctionalDropout().train()
+    # the original runs NCHW, the plan channels-last (analytic costs): the masks must agree
+    opt = optimize(model, torch.randn(4, 3, 12, 12), train=True, measure=False, cache=db)
+    assert opt.plan.verification["ok"]
+    assert {n.format for n in opt.plan.nodes if n.op == "Conv2d"} == {"channels_last"}
+
+
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_dropout_on_channels_last_and_ambiguous_1x1_weights_verify(db, dtype) -> None:
     # Dropout draws its mask in memory order: on a channels-last activation the same seed drops
     # other elements than on NCHW (a real difference of the step, not of the layout), so the
-    # step is verified with Dropout off; the module's own mode is untouched.
+    # verified step draws masks in logical order; the module's own mode is untouched.
     model = _DropoutHead().train()
     x = torch.randn(4, 3, 12, 12)
     opt = optimize(model, x, train=True, measure=False, cache=db, dtype=dtype)

@@ -254,8 +254,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       (a conversion in the forward brings one of its gradient in the backward: both count),
       the guard times forward + backward, and verification compares one training step
       (outputs, every parameter's and input's gradient, BatchNorm's running statistics after
-      it; same RNG state for both, ``nn.Dropout`` off for that step: its mask follows memory
-      order) with the original's.
+      it; same RNG state for both, element-wise dropout masks drawn in logical order, as
+      PyTorch's follow memory order) with the original's.
       The returned module is in train mode; its parameters are ``nn.Parameter``s any
       optimizer takes (build it from ``optimized.parameters()``), and their gradients come
       back in their strides (what DDP's gradient buckets expect).

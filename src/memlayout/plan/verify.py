@@ -14,9 +14,8 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +115,7 @@ def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...
 # ---------------------------------------------------------------- training
 
 
-SEED = 0  # the RNG state both models start a verified step from (Dropout is off: _masks_off)
+SEED = 0  # the RNG state both models start a verified step from (masks: _layout_free_dropout)
 
 
 def training_loss(out: Any) -> torch.Tensor:
@@ -156,7 +155,8 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
     before, the caller's RNG untouched). ``graph``/``upto``: run ``graph`` over ``module``
     only up to node ``upto`` and differentiate its value. ``accumulate``: gradients through
     ``.backward()`` into ``.grad`` (so their strides are what an optimizer and DDP see),
-    else ``torch.autograd.grad``. Dropout modules run as in eval mode (``_masks_off``)."""
+    else ``torch.autograd.grad``. Dropout draws its masks in logical order, whatever the
+    activation's layout (``_layout_free_dropout``)."""
     device = device_of(inputs, module)
     params = dict(module.named_parameters())
     names = [k for k, p in params.items() if p.requires_grad] if names is None else names
@@ -164,7 +164,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
     xs = tuple(x.detach().clone().requires_grad_(x.is_floating_point())
                if isinstance(x, torch.Tensor) else x for x in inputs)
     leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-    with kept_state(module, list(params.values())), _masks_off(module):
+    with kept_state(module, list(params.values())), _layout_free_dropout():
         with torch.random.fork_rng(devices=_cuda_devices(device)):
             torch.manual_seed(SEED)
             with torch.enable_grad(), autocast_context(device, dtype):
@@ -196,21 +196,57 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
     return Step(_detach(out), grads, got[len(wrt):], buffers, strides)
 
 
-@contextlib.contextmanager
-def _masks_off(module: nn.Module) -> Iterator[None]:
-    """Dropout modules (``nn.Dropout`` and kin) in eval mode for the duration, then as they
-    were. Their masks are drawn in memory order, so under the same seed a channels-last
-    activation is dropped at other (equally random) places than the NCHW original's
-    (squeezenet1_0's classifier: relative error 0.8); the step is compared without them."""
-    drops = [m for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)
-             and m.training]
-    for m in drops:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m in drops:
-            m.training = True
+#: ``alpha_dropout``'s SELU constant (ATen's Dropout.cpp)
+_SELU_ALPHA = 1.7580993408473766
+
+
+class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
+    """Element-wise dropout (``F.dropout``, ``nn.Dropout``, ``torch.dropout``, alpha dropout;
+    functional or module) with its mask drawn in logical (NCHW) order, laid out like the
+    activation: the same seed drops the same elements in every layout. PyTorch's own kernels
+    draw in memory order, so on a channels-last activation the same seed drops other
+    (equally random) elements than on the NCHW original (squeezenet1_0's classifier: relative
+    error 0.8). The channel-wise kinds (``dropout2d``, feature alpha dropout) draw an
+    (N, C, 1, ...) mask, the same in every layout: they run as they are."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        spec = _DROPOUTS.get(func)
+        if spec is None:
+            return func(*args, **(kwargs or {}))
+        names, alpha, inplace = spec
+        bound = dict(zip(names, args, strict=False)) | dict(kwargs or {})
+        x, p = bound["input"], float(bound.get("p", 0.5))
+        training = bound.get("training", bound.get("train", True))
+        inplace = bool(bound.get("inplace", inplace))
+        if not training or not 0 < p < 1:  # nothing drawn, or everything dropped
+            return func(*args, **(kwargs or {}))
+        keep = torch.empty_like(x, dtype=torch.bool).copy_(
+            torch.rand(x.shape, device=x.device) >= p)
+        if alpha:
+            a = 1.0 / ((_SELU_ALPHA ** 2 * p + 1) * (1 - p)) ** 0.5
+            scale = keep.to(x.dtype) * a
+            shift = (keep.to(x.dtype) - 1) * (_SELU_ALPHA * a) + _SELU_ALPHA * a * p
+            return x.mul_(scale).add_(shift) if inplace else x * scale + shift
+        scale = keep.to(x.dtype) / (1 - p)
+        return x.mul_(scale) if inplace else x * scale
+
+
+F = torch.nn.functional
+#: element-wise dropouts: (argument names, alpha dropout, in place)
+_DROPOUTS: dict[Any, tuple[tuple[str, ...], bool, bool]] = {
+    F.dropout: (("input", "p", "training", "inplace"), False, False),
+    F.alpha_dropout: (("input", "p", "training", "inplace"), True, False),
+    torch.dropout: (("input", "p", "train"), False, False),
+    torch.dropout_: (("input", "p", "train"), False, True),
+    torch.alpha_dropout: (("input", "p", "train"), True, False),
+    torch.alpha_dropout_: (("input", "p", "train"), True, True),
+}
+
+
+def _layout_free_dropout() -> _LayoutFreeDropout:
+    """The context a verified training step runs in (``_LayoutFreeDropout``)."""
+    return _LayoutFreeDropout()
 
 
 def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
