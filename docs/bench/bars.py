@@ -11,11 +11,29 @@ interleaved round (> 1: the second-named mode is faster):
 - #6, planned+compile vs compile, inference: bar >= 0.98 on every model, geomean > 1.
 
 A case whose planned (or planned+compile) record is missing or failed is listed as such.
+Where the planned model *is* an eager one (the guard kept it, or the plan runs every layout
+node in one format with no conversion), column "plan is" says which: there the ratio compares
+a model with itself and shows the machine's round-to-round noise, not the planner.
 """
 
 import json
+import re
 import statistics
 import sys
+
+_HEADLINE = re.compile(r"plan: (\d+)/(\d+) layout nodes channels_last, (\d+) conversions")
+
+
+def plan_is(note: str) -> str:
+    """"nhwc" / "nchw" when the planned record's headline shows an eager model, else ""."""
+    for kept, mode in (("all_channels_last", "nhwc"), ("all_contiguous", "nchw")):
+        if f"guard kept {kept}" in note or f"the plan is {kept}" in note:
+            return mode
+    m = _HEADLINE.search(note)
+    if m and m.group(3) == "0":
+        cl, total = int(m.group(1)), int(m.group(2))
+        return "nhwc" if cl == total else "nchw" if cl == 0 else ""
+    return ""
 
 
 def ratio(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float, float]:
@@ -28,22 +46,28 @@ def main(path: str) -> None:
     with open(path) as fh:
         rows = json.load(fh)
     cases: dict[tuple[str, str, str], dict[str, list[float]]] = {}
+    notes: dict[tuple[str, str, str], str] = {}
     for r in rows:
-        case = cases.setdefault((r["model"].split(":")[-1], r["dtype"], r["task"]), {})
+        key = (r["model"].split(":")[-1], r["dtype"], r["task"])
+        case = cases.setdefault(key, {})
         if r["status"] == "ok" and r["round_times_s"]:
             case[r["mode"]] = r["round_times_s"]
+            if r["mode"] == "planned":
+                notes[key] = r.get("note", "")
     below: list[str] = []
     compiled: list[float] = []
-    print(f"{'model':20s} {'dtype':5s} {'task':5s} {'faster eager':12s} "
+    planned: dict[str, list[float]] = {}
+    print(f"{'model':20s} {'dtype':5s} {'task':5s} {'faster eager':12s} {'plan is':7s} "
           f"{'planned vs it':22s} {'planned+compile vs compile':26s}")
     for (model, dtype, task), t in cases.items():
         if not {"nchw", "nhwc"} <= t.keys():
             print(f"{model:20s} {dtype:5s} {task:5s} eager modes missing")
             continue
         fast = min(("nchw", "nhwc"), key=lambda m: statistics.median(t[m]))
-        cells = [f"{fast:12s}"]
+        cells = [f"{fast:12s}", f"{plan_is(notes.get((model, dtype, task), '')):7s}"]
         if "planned" in t:
             m, lo, hi = ratio(t, fast, "planned")
+            planned.setdefault(task, []).append(m)
             cells.append(f"{m:.3f} ({lo:.2f}-{hi:.2f})" + (" BELOW" if m < 0.98 else "      "))
             if m < 0.98:
                 below.append(f"{model} {dtype} {task} planned vs {fast} {m:.3f}")
@@ -61,6 +85,10 @@ def main(path: str) -> None:
             if m < 0.98:
                 below.append(f"{model} {dtype} infer planned+compile vs compile {m:.3f}")
         print(f"{model:20s} {dtype:5s} {task:5s} " + " ".join(cells))
+    for task, ms in planned.items():
+        print(f"planned vs the faster eager mode, {task}: geomean "
+              f"{statistics.geometric_mean(ms):.3f} over {len(ms)} cases, "
+              f"{sum(m >= 0.98 for m in ms)} at or above 0.98")
     if compiled:
         print(f"planned+compile vs compile, inference: geomean {statistics.geometric_mean(compiled):.3f}"
               f" over {len(compiled)} cases")
