@@ -526,3 +526,26 @@ def test_a_run_killed_mid_way_keeps_every_finished_case(tmp_path):
     assert {(r["model"].split(":")[-1], r["mode"], r["status"]) for r in rows} == {
         ("tiny", "nchw", "ok"), ("tiny", "nhwc", "ok")}
     assert not list(out.glob(".*.tmp"))
+
+
+def test_the_control_mode_is_a_second_nhwc_copy_and_not_a_default(tmp_path):
+    from memlayout.bench import CONTROL, DEFAULT_MODES
+
+    assert CONTROL not in DEFAULT_MODES and CONTROL not in BenchConfig(models=("m",)).modes
+    path = _models_file(tmp_path)
+    cfg = BenchConfig.from_strings([f"{path}:tiny"], modes=f"nchw,nhwc,{CONTROL}", batch=2,
+                                   image_size=8, rounds=3, gemm_size=32)
+    nchw, nhwc, again = run_bench(cfg).records
+    assert again.mode == CONTROL and again.status == "ok" and again.rounds == 3
+    assert again.input_format == nhwc.input_format == "channels_last"
+    # its own copy: training one does not touch the other's weights
+    from memlayout.bench.modes import prepare_mode
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    a, b = (prepare_mode(m, model, torch.randn(2, 3, 8, 8), dtype="fp32", task="train")
+            for m in ("nhwc", CONTROL))
+    a.step()
+    assert all(p.is_contiguous(memory_format=torch.channels_last)
+               for p in b.module.parameters() if p.dim() == 4)
+    assert not any(torch.equal(p, q) for p, q in zip(a.module.parameters(),
+                                                     b.module.parameters(), strict=True))

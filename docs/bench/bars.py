@@ -13,7 +13,9 @@ interleaved round (> 1: the second-named mode is faster):
 A case whose planned (or planned+compile) record is missing or failed is listed as such.
 Where the planned model *is* an eager one (the guard kept it, or the plan runs every layout
 node in one format with no conversion), column "plan is" says which: there the ratio compares
-a model with itself and shows the machine's round-to-round noise, not the planner.
+a model with itself and shows the machine's round-to-round noise, not the planner. A run
+with the `nhwc-again` control mode (a second copy of eager NHWC) prints that noise directly:
+column "A/A" is nhwc vs its copy, which is 1 up to noise.
 """
 
 import json
@@ -57,8 +59,9 @@ def main(path: str) -> None:
     below: list[str] = []
     compiled: list[float] = []
     planned: dict[str, list[float]] = {}
+    control: list[float] = []
     print(f"{'model':20s} {'dtype':5s} {'task':5s} {'faster eager':12s} {'plan is':7s} "
-          f"{'planned vs it':22s} {'planned+compile vs compile':26s}")
+          f"{'planned vs it':22s} {'planned+compile vs compile':26s} A/A")
     for (model, dtype, task), t in cases.items():
         if not {"nchw", "nhwc"} <= t.keys():
             print(f"{model:20s} {dtype:5s} {task:5s} eager modes missing")
@@ -84,11 +87,20 @@ def main(path: str) -> None:
             cells.append(f"{m:.3f} ({lo:.2f}-{hi:.2f})" + (" BELOW" if m < 0.98 else ""))
             if m < 0.98:
                 below.append(f"{model} {dtype} infer planned+compile vs compile {m:.3f}")
+        if {"nhwc", "nhwc-again"} <= t.keys():
+            m, lo, hi = ratio(t, "nhwc", "nhwc-again")
+            control.append(m)
+            cells.append(f"{'':26s} {m:.3f} ({lo:.2f}-{hi:.2f})" if len(cells) == 3 else
+                         f"{m:.3f} ({lo:.2f}-{hi:.2f})")
         print(f"{model:20s} {dtype:5s} {task:5s} " + " ".join(cells))
     for task, ms in planned.items():
         print(f"planned vs the faster eager mode, {task}: geomean "
               f"{statistics.geometric_mean(ms):.3f} over {len(ms)} cases, "
               f"{sum(m >= 0.98 for m in ms)} at or above 0.98")
+    if control:
+        print(f"A/A control, nhwc vs a second copy of it: medians {min(control):.3f}-"
+              f"{max(control):.3f} over {len(control)} cases, "
+              f"{sum(m < 0.98 for m in control)} below 0.98")
     if compiled:
         print(f"planned+compile vs compile, inference: geomean {statistics.geometric_mean(compiled):.3f}"
               f" over {len(compiled)} cases")

@@ -207,7 +207,7 @@ def bench_data(
 def bench(
     models: Annotated[list[str] | None, typer.Argument(metavar="[MODEL_SPEC]...", help="Model specs: torchvision:NAME, timm:NAME or file.py:factory. Default: none (use --zoo).")] = None,
     zoo: Annotated[str | None, typer.Option(help="Add a model zoo: quick (3 small models at 64 px), classification (17 torchvision families) or all (+ segmentation, video, timm if installed). Default: none.")] = None,
-    modes: Annotated[str, typer.Option(help="Comma-separated modes, nchw (the baseline) required: nchw, nhwc, planned, compile, planned+compile. Default: all five.")] = "nchw,nhwc,planned,compile,planned+compile",
+    modes: Annotated[str, typer.Option(help="Comma-separated modes, nchw (the baseline) required: nchw, nhwc, planned, compile, planned+compile; and nhwc-again, a second copy of nhwc whose ratio to it is the run's noise floor (an A/A control). Default: the first five.")] = "nchw,nhwc,planned,compile,planned+compile",
     dtype: Annotated[str, typer.Option(help="Comma-separated dtypes: fp32, bf16 (torch.autocast). Default: fp32.")] = "fp32",
     task: Annotated[str, typer.Option(help="Comma-separated tasks: infer (no grad), train (forward + backward + SGD step). Default: infer.")] = "infer",
     batch: Annotated[int, typer.Option(help="Batch size; halved and retried on out of memory. Default: 8.")] = 8,

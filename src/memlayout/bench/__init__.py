@@ -12,6 +12,8 @@ from pathlib import Path
 
 from memlayout.bench.config import (
     BASELINE,
+    CONTROL,
+    DEFAULT_MODES,
     DTYPES,
     MODES,
     TASKS,
@@ -82,6 +84,8 @@ __all__ = [
     "BASELINE",
     "DTYPES",
     "FLAT_FIELDS",
+    "CONTROL",
+    "DEFAULT_MODES",
     "MODES",
     "TASKS",
     "RESUME_FIELDS",

@@ -18,7 +18,12 @@ from memlayout.errors import MemlayoutError
 
 #: eager NCHW is the baseline every ratio is taken against
 BASELINE = "nchw"
-MODES: tuple[str, ...] = ("nchw", "nhwc", "planned", "compile", "planned+compile")
+#: an A/A control: a second, independent copy of ``nhwc`` timed in the same rounds. Its ratio
+#: to ``nhwc`` should be 1; its spread is the noise floor of every comparison of the run
+#: (a planned model that *is* eager NHWC can only be judged against it). Not in the default.
+CONTROL = "nhwc-again"
+DEFAULT_MODES: tuple[str, ...] = ("nchw", "nhwc", "planned", "compile", "planned+compile")
+MODES: tuple[str, ...] = (*DEFAULT_MODES, CONTROL)
 DTYPES: tuple[str, ...] = ("fp32", "bf16")
 TASKS: tuple[str, ...] = ("infer", "train")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
@@ -40,7 +45,7 @@ class BenchConfig:
     """One benchmark run: every model x dtype x task, all ``modes`` interleaved per round."""
 
     models: tuple[str, ...]
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     dtypes: tuple[str, ...] = ("fp32",)
     tasks: tuple[str, ...] = ("infer",)
     batch: int = 8
@@ -85,7 +90,7 @@ class BenchConfig:
                 raise BenchConfigError(f"--{name} must be >= 1 when given, got {value}")
 
     @classmethod
-    def from_strings(cls, models: Sequence[str], *, modes: str = ",".join(MODES),
+    def from_strings(cls, models: Sequence[str], *, modes: str = ",".join(DEFAULT_MODES),
                      dtypes: str = "fp32", tasks: str = "infer", **kwargs: object) -> BenchConfig:
         """Build a config from the CLI's comma-separated lists (``"nchw,nhwc"``)."""
         return cls(models=tuple(models), modes=_split(modes, MODES, "mode", "--modes"),

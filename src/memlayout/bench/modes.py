@@ -8,6 +8,7 @@ modes that call is the compilation (reported as compile time, never mixed into t
 - ``nhwc``: eager, the PyTorch tutorial's recipe ``model.to(memory_format=channels_last)`` and
   ``x.contiguous(memory_format=channels_last)`` (``channels_last_3d`` for video), converted once
   outside the timed region.
+- ``nhwc-again``: a second copy prepared exactly as ``nhwc``, an A/A control (``CONTROL``).
 - ``planned``: ``memlayout.optimize(model, (x,), dtype=..., measure=..., input_format="auto")``
   on the NCHW model (task ``train``: ``train=True``, planned and verified for a training step);
   the plan chooses the format its input arrives in (its conversion costed like any other) and
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlayout.bench.config import ModeUnavailable
+from memlayout.bench.config import CONTROL, ModeUnavailable
 from memlayout.layout import Format
 from memlayout.tensors import (
     convert_batch,
@@ -174,7 +175,7 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
     model.train(task == "train")
     x = x.to(device)
     note = ""
-    if mode == "nhwc":
+    if mode in ("nhwc", CONTROL):
         memory_format = torch_memory_format(fmt)
         model = model.to(memory_format=memory_format)
         x = x.contiguous(memory_format=memory_format)
