@@ -533,9 +533,13 @@ def test_the_control_mode_is_a_second_nhwc_copy_and_not_a_default(tmp_path):
 
     assert CONTROL not in DEFAULT_MODES and CONTROL not in BenchConfig(models=("m",)).modes
     path = _models_file(tmp_path)
-    cfg = BenchConfig.from_strings([f"{path}:tiny"], modes=f"nchw,nhwc,{CONTROL}", batch=2,
-                                   image_size=8, rounds=3, gemm_size=32)
-    nchw, nhwc, again = run_bench(cfg).records
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", f"{path}:tiny", "--modes", f"nchw,nhwc,{CONTROL}",
+                                      "--batch", "2", "--image-size", "8", "--rounds", "3",
+                                      "--gemm-size", "32", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "A/A control" in result.output
+    nchw, nhwc, again = read_json(out / "results.json")
     assert again.mode == CONTROL and again.status == "ok" and again.rounds == 3
     assert again.input_format == nhwc.input_format == "channels_last"
     # its own copy: training one does not touch the other's weights

@@ -274,7 +274,8 @@ def bench(
             command += [flag, str(value)]
     command += ["--steady-heap"] if steady_heap else []
     layouts = {"nchw": "eager, contiguous (NCHW) model and input", "nhwc": "eager, model.to(memory_format=channels_last) + channels-last input (channels_last_3d for video)",
-               "planned": f"memlayout.optimize(model, (x,), dtype=..., measure={plan_costs == 'measured'})", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
+               "nhwc-again": "a second copy of nhwc, prepared and timed like it: an A/A control, its ratio to nhwc is the run's noise",
+               "planned": f"memlayout.optimize(model, (x,), dtype=..., measure={plan_costs == 'measured'}, input_format='auto'); input in the plan's format", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
                "planned+compile": "memlayout.compile (inference): the plan compiled with Inductor's layout optimization off, or Inductor's own layout unless the plan measures >2% faster; train: torch.compile of the planned model"}
     console.print(f"[bold]memlayout bench[/bold]: {len(cfg.models)} models x {','.join(cfg.dtypes)} x {','.join(cfg.tasks)}, "
                   f"batch {cfg.batch}, {cfg.rounds} interleaved rounds, device {cfg.device}, threads {threads or 'default'}")
