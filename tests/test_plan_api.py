@@ -197,6 +197,21 @@ def test_auto_input_format_is_the_better_of_the_two_pinned_ones(db, model_cls) -
     assert seen == [Format.parse(auto.plan.input_format)]
 
 
+def test_inputs_already_in_the_plans_format_pass_untouched() -> None:
+    from memlayout.plan.api import _arrive, _call_signature, shape_signature
+
+    cl = memlayout.to_format(torch.randn(2, 3, 8, 8), Format.CHANNELS_LAST)
+    args = (cl, 3)
+    assert _arrive(args, 1, (4, 5)) is args  # one stride check, nothing rebuilt
+    nchw = (cl.contiguous(), torch.randn(2, 3, 4, 8, 8), [torch.randn(2, 3, 8, 8)])
+    moved = _arrive(nchw, 1, (4, 5))
+    assert format_of(moved[0]) is Format.CHANNELS_LAST
+    assert format_of(moved[1]) is Format.CHANNELS_LAST_3D
+    assert format_of(moved[2][0]) is Format.CHANNELS_LAST  # nested: the full walk
+    for a, kw in ((args, {}), (nchw, {}), ((cl,), {"mask": cl})):
+        assert _call_signature(a, kw) == shape_signature((a, kw))
+
+
 def test_plan_json_round_trip(db) -> None:
     plan = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1).plan
     again = memlayout.Plan.from_json(plan.to_json())

@@ -64,6 +64,33 @@ def shape_signature(args: Any) -> Signature:
                  for t in iter_tensors(args))
 
 
+def _call_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
+    """``shape_signature((args, kwargs))``, without walking the structure in the common call
+    of plain tensor arguments (this runs on every forward)."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args):
+        return shape_signature(args)
+    return shape_signature((args, kwargs))
+
+
+#: torch's memory format per (label, rank) where ``Tensor.is_contiguous`` can check it
+_TORCH_FORMATS = {(0, 4): torch.contiguous_format, (0, 5): torch.contiguous_format,
+                  (1, 4): torch.channels_last, (1, 5): torch.channels_last_3d}
+
+
+def _arrive(args: tuple[Any, ...], label: int, ranks: tuple[int, ...]) -> tuple[Any, ...]:
+    """``args`` with their layout-rank tensors in ``label``'s format, as a plan's inputs
+    arrive; ``args`` themselves when every one already is dense in it (the usual call: one
+    stride check per tensor, no walk through ``to_format``)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() in ranks:
+            fmt = _TORCH_FORMATS.get((label, a.dim()))
+            if fmt is None or not a.is_contiguous(memory_format=fmt):
+                return _inputs_in(args, label, ranks)
+        elif not isinstance(a, torch.Tensor) and isinstance(a, (tuple, list)):
+            return _inputs_in(args, label, ranks)
+    return args
+
+
 class OptimizedModule(nn.Module):
     """The planned model: runs eagerly with the planned layouts (under autocast when planned
     with a dtype); ``state_dict`` keys are the original model's, so state dicts load both
@@ -112,7 +139,7 @@ class OptimizedModule(nn.Module):
         module, plan = self._module_for(args, kwargs)
         if plan is not None and plan.input_format is not None:
             # the format the plan's inputs arrive in: a no-op for inputs already in it
-            args = _inputs_in(args, FORMAT_NAMES.index(plan.input_format), self._ranks)
+            args = _arrive(args, FORMAT_NAMES.index(plan.input_format), self._ranks)
         with autocast_context(device_of(args, self.module), self.autocast_dtype):
             return module(*args, **kwargs)
 
@@ -122,7 +149,7 @@ class OptimizedModule(nn.Module):
             # under torch.compile the example's plan serves every shape (its conversions do
             # not depend on the shape; dynamo recompiles per shape): no planning traced (#6)
             return self.module, self.plan
-        sig = shape_signature((args, kwargs))
+        sig = _call_signature(args, kwargs)
         if sig == self._signature:
             return self.module, self.plan
         entry = self._shapes.get(sig)
