@@ -1,6 +1,10 @@
 """The planner issues' speed bars, read from a `memlayout bench` results.json.
 
     python docs/bench/bars.py docs/bench/full/results.json
+    python docs/bench/bars.py RUN1/results.json RUN2/results.json   # rounds pooled
+
+Every ratio is taken within one round of one run; several files (runs of the same settings)
+pool their per-round ratios, so a case's median rests on all their rounds.
 
 Every ratio is a median over rounds of per-round time ratios, both times from the same
 interleaved round (> 1: the second-named mode is faster):
@@ -38,24 +42,46 @@ def plan_is(note: str) -> str:
     return ""
 
 
-def ratio(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float, float]:
-    """Median, min and max over rounds of time(a) / time(b)."""
-    r = [x / y for x, y in zip(times[a], times[b], strict=False) if y > 0]
+class Case:
+    """One model x dtype x task: per run (file), the round times of each mode that ran."""
+
+    def __init__(self) -> None:
+        self.runs: list[dict[str, list[float]]] = []
+
+    def keys(self) -> set[str]:
+        return {m for run in self.runs for m in run}
+
+    def __contains__(self, mode: str) -> bool:
+        return mode in self.keys()
+
+    def median_time(self, mode: str) -> float:
+        return statistics.median(x for run in self.runs for x in run.get(mode, []))
+
+
+def ratio(case: Case, a: str, b: str) -> tuple[float, float, float]:
+    """Median, min and max over rounds (of every run where both ran) of time(a) / time(b)."""
+    r = [x / y for run in case.runs if a in run and b in run
+         for x, y in zip(run[a], run[b], strict=False) if y > 0]
     return statistics.median(r), min(r), max(r)
 
 
-def main(path: str) -> None:
-    with open(path) as fh:
-        rows = json.load(fh)
-    cases: dict[tuple[str, str, str], dict[str, list[float]]] = {}
+def main(paths: list[str]) -> None:
+    cases: dict[tuple[str, str, str], Case] = {}
     notes: dict[tuple[str, str, str], str] = {}
-    for r in rows:
-        key = (r["model"].split(":")[-1], r["dtype"], r["task"])
-        case = cases.setdefault(key, {})
-        if r["status"] == "ok" and r["round_times_s"]:
-            case[r["mode"]] = r["round_times_s"]
-            if r["mode"] == "planned":
-                notes[key] = r.get("note", "")
+    for path in paths:
+        with open(path) as fh:
+            rows = json.load(fh)
+        fresh: set[tuple[str, str, str]] = set()
+        for r in rows:
+            key = (r["model"].split(":")[-1], r["dtype"], r["task"])
+            case = cases.setdefault(key, Case())
+            if key not in fresh:
+                case.runs.append({})
+                fresh.add(key)
+            if r["status"] == "ok" and r["round_times_s"]:
+                case.runs[-1][r["mode"]] = r["round_times_s"]
+                if r["mode"] == "planned":
+                    notes.setdefault(key, r.get("note", ""))
     below: list[str] = []
     compiled: list[float] = []
     planned: dict[str, list[float]] = {}
@@ -66,7 +92,7 @@ def main(path: str) -> None:
         if not {"nchw", "nhwc"} <= t.keys():
             print(f"{model:20s} {dtype:5s} {task:5s} eager modes missing")
             continue
-        fast = min(("nchw", "nhwc"), key=lambda m: statistics.median(t[m]))
+        fast = min(("nchw", "nhwc"), key=t.median_time)
         cells = [f"{fast:12s}", f"{plan_is(notes.get((model, dtype, task), '')):7s}"]
         if "planned" in t:
             m, lo, hi = ratio(t, fast, "planned")
@@ -110,4 +136,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
