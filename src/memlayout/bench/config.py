@@ -6,7 +6,7 @@
 >>> BenchConfig.from_strings(["torchvision:resnet18"], modes="nhwc,fast")
 Traceback (most recent call last):
 ...
-memlayout.bench.config.BenchConfigError: unknown mode 'fast' in --modes 'nhwc,fast'; expected a comma-separated subset of nchw, nhwc, planned, compile, planned+compile
+memlayout.bench.config.BenchConfigError: unknown mode 'fast' in --modes 'nhwc,fast'; expected a comma-separated subset of nchw, nhwc, planned, compile, planned+compile, nhwc-again
 """
 
 from __future__ import annotations
