@@ -309,6 +309,9 @@ def test_verified_dropout_draws_its_mask_in_logical_order(p) -> None:
     assert abs(y.std().item() - ref.std().item()) < 0.02
     dropped = y.unique(return_counts=True)[1].max().item() / y.numel()  # all one value
     assert dropped == pytest.approx(p, abs=0.01)
+    with _layout_free_dropout():  # each one's own default: alpha_dropout's is eval
+        assert torch.equal(nn.functional.alpha_dropout(big, p), big)
+        assert not torch.equal(nn.functional.dropout(big, p), big)
 
 
 def test_a_functional_dropout_model_plans_and_verifies_for_training(db) -> None:

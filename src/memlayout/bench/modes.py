@@ -192,14 +192,14 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
     elif mode in ("planned", "planned+compile"):
         optimize = find_optimize()
         # task train: planned for a training step (forward + backward costs, gradients verified)
-        eager = mode == "planned"  # its input in the plan's format, like nhwc's (see above)
+        own_input = mode == "planned"  # its input in the plan's format, like nhwc's (above)
         model = optimize(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure,
                          **({"train": True} if task == "train" else {}),
-                         **({"input_format": "auto"} if eager else {}))
+                         **({"input_format": "auto"} if own_input else {}))
         model.train(task == "train")
         plan = getattr(model, "plan", None)
         note = plan.headline() if plan is not None else ""
-        if eager and plan is not None and plan.input_format is not None:
+        if own_input and plan is not None and plan.input_format is not None:
             x = convert_batch(x, Format.parse(plan.input_format))
             if plan.input_format == "channels_last":  # a video model's rank-5 input
                 x = convert_batch(x, Format.CHANNELS_LAST_3D)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.nn import functional as F
 
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import strides_agree
@@ -214,10 +215,10 @@ class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
         spec = _DROPOUTS.get(func)
         if spec is None:
             return func(*args, **(kwargs or {}))
-        names, alpha, inplace = spec
+        names, alpha, inplace, training = spec
         bound = dict(zip(names, args, strict=False)) | dict(kwargs or {})
         x, p = bound["input"], float(bound.get("p", 0.5))
-        training = bound.get("training", bound.get("train", True))
+        training = bound.get("training", bound.get("train", training))
         inplace = bool(bound.get("inplace", inplace))
         if not training or not 0 < p < 1:  # nothing drawn, or everything dropped
             return func(*args, **(kwargs or {}))
@@ -232,15 +233,14 @@ class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
         return x.mul_(scale) if inplace else x * scale
 
 
-F = torch.nn.functional
-#: element-wise dropouts: (argument names, alpha dropout, in place)
-_DROPOUTS: dict[Any, tuple[tuple[str, ...], bool, bool]] = {
-    F.dropout: (("input", "p", "training", "inplace"), False, False),
-    F.alpha_dropout: (("input", "p", "training", "inplace"), True, False),
-    torch.dropout: (("input", "p", "train"), False, False),
-    torch.dropout_: (("input", "p", "train"), False, True),
-    torch.alpha_dropout: (("input", "p", "train"), True, False),
-    torch.alpha_dropout_: (("input", "p", "train"), True, True),
+#: element-wise dropouts: (argument names, alpha dropout, in place, training by default)
+_DROPOUTS: dict[Any, tuple[tuple[str, ...], bool, bool, bool]] = {
+    F.dropout: (("input", "p", "training", "inplace"), False, False, True),
+    F.alpha_dropout: (("input", "p", "training", "inplace"), True, False, False),
+    torch.dropout: (("input", "p", "train"), False, False, True),
+    torch.dropout_: (("input", "p", "train"), False, True, True),
+    torch.alpha_dropout: (("input", "p", "train"), True, False, True),
+    torch.alpha_dropout_: (("input", "p", "train"), True, True, True),
 }
 
 
