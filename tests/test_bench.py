@@ -540,6 +540,11 @@ def test_the_control_mode_is_a_second_nhwc_copy_and_not_a_default(tmp_path):
     assert result.exit_code == 0, result.output
     assert "A/A control" in result.output
     nchw, nhwc, again = read_json(out / "results.json")
+    # summary.md states the noise floor: the median of the per-round ratios nhwc / its copy
+    ratio = statistics.median(a / b for a, b in zip(nhwc.round_times_s, again.round_times_s,
+                                                    strict=True))
+    md = (out / "summary.md").read_text()
+    assert "## Noise floor (A/A control)" in md and f"{ratio:.3f}-{ratio:.3f} over 1 cases" in md
     assert again.mode == CONTROL and again.status == "ok" and again.rounds == 3
     assert again.input_format == nhwc.input_format == "channels_last"
     # its own copy: training one does not touch the other's weights

@@ -17,12 +17,13 @@ import io
 import json
 import math
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memlayout.bench.config import BASELINE
+from memlayout.bench.config import BASELINE, CONTROL
 from memlayout.bench.records import FLAT_FIELDS, BenchRecord
 from memlayout.bench.runner import BenchResult
 from memlayout.timing import geomean
@@ -196,6 +197,9 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
         lines += ["## Errors, unavailable modes, retries", ""]
         lines += [f"- {_md_escape(line)}" for line in issues]
         lines.append("")
+    noise = control_line(result.records)
+    if noise:
+        lines += ["## Noise floor (A/A control)", "", noise, ""]
     choices = plan_choices(result.records)
     if choices:
         lines += ["## What the planner chose", ""]
@@ -204,6 +208,25 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
     if plot_name:
         lines += [f"![speedup vs NCHW]({plot_name})", ""]
     return write_atomic(path, "\n".join(lines))
+
+
+def control_line(records: Sequence[BenchRecord]) -> str:
+    """With the ``nhwc-again`` control mode: the medians of per-round ratios nhwc / its copy
+    over the cases, the smallest difference this run can show (identical models: 1 up to
+    noise). Empty without the control."""
+    times = {(r.model, r.dtype, r.task, r.mode): r.round_times_s for r in records
+             if r.status == "ok" and r.round_times_s}
+    medians = []
+    for (model, dtype, task, mode), again in times.items():
+        nhwc = times.get((model, dtype, task, "nhwc"))
+        if mode == CONTROL and nhwc:
+            medians.append(statistics.median(a / b for a, b in zip(nhwc, again, strict=False)))
+    if not medians:
+        return ""
+    return (f"eager NHWC vs a second copy of it ({CONTROL}), median of per-round time ratios: "
+            f"{min(medians):.3f}-{max(medians):.3f} over {len(medians)} cases "
+            f"({sum(abs(m - 1) > 0.02 for m in medians)} more than 2 % from 1). Two modes "
+            "closer than this cannot be told apart in this run.")
 
 
 def plan_choices(records: Sequence[BenchRecord]) -> list[str]:
