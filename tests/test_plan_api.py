@@ -197,6 +197,29 @@ def test_auto_input_format_is_the_better_of_the_two_pinned_ones(db, model_cls) -
     assert seen == [Format.parse(auto.plan.input_format)]
 
 
+def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
+    # after the guard, a memory budget's candidate plans are solved again (conversion bytes
+    # weighed more): the inputs' format is settled by then and they must keep it
+    from memlayout.plan.api import _pin_inputs
+    from memlayout.plan.memory import PENALTIES, _labels_weighing_bytes
+    from memlayout.plan.problem import AUTO, formulate
+    from memlayout.plan.solve import solve_min_cut
+
+    x = _x()
+    region = capture(Branchy().eval(), (x,)).regions[0]
+    table = measure_costs(region.gm, (x,), measure=False)
+    form = formulate(region.gm, table, input_label=AUTO, output_label="keep")
+    labels = solve_min_cut(form.integer).labels
+    assert labels["x"] == 1  # analytic costs: channels-last convolutions, the input with them
+    for label in (0, 1):
+        [(_, _, pinned, relabelled)] = _pin_inputs([(region, table, form, labels)], label)
+        assert relabelled["x"] == label and pinned.integer.pins["x"] == label
+        assert all(_labels_weighing_bytes(pinned, table, p)["x"] == label for p in PENALTIES)
+        if label == 0:  # solved again: the labels of a plan whose input was pinned from the start
+            assert relabelled == solve_min_cut(formulate(
+                region.gm, table, input_label=0, output_label="keep").integer).labels | {"x": 0}
+
+
 def test_inputs_already_in_the_plans_format_pass_untouched() -> None:
     from memlayout.plan.api import _arrive, _call_signature, shape_signature
 

@@ -383,6 +383,10 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
                 inputs = _inputs_in(inputs, entry)
         else:
             built = _build(work, solved)
+        if auto_input and entry is not None:
+            # the inputs arrive in ``entry`` from now on: a plan considered later (a memory
+            # budget's candidates) must take them so
+            solved = _pin_inputs(solved, entry)
         planned_tree, checks, nodes, conversions = built
         # issue #10: padded channels, blocked formats, peak memory and a memory budget
         from memlayout.plan import memory as mem
@@ -677,6 +681,29 @@ def _chosen_input(solved: list) -> int | None:
                 if n.op == "placeholder" and n.name in form.seconds.unary:
                     return labels[n.name]
     return None
+
+
+def _pin_inputs(solved: list, label: int) -> list:
+    """``solved`` with the top-level graph's input variables (``input_format="auto"``) pinned
+    to ``label``, and that region solved again if its labels had the inputs otherwise (the
+    guard kept an eager model whose format is not the one the min cut chose)."""
+    out = []
+    for region, table, form, labels in solved:
+        names = [n.name for n in region.gm.graph.nodes
+                 if region.path == "" and n.op == "placeholder" and n.name in form.seconds.unary]
+        if names:
+            pins = dict.fromkeys(names, label)
+            form = dataclasses.replace(
+                form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
+                seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
+            if any(labels[n] != label for n in names):
+                try:
+                    labels = solve_min_cut(form.integer).labels
+                except ValueError:  # weight ties that contradict the pins: drop the ties
+                    labels = solve_min_cut(Problem(form.integer.unary, form.integer.tensors,
+                                                   form.integer.pins)).labels
+        out.append((region, table, form, labels))
+    return out
 
 
 def _inputs_in(inputs: tuple[Any, ...], label: int,
