@@ -80,7 +80,7 @@ def _initial(cfg: TrainConfig) -> dict[str, torch.Tensor]:
 
 
 WORKER = '''
-import json, sys, warnings
+import gc, json, sys, warnings
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -115,9 +115,12 @@ for case in ("wrap_ddp", "converted_after_ddp"):
         two_steps(model)
     out[case] = {"warnings": [str(w.message) for w in caught],
                  "mismatches": grad_layout_mismatches(model)}
+    del model  # a DDP reducer alive when the group goes aborts the process (1 run in ~6)
+gc.collect()
 # one file per rank: the two ranks share torchrun's stdout, where their lines can interleave
 with open(f"result-{dist.get_rank()}.json", "w") as fh:
     json.dump(out, fh)
+dist.barrier()
 dist.destroy_process_group()
 '''
 
