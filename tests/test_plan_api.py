@@ -195,6 +195,9 @@ def test_auto_input_format_is_the_better_of_the_two_pinned_ones(db, model_cls) -
     with torch.no_grad():  # an NCHW batch is converted on entry; the result is the same
         torch.testing.assert_close(auto(x), model(x), rtol=1e-4, atol=1e-5)
     assert seen == [Format.parse(auto.plan.input_format)]
+    (ready,) = auto.prepare_inputs(x)  # converted once, before a loop
+    assert format_of(ready) == Format.parse(auto.plan.input_format)
+    assert auto.prepare_inputs(ready)[0] is ready
 
 
 def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:

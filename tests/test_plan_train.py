@@ -285,13 +285,13 @@ class _FunctionalDropout(nn.Module):
 
 @pytest.mark.parametrize("p", [0.2, 0.5])
 def test_verified_dropout_draws_its_mask_in_logical_order(p) -> None:
-    from memlayout.plan.verify import _layout_free_dropout
+    from memlayout.plan.verify import _LayoutFreeDropout
 
     x = torch.randn(4, 8, 6, 6) + 3  # no zeros of its own
     cl = x.contiguous(memory_format=torch.channels_last)
     for drop in (lambda t: nn.functional.dropout(t, p, True), lambda t: torch.dropout(t, p, True),
                  nn.Dropout(p), lambda t: nn.functional.dropout(t.clone(), p, True, True)):
-        with _layout_free_dropout():
+        with _LayoutFreeDropout():
             torch.manual_seed(3)
             a = drop(x)
             torch.manual_seed(3)
@@ -302,14 +302,14 @@ def test_verified_dropout_draws_its_mask_in_logical_order(p) -> None:
         assert abs(1 - kept.float().mean().item() - p) < 0.06  # 1152 draws
     # alpha dropout keeps a SELU network's activations at mean 0, variance 1 (as torch's does)
     big = torch.randn(400_000)
-    with _layout_free_dropout():
+    with _LayoutFreeDropout():
         y = nn.functional.alpha_dropout(big, p, True)
     ref = nn.functional.alpha_dropout(big, p, True)
     assert abs(y.mean().item() - ref.mean().item()) < 0.02
     assert abs(y.std().item() - ref.std().item()) < 0.02
     dropped = y.unique(return_counts=True)[1].max().item() / y.numel()  # all one value
     assert dropped == pytest.approx(p, abs=0.01)
-    with _layout_free_dropout():  # each one's own default: alpha_dropout's is eval
+    with _LayoutFreeDropout():  # each one's own default: alpha_dropout's is eval
         assert torch.equal(nn.functional.alpha_dropout(big, p), big)
         assert not torch.equal(nn.functional.dropout(big, p), big)
 

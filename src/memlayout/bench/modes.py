@@ -50,13 +50,7 @@ from torch import nn
 
 from memlayout.bench.config import CONTROL, ModeUnavailable
 from memlayout.layout import Format
-from memlayout.tensors import (
-    convert_batch,
-    format_name,
-    format_of,
-    iter_tensors,
-    torch_memory_format,
-)
+from memlayout.tensors import format_name, format_of, iter_tensors, torch_memory_format
 from memlayout.timing import device_sync
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -199,10 +193,8 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
         model.train(task == "train")
         plan = getattr(model, "plan", None)
         note = plan.headline() if plan is not None else ""
-        if own_input and plan is not None and plan.input_format is not None:
-            x = convert_batch(x, Format.parse(plan.input_format))
-            if plan.input_format == "channels_last":  # a video model's rank-5 input
-                x = convert_batch(x, Format.CHANNELS_LAST_3D)
+        if own_input and hasattr(model, "prepare_inputs"):
+            (x,) = model.prepare_inputs(x)
     if mode == "compile" or (mode == "planned+compile" and task == "train"):
         model = torch.compile(model, backend=compile_backend)
         note = "; ".join(n for n in (note, f"torch.compile(backend={compile_backend!r}); "

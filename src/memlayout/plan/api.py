@@ -135,6 +135,15 @@ class OptimizedModule(nn.Module):
         held.update((sig, plan) for sig, (_, plan) in self._shapes.items() if plan is not None)
         return held
 
+    def prepare_inputs(self, *args: Any) -> tuple[Any, ...]:
+        """``args`` as the plan's inputs arrive: every rank-4/5 tensor (rank 3 too in a 1-d
+        model) in ``plan.input_format``, converted once here, so the calls that follow convert
+        nothing; ``args`` unchanged when the plan has no input format. What a data pipeline
+        (or a benchmark) does before its loop."""
+        if self.plan.input_format is None:
+            return args
+        return _arrive(args, FORMAT_NAMES.index(self.plan.input_format), self._ranks)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module, plan = self._module_for(args, kwargs)
         if plan is not None and plan.input_format is not None:
@@ -608,7 +617,6 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
     them converts on entry."""
     from memlayout.plan import guard as g
 
-    arrive = (lambda label: label) if own_inputs else (lambda label: None)
     planned = _build(work, solved)
     skipped = [name for name, label in g.UNIFORM.items() if _is_uniform(solved, planned, label)]
     names = [name for name in g.UNIFORM if name not in skipped]
@@ -619,7 +627,7 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
         # (no graph module in between), so it is what it is compared with, not a copy of it.
         eager = _build_uniform(work, solved, inputs, g.UNIFORM[skipped[0]],
                                _output_label(reference, output_label),
-                               arrive=arrive(g.UNIFORM[skipped[0]]))
+                               arrive=g.UNIFORM[skipped[0]] if own_inputs else None)
         planned = (eager[0], [], planned[2], planned[3])
     if not names:
         return planned, {"kept": g.PLANNED, "margin": margin, "source": "none", "rounds": 0,
@@ -630,7 +638,7 @@ def _guarded_build(work: nn.Module, solved: list, inputs: tuple[Any, ...],
             return planned
         return _build_uniform(work, solved, inputs, g.UNIFORM[name],
                               _output_label(reference, output_label),
-                              arrive=arrive(g.UNIFORM[name]))
+                              arrive=g.UNIFORM[name] if own_inputs else None)
 
     device = device_of(inputs, work)
     key = g.cache_key(device_name(device), dtype, g.signature(
@@ -896,8 +904,7 @@ def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inp
     nhwc = copy.deepcopy(model).train(train)
     convert_module(nhwc, Format.CHANNELS_LAST)
     convert_module(nhwc, Format.CHANNELS_LAST_3D)
-    if optimized.plan.input_format is not None:
-        inputs = convert_batch(inputs, Format.parse(optimized.plan.input_format))
+    inputs = optimized.prepare_inputs(*inputs)
 
     def runner(module: nn.Module, fmt: Format | None) -> Callable[[], Any]:
         # Every mode gets the same input; an eager mode converts it as its user would.

@@ -88,14 +88,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
                          progress=progress, name=name, guard=guard, **(plan_kwargs or {}))
     run_dtype = parse_dtype(dtype)
     plan = optimized.plan
-    inputs = _inputs(example_inputs)
-    if plan.input_format is not None:
-        from memlayout.layout import Format
-        from memlayout.tensors import convert_batch
-
-        inputs = convert_batch(inputs, Format.parse(plan.input_format))
-        if plan.input_format == "channels_last":
-            inputs = convert_batch(inputs, Format.CHANNELS_LAST_3D)
+    inputs = optimized.prepare_inputs(*_inputs(example_inputs))
     options = _split_options(compile_kwargs)
     backend = compile_kwargs.get("backend", "inductor")
     record: dict[str, Any] = {"backend": backend if isinstance(backend, str) else repr(backend),
@@ -335,8 +328,7 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
     eager = convert_module(copy.deepcopy(model).eval(), Format.CONTIGUOUS)
     default = copy.deepcopy(model).eval()
     default.compile(**compile_kwargs)
-    if compiled.plan.input_format is not None:
-        inputs = convert_batch(inputs, Format.parse(compiled.plan.input_format))
+    inputs = compiled.prepare_inputs(*inputs)
 
     def runner(module: nn.Module, fmt: Format | None) -> Callable[[], Any]:
         def run() -> Any:

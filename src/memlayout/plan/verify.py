@@ -116,7 +116,7 @@ def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...
 # ---------------------------------------------------------------- training
 
 
-SEED = 0  # the RNG state both models start a verified step from (masks: _layout_free_dropout)
+SEED = 0  # the RNG state both models start a verified step from (masks: _LayoutFreeDropout)
 
 
 def training_loss(out: Any) -> torch.Tensor:
@@ -157,7 +157,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
     only up to node ``upto`` and differentiate its value. ``accumulate``: gradients through
     ``.backward()`` into ``.grad`` (so their strides are what an optimizer and DDP see),
     else ``torch.autograd.grad``. Dropout draws its masks in logical order, whatever the
-    activation's layout (``_layout_free_dropout``)."""
+    activation's layout (``_LayoutFreeDropout``)."""
     device = device_of(inputs, module)
     params = dict(module.named_parameters())
     names = [k for k, p in params.items() if p.requires_grad] if names is None else names
@@ -165,7 +165,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
     xs = tuple(x.detach().clone().requires_grad_(x.is_floating_point())
                if isinstance(x, torch.Tensor) else x for x in inputs)
     leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-    with kept_state(module, list(params.values())), _layout_free_dropout():
+    with kept_state(module, list(params.values())), _LayoutFreeDropout():
         with torch.random.fork_rng(devices=_cuda_devices(device)):
             torch.manual_seed(SEED)
             with torch.enable_grad(), autocast_context(device, dtype):
@@ -242,11 +242,6 @@ _DROPOUTS: dict[Any, tuple[tuple[str, ...], bool, bool, bool]] = {
     torch.alpha_dropout: (("input", "p", "train"), True, False, True),
     torch.alpha_dropout_: (("input", "p", "train"), True, True, True),
 }
-
-
-def _layout_free_dropout() -> _LayoutFreeDropout:
-    """The context a verified training step runs in (``_LayoutFreeDropout``)."""
-    return _LayoutFreeDropout()
 
 
 def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
