@@ -34,6 +34,10 @@ class CoverageUnavailableError(MemlayoutError):
     """PyTorch's operator database (OpInfo), or a coverage matrix, is not available here."""
 
 
+class DtypeError(MemlayoutError, ValueError):
+    """A dtype name or ``torch.dtype`` a verb does not run (see ``memlayout.dtypes``)."""
+
+
 class PlanError(MemlayoutError, ValueError):
     """A bad argument to the planner (``memlayout.optimize``): dtype, formats, inputs."""
 
