@@ -182,3 +182,17 @@ def iter_tensors(obj: Any):
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, field.name))
+
+
+def mean_square_loss(out: Any) -> torch.Tensor | None:
+    """The loss a timed training step backpropagates: ``sum(0.5 * mean(y ** 2))`` over every
+    floating tensor of ``out`` that requires grad (tensor, dict, namedtuple of aux logits...),
+    in float32; ``None`` when there is none (a model with every parameter frozen).
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> mean_square_loss({"a": w * 2, "b": 3})
+    tensor(2., grad_fn=<SumBackward0>)
+    """
+    terms = [0.5 * t.float().square().mean() for t in iter_tensors(out)
+             if t.is_floating_point() and t.requires_grad]
+    return torch.stack(terms).sum() if terms else None
