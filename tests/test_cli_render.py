@@ -11,6 +11,8 @@ from torch import nn
 from memlayout import audit
 from memlayout.audit.render import render_terminal
 from memlayout.audit.report import offender_patterns
+from memlayout.bench import BenchRecord, Environment
+from memlayout.bench.render import noise_line
 
 
 def test_audit_groups_repeated_modules_and_hints_once():
@@ -30,3 +32,12 @@ def test_audit_groups_repeated_modules_and_hints_once():
     assert text.count("memlayout coverage") <= 1
     for i in range(7):  # no line per instance
         assert f"{i}.norm (" not in text and f"{i}.pad (" not in text
+
+
+def test_bench_noise_line_counts_noisy_measurements():
+    env = Environment.collect("cpu", threads=1)
+    records = [BenchRecord(env=env, model=f"torchvision:m{i}", dtype="fp32", task="infer",
+                           mode=mode, status="ok", spread=spread)
+               for i, spread in enumerate((0.05, 0.9, 2.0)) for mode in ("nchw", "nhwc")]
+    line = noise_line(records)
+    assert line.startswith("4 of 6 measurements spread more than 30 %") and "m1 (2), m2 (2)" in line
