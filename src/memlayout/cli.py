@@ -1,14 +1,38 @@
-"""The ``memlayout`` command (L3): one verb per capability; parse -> call -> render."""
+"""The ``memlayout`` command (L3): one verb per capability; parse -> call -> render.
+
+Every verb checks all its flags before any work starts (one error line, exit code 2), states
+the conditions before it times anything, and leaves the rendering to the renderer beside the
+data (``audit.render``, ``bench.render``, ``coverage.render``, ``data.render``,
+``train.render``, ``inspection``). The subsystems behind a verb (the planner, bench, coverage,
+data, train) are imported inside it: each pulls in more (torch.fx and scipy, matplotlib,
+OpInfo, PIL, torch.distributed), and ``memlayout --help`` should not wait for them.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
 
+import torch
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from memlayout import inspection
+from memlayout.audit import render as audit_render
+from memlayout.audit.overhead import overhead as measure_overhead
+from memlayout.audit.recorder import audit as run_audit
+from memlayout.dtypes import dtype_name, parse_dtype
 from memlayout.errors import MemlayoutError
+from memlayout.layout import Format
+from memlayout.machine import Conditions
+from memlayout.models import load_model
 
 app = typer.Typer(
     help="Tensor memory layout (NCHW / channels-last) for PyTorch models.",
@@ -20,18 +44,84 @@ console = Console()
 if not console.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
     console = Console(width=140)
 
-_STYLE = {"channels_last": "green", "channels_last_3d": "green", "contiguous": "yellow",
-          "none": "red"}
+#: the autocast dtypes of the verbs that run a model (bench has no fp16 cases)
+DTYPES = ("fp32", "bf16", "fp16")
+BENCH_DTYPES = ("fp32", "bf16")
+PLAN_COSTS = ("measured", "analytic")
 
 
-def _styled(name: str) -> str:
-    style = "cyan" if name.startswith("ambiguous") else _STYLE.get(name, "white")
-    return f"[{style}]{name}[/{style}]"
+class UsageError(MemlayoutError, ValueError):
+    """A flag value a verb cannot run with; reported before the verb does anything."""
 
 
-def _fail(exc: MemlayoutError) -> None:
-    console.print(f"[bold red]error:[/bold red] {exc}")
+def _fail(exc: MemlayoutError) -> NoReturn:
+    console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
     raise typer.Exit(2)
+
+
+# -- flag checks: each returns the parsed value or raises a MemlayoutError naming the flag ----
+def _dtype(value: str, allowed: tuple[str, ...] = DTYPES) -> str:
+    """The short name of a ``--dtype`` value (``bfloat16`` -> ``bf16``)."""
+    return dtype_name(parse_dtype(value, allowed=allowed))
+
+
+def _dtypes(value: str, allowed: tuple[str, ...]) -> str:
+    """A comma-separated ``--dtype`` list with each name checked and shortened."""
+    return ",".join(_dtype(item, allowed) for item in value.split(",") if item.strip())
+
+
+def _at_least(low: int, **flags: int | None) -> None:
+    """Each flag given (not ``None``) is ``>= low``; keyword names are flag names."""
+    for name, value in flags.items():
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def _device(value: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` that exists on this machine."""
+    text = value.strip().lower()
+    if text == "cpu":
+        return text
+    if not re.fullmatch(r"cuda(:\d+)?", text):
+        raise UsageError(f"unknown device {value!r}; expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {value}: CUDA is not available here "
+                         "(torch.cuda.is_available() is False); use --device cpu")
+    count = torch.cuda.device_count()
+    if ":" in text and int(text.split(":")[1]) >= count:
+        raise UsageError(f"--device {value}: this machine has {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
+    return text
+
+
+def _print_conditions(conditions: Conditions) -> None:
+    """The conditions a measurement is taken under, and the warning when the machine is busy."""
+    console.print(f"conditions: {conditions.describe()}", markup=False, highlight=False)
+    warning = conditions.warning()
+    if warning:
+        console.print(f"[yellow]warning[/yellow]: {escape(warning)}")
+
+
+def _on_device(value: Any, device: str) -> Any:
+    """A tensor, or a tuple / list of them, on ``device``."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_device(v, device) for v in value)
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _progress(out: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=out, transient=False)
+
+
+MODEL_HELP = "Model spec: torchvision:NAME, timm:NAME or file.py:factory."
+DEVICE_HELP = "cpu, cuda or cuda:N. Default: cpu."
 
 
 @app.callback()
@@ -41,166 +131,126 @@ def main() -> None:
 
 @app.command()
 def inspect(
-    model: Annotated[str, typer.Argument(help="Model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 2.")] = 2,
     image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; inception_v3 299; video 112).")] = None,
+    device: Annotated[str, typer.Option(help=f"Device to run on: {DEVICE_HELP}")] = "cpu",
 ) -> None:
     """Run MODEL once in channels-last and show the format of its parameters and module outputs."""
-    from memlayout.inspection import inspect_model
-    from memlayout.models import load_model
-
     try:
+        _at_least(1, batch=batch, image_size=image_size)
+        device = _device(device)
         spec = load_model(model, batch=batch, image_size=image_size)
-        report = inspect_model(spec.module, spec.example_input, spec.fmt)
+        inputs = _on_device(spec.example_input, device)
+        report = inspection.inspect_model(spec.module.to(device), inputs, spec.fmt)
     except MemlayoutError as exc:
         _fail(exc)
-    params = Table(title=f"{model}: parameters and buffers after convert_module(..., {report.fmt.name})")
-    for col in ("rank", "tensors", "elements", "formats"):
-        params.add_column(col, justify="right" if col != "formats" else "left")
-    for g in report.params:
-        fmts = ", ".join(f"{_styled(n)} x{c}" for n, c in g.formats)
-        params.add_row(str(g.rank), str(g.tensors), f"{g.elements:,}", fmts)
-    console.print(params)
-    outs = Table(title=f"{model}: module outputs, input {tuple(spec.example_input.shape)} in {report.fmt.name}")
-    for col in ("#", "module", "type", "output shape", "format"):
-        outs.add_column(col)
-    for i, o in enumerate(report.outputs):
-        outs.add_row(str(i), o.path or "(model)", o.type,
-                     " ".join(str(s) for s in o.shapes), " ".join(_styled(f) for f in o.formats))
-    console.print(outs)
-    counts: dict[str, int] = {}
-    for o in report.outputs:
-        for f in o.formats:
-            counts[f] = counts.get(f, 0) + 1
-    console.print("module outputs by format: " + ", ".join(f"{_styled(k)} {v}" for k, v in sorted(counts.items())))
+    inspection.render_terminal(report, console, model=model, input_shape=tuple(spec.example_input.shape))
 
 
 @app.command()
 def audit(
-    model: Annotated[str, typer.Argument(help="Model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     train: Annotated[bool, typer.Option("--train", help="Forward + backward of the outputs' sum, model in train mode. Default: forward only, eval mode, no grad.")] = False,
     dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
     image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; inception_v3 299; video 112).")] = None,
     format: Annotated[str | None, typer.Option("--format", help="channels_last or channels_last_3d. Default: the model's (video: channels_last_3d).")] = None,
-    device: Annotated[str, typer.Option(help="Device to run on. Default: cpu.")] = "cpu",
+    device: Annotated[str, typer.Option(help=f"Device to run on: {DEVICE_HELP}")] = "cpu",
     json_path: Annotated[str | None, typer.Option("--json", help="Write the whole report as JSON here. Default: none.")] = None,
     html_path: Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page here. Default: none.")] = None,
-    top: Annotated[int, typer.Option(help="Rows of the terminal table. Default: 20.")] = 20,
+    top: Annotated[int, typer.Option(help="Rows of the terminal tables. Default: 20.")] = 20,
     overhead: Annotated[bool, typer.Option("--overhead", help="Instead: time audited vs plain runs interleaved and print the median per-round ratio. Default: off.")] = False,
     rounds: Annotated[int, typer.Option(help="Rounds for --overhead. Default: 5.")] = 5,
 ) -> None:
     """Run MODEL once in channels-last and report every op that drops the format (forward and
     backward), with module, phase and conversion bytes."""
-    from memlayout.audit import audit as run_audit
-    from memlayout.audit.render import render_terminal, write_html, write_json
-    from memlayout.layout import Format
-    from memlayout.models import load_model
-
     try:
-        spec = load_model(model, batch=batch, image_size=image_size)
-        fmt = Format.parse(format) if format else spec.fmt
-        module = spec.module.to(device).train(train)
-        inputs = spec.example_input.to(device)
-        if overhead:
-            from memlayout.audit.overhead import overhead as measure
-
-            c = measure(module, inputs, train=train, fmt=fmt, dtype=dtype, rounds=rounds, device=device)
-            for name in ("plain", "audited"):
-                if not c[name].ok:
-                    _fail(MemlayoutError(f"the {name} run failed: {c[name].error}"))
-            ratio, (low, high) = c.speedup("plain"), c.speedup_range("plain")
-            what = "forward+backward" if train else "forward"
-            console.print(f"{model} batch {batch} {fmt.value} {dtype} {what}, {c.rounds} interleaved rounds: "
-                          f"plain median {c['plain'].median * 1e3:.1f} ms (spread {100 * c['plain'].spread:.0f} %), "
-                          f"audited median {c['audited'].median * 1e3:.1f} ms (spread {100 * c['audited'].spread:.0f} %)")
-            console.print(f"audited / plain: median per-round ratio {ratio:.2f}x (range {low:.2f}-{high:.2f})")
-            return
-        report = run_audit(module, inputs, train=train, fmt=fmt, dtype=dtype)
+        dtype = _dtype(dtype)
+        fmt = Format.parse(format) if format else None
+        _at_least(1, batch=batch, image_size=image_size, top=top, rounds=rounds)
+        device = _device(device)
     except MemlayoutError as exc:
         _fail(exc)
+    if overhead:
+        _print_conditions(Conditions.now())
+    try:
+        spec = load_model(model, batch=batch, image_size=image_size)
+        fmt = fmt or spec.fmt
+        module = spec.module.to(device).train(train)
+        inputs = _on_device(spec.example_input, device)
+        if overhead:
+            c = measure_overhead(module, inputs, train=train, fmt=fmt, dtype=dtype, rounds=rounds, device=device)
+            for name in ("plain", "audited"):
+                if not c[name].ok:
+                    raise MemlayoutError(f"the {name} run failed: {c[name].error}")
+        else:
+            report = run_audit(module, inputs, train=train, fmt=fmt, dtype=dtype)
+    except MemlayoutError as exc:
+        _fail(exc)
+    if overhead:
+        what = "forward+backward" if train else "forward"
+        audit_render.render_overhead(c, console, f"{model} batch {batch} {fmt.value} {dtype} {what}")
+        return
     title = f"memlayout audit {model} ({'train' if train else 'inference'}, batch {batch})"
-    render_terminal(report, console, title=title, top=top)
+    audit_render.render_terminal(report, console, title=title, top=top)
     if json_path:
-        write_json(report, json_path)
+        audit_render.write_json(report, json_path)
         console.print(f"JSON report: {json_path}")
     if html_path:
-        write_html(report, html_path, title=title)
+        audit_render.write_html(report, html_path, title=title)
         console.print(f"HTML report: {html_path}")
 
 
 @app.command("bench-data")
 def bench_data(
-    images: Annotated[int, typer.Option(min=1, help="Synthetic JPEGs in the folder; one timed sample is one epoch over them. Default: 256.")] = 256,
-    size: Annotated[int, typer.Option(min=1, help="Image height and width in pixels. Default: 224.")] = 224,
-    workers: Annotated[int, typer.Option(min=0, help="DataLoader num_workers, for both pipelines. Default: 0.")] = 0,
-    batch: Annotated[int, typer.Option(min=1, help="Batch size. Default: 64.")] = 64,
-    rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds. Default: 7.")] = 7,
-    threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads in the main process. Default: torch's own.")] = None,
+    images: Annotated[int, typer.Option(help="Synthetic JPEGs in the folder; one timed sample is one epoch over them. Default: 256.")] = 256,
+    size: Annotated[int, typer.Option(help="Image height and width in pixels. Default: 224.")] = 224,
+    workers: Annotated[int, typer.Option(help="DataLoader num_workers, for both pipelines. Default: 0.")] = 0,
+    batch: Annotated[int, typer.Option(help="Batch size. Default: 64.")] = 64,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds. Default: 7.")] = 7,
+    threads: Annotated[int | None, typer.Option(help="torch.set_num_threads in the main process. Default: torch's own.")] = None,
     cache_dir: Annotated[str | None, typer.Option(help="Folder for the JPEGs, made once and reused. Default: $XDG_CACHE_HOME/memlayout/bench-data.")] = None,
     json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here. Default: none.")] = None,
 ) -> None:
     """Images/s from JPEG files to a normalized float32 channels-last batch: the torchvision
     recipe (ToTensor, Normalize, default collate, .to(channels_last)) vs memlayout.data,
     interleaved in one run, and the bytes each writes per batch."""
-    import json
-    from pathlib import Path
+    from memlayout.data.bench import DataBenchConfig, run_data_bench
+    from memlayout.data.render import render_terminal, to_record
 
-    import torch
-
-    from memlayout.data.bench import PIPELINES, DataBenchConfig, run_data_bench
-
+    try:
+        _at_least(1, images=images, size=size, batch=batch, rounds=rounds, threads=threads)
+        _at_least(0, workers=workers)
+    except MemlayoutError as exc:
+        _fail(exc)
     if threads is not None:
         torch.set_num_threads(threads)
     config = DataBenchConfig(images=images, size=size, batch=batch, workers=workers, rounds=rounds,
                              cache_dir=Path(cache_dir) if cache_dir else None)
     console.print(f"{images} synthetic {size}x{size} JPEGs, batch {batch}, workers {workers}, "
                   f"torch threads {torch.get_num_threads()}, {rounds} interleaved rounds of one epoch each")
+    _print_conditions(Conditions.now())
     try:
         res = run_data_bench(config)
     except MemlayoutError as exc:
         _fail(exc)
-    console.print(f"folder: {res.folder}")
-    def mb(n: int) -> str:
-        return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
-
-    table = Table(title=f"files -> normalized float32 channels-last batch {res.output_shape}; bytes per batch of {batch}")
-    for col in ("pipeline", "s/epoch (median)", "images/s", "round spread", "copied",
-                "of which layout permutes", "arithmetic writes"):
-        table.add_column(col, justify="left" if col == "pipeline" else "right")
-    for name in PIPELINES:
-        m, c = res.comparison[name], res.copies[name]
-        if not m.ok:
-            table.add_row(name, f"[red]failed: {m.error}[/red]", "", "", "", "", "")
-            continue
-        table.add_row(name, f"{m.median:.3f}", f"{res.images_per_s(name):.0f}", f"{100 * m.spread:.0f} %",
-                      mb(c.copy_bytes), f"{mb(c.layout_copy_bytes)} in {c.layout_copies} ops",
-                      mb(c.arithmetic_bytes))
-    console.print(table)
-    console.print(f"values: max |torchvision - memlayout| = {res.max_abs_diff:.2e}; strides "
-                  + ", ".join(f"{n} {s}" for n, s in res.output_strides.items()))
-    console.print("bytes: what torch ops write (TorchDispatchMode, one batch, num_workers=0); JPEG "
-                  "decoding and PIL's packing into an array happen in both and are not counted")
-    ratio, spread = res.ratio, res.ratio_range
-    if ratio is None or spread is None:
+    render_terminal(res, console)
+    if res.ratio is None:
         _fail(MemlayoutError("no ratio: a pipeline failed (see the table)"))
-    console.print(f"memlayout / torchvision images/s: median per-round ratio [bold]{ratio:.2f}x[/bold] "
-                  f"(range {spread[0]:.2f}-{spread[1]:.2f} over {len(res.comparison.ratios('memlayout'))} rounds)")
     if json_path:
-        record = {
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()},
-            "torch_threads": torch.get_num_threads(),
-            "ratio_median": ratio, "ratio_min": spread[0], "ratio_max": spread[1],
-            "max_abs_diff": res.max_abs_diff,
-            "pipelines": {n: {"seconds_per_epoch": list(res.comparison[n].times),
-                              "images_per_s": res.images_per_s(n),
-                              "copy_bytes": res.copies[n].copy_bytes,
-                              "layout_copy_bytes": res.copies[n].layout_copy_bytes,
-                              "arithmetic_bytes": res.copies[n].arithmetic_bytes,
-                              "strides": list(res.output_strides[n])} for n in PIPELINES},
-        }
-        Path(json_path).write_text(json.dumps(record, indent=2))
+        Path(json_path).write_text(json.dumps(to_record(res, torch.get_num_threads()), indent=2))
         console.print(f"JSON: {json_path}")
+
+
+def _bench_command(models: list[str] | None, flags: tuple[tuple[str, Any, Any], ...],
+                   steady_heap: bool) -> str:
+    """The command line that reproduces a bench run (flags at their default left out)."""
+    command = ["memlayout", "bench", *(models or [])]
+    for flag, value, default in flags:
+        if value is not None and value != default:
+            command += [flag, str(value)]
+    return shlex.join(command + (["--steady-heap"] if steady_heap else []))
 
 
 @app.command()
@@ -215,7 +265,7 @@ def bench(
     rounds: Annotated[int, typer.Option(help="Interleaved timed rounds; every mode runs once per round. Default: 7.")] = 7,
     warmup: Annotated[int, typer.Option(help="Untimed calls per mode before the rounds, after the first (compiling) call. Default: 1.")] = 1,
     threads: Annotated[int | None, typer.Option(help="torch.set_num_threads for the run. Default: torch's current setting.")] = None,
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N. Default: cpu.")] = "cpu",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
     compile_backend: Annotated[str, typer.Option(help="torch.compile backend of the compile modes. Default: inductor.")] = "inductor",
     gemm_size: Annotated[int | None, typer.Option(help="Side of the square matmul timed as the GEMM peak. Default: 2048 on CPU, 8192 on CUDA.")] = None,
     plan_costs: Annotated[str, typer.Option(help="Planner costs for the planned modes: measured (on this machine, cached) or analytic (no timing, faster). Default: measured.")] = "measured",
@@ -225,14 +275,8 @@ def bench(
 ) -> None:
     """Time every layout strategy on each model, interleaved round by round in one process, and
     report speedups over eager NCHW (median of per-round ratios), FLOP/s and compile times."""
-    import shlex
-    from pathlib import Path
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from memlayout.bench import (
         BenchConfig,
-        BenchConfigError,
         BenchEvent,
         BenchResult,
         resume_records,
@@ -240,19 +284,20 @@ def bench(
         write_outputs,
     )
     from memlayout.bench import zoo as zoo_entries
-    from memlayout.bench.report import problems, summary_tables
+    from memlayout.bench.render import render_header, render_results
 
     specs = list(models or [])
     sizes: list[tuple[str, int]] = []
     try:
-        if plan_costs not in ("measured", "analytic"):
-            raise BenchConfigError(f"--plan-costs {plan_costs!r} is neither measured nor analytic")
+        _choice("--plan-costs", plan_costs, PLAN_COSTS)
+        dtypes = _dtypes(dtype, BENCH_DTYPES) or dtype
+        device = _device(device)
         for entry in zoo_entries(zoo) if zoo else ():
             specs.append(entry.spec)
             if entry.image_size:
                 sizes.append((entry.spec, entry.image_size))
         cfg = BenchConfig.from_strings(
-            list(dict.fromkeys(specs)), modes=modes, dtypes=dtype, tasks=task, batch=batch,
+            list(dict.fromkeys(specs)), modes=modes, dtypes=dtypes, tasks=task, batch=batch,
             image_size=image_size, rounds=rounds, warmup=warmup, threads=threads, device=device,
             compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=tuple(sizes),
             plan_measure=plan_costs == "measured", steady_heap=steady_heap)
@@ -262,48 +307,28 @@ def bench(
     done = {(r.model, r.dtype, r.task) for r in previous}
     if previous:
         console.print(f"--resume: {len(done)} model x dtype x task cases already in {out}, kept")
-    command = ["memlayout", "bench", *(models or [])]
-    for flag, value, default in (("--zoo", zoo, None), ("--modes", modes, None), ("--dtype", dtype, None),
-                                 ("--task", task, None), ("--batch", batch, None),
-                                 ("--image-size", image_size, None), ("--rounds", rounds, None),
-                                 ("--warmup", warmup, 1), ("--threads", threads, None),
-                                 ("--device", device, "cpu"), ("--compile-backend", compile_backend, "inductor"),
-                                 ("--gemm-size", gemm_size, None), ("--plan-costs", plan_costs, "measured"),
-                                 ("--out", out, None)):
-        if value is not None and value != default:
-            command += [flag, str(value)]
-    command += ["--steady-heap"] if steady_heap else []
-    layouts = {"nchw": "eager, contiguous (NCHW) model and input", "nhwc": "eager, model.to(memory_format=channels_last) + channels-last input (channels_last_3d for video)",
-               "nhwc-again": "a second copy of nhwc, prepared and timed like it: an A/A control, its ratio to nhwc is the run's noise",
-               "planned": f"memlayout.optimize(model, (x,), dtype=..., measure={plan_costs == 'measured'}, input_format='auto'); input in the plan's format", "compile": f"torch.compile(backend={compile_backend!r}) of the NCHW model; Inductor chooses layouts",
-               "planned+compile": "memlayout.compile (inference): the plan compiled with Inductor's layout optimization off, or Inductor's own layout unless the plan measures >2% faster; train: torch.compile of the planned model"}
-    console.print(f"[bold]memlayout bench[/bold]: {len(cfg.models)} models x {','.join(cfg.dtypes)} x {','.join(cfg.tasks)}, "
-                  f"batch {cfg.batch}, {cfg.rounds} interleaved rounds, device {cfg.device}, threads {threads or 'default'}")
-    for mode in cfg.modes:
-        console.print(f"  {mode:16s} {layouts[mode]}")
-    from memlayout.bench.records import Environment
-
-    env_now = Environment.collect(cfg.device)
-    if env_now.overloaded:
-        advice = ("" if env_now.omp_wait_policy.upper() == "PASSIVE" else
-                  f" OpenMP threads spin while waiting (OMP_WAIT_POLICY="
-                  f"{env_now.omp_wait_policy or 'unset'}): multi-threaded runs suffer most; "
-                  "OMP_WAIT_POLICY=PASSIVE or --threads 1 limits the damage.")
-        console.print(f"[yellow]warning[/yellow]: load average {env_now.load_average:.1f} on "
-                      f"{env_now.cpu_count} CPUs: other jobs compete for the cores, so timings "
-                      f"will be stretched and noisy (summary.md says so).{advice}")
+    command = _bench_command(models, (
+        ("--zoo", zoo, None), ("--modes", modes, None), ("--dtype", dtype, None),
+        ("--task", task, None), ("--batch", batch, None), ("--image-size", image_size, None),
+        ("--rounds", rounds, None), ("--warmup", warmup, 1), ("--threads", threads, None),
+        ("--device", device, "cpu"), ("--compile-backend", compile_backend, "inductor"),
+        ("--gemm-size", gemm_size, None), ("--plan-costs", plan_costs, "measured"),
+        ("--out", out, None)), steady_heap)
+    render_header(cfg, console)
+    conditions = Conditions.now()
+    if threads is not None:  # the run sets them; state what it will run with
+        conditions = dataclasses.replace(conditions, threads=threads)
+    _print_conditions(conditions)
 
     per_case = len(cfg.modes) * cfg.rounds
     todo = [(m, d, t) for m in cfg.models for d in cfg.dtypes for t in cfg.tasks if (m, d, t) not in done]
     total = len(todo) * per_case
     records = list(previous)
-    command_text = shlex.join(command)
 
     def save(case: list) -> None:  # after every case: a stopped run keeps what it measured
         records.extend(case)
-        write_outputs(BenchResult(cfg, case[0].env, tuple(records)), Path(out), command=command_text)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as progress:
+        write_outputs(BenchResult(cfg, case[0].env, tuple(records)), Path(out), command=command)
+    with _progress(console) as progress:
         bar = progress.add_task("starting", total=total)
 
         def on_event(event: BenchEvent) -> None:
@@ -319,17 +344,8 @@ def bench(
         result = run_bench(cfg, on_event=on_event, skip=done, on_case=save)
         progress.update(bar, completed=total, description="done")
     result = BenchResult(cfg, result.env, tuple(records))
-
-    for table in summary_tables(result.records):
-        t = Table(title=f"{table.dtype} {table.task}: speedup over eager NCHW, median of per-round ratios (min-max)")
-        for col in table.header:
-            t.add_column(col, justify="left" if col == "model" else "right")
-        for row in table.rows:
-            t.add_row(*row)
-        console.print(t)
-    for line in problems(result.records):
-        console.print("note: " + line, markup=False, highlight=False)
-    paths = write_outputs(result, Path(out), command=command_text)
+    render_results(result.records, console)
+    paths = write_outputs(result, Path(out), command=command)
     console.print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
@@ -439,7 +455,7 @@ def _print_comparison(result: dict, base: str, others: tuple[str, ...], unit: st
 
 @app.command()
 def coverage(
-    device: Annotated[str, typer.Option(help="Device: cpu or cuda. Default: cpu.")] = "cpu",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
     dtype: Annotated[str, typer.Option(help="Comma-separated dtypes, e.g. float32,bfloat16. Default: float32.")] = "float32",
     format: Annotated[str, typer.Option("--format", help="channels_last (4-D) or channels_last_3d (5-D). Default: channels_last.")] = "channels_last",
     ops: Annotated[str | None, typer.Option(help="Comma-separated globs over OpInfo names, e.g. 'nn.functional.conv2d,*pad*'. Default: every op.")] = None,
@@ -450,27 +466,26 @@ def coverage(
     cache: Annotated[bool, typer.Option(help="Merge the results into the per-user cache that lookup() reads. Default: on.")] = True,
 ) -> None:
     """Which OpInfo ops keep channels-last (forward and backward) and agree in value, on this build."""
-    import shlex
-    import sys
-    from pathlib import Path
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from memlayout.coverage import CoverageConfig, document, run_coverage, save_to_cache, write_json
-    from memlayout.coverage.render import summary_line
-    from memlayout.layout import Format
+    from memlayout.coverage.render import render_terminal
 
     try:
+        _at_least(1, max_samples=max_samples)
+        _at_least(0, jobs=jobs)
+        if op_timeout <= 0:
+            raise UsageError(f"--op-timeout must be > 0, got {op_timeout:g}")
         config = CoverageConfig(
-            device=device, dtypes=tuple(d.strip() for d in dtype.split(",") if d.strip()),
+            device=_device(device), dtypes=tuple(d.strip() for d in dtype.split(",") if d.strip()),
             fmt=Format.parse(format), ops=ops, max_samples=max_samples, jobs=jobs,
             op_timeout=op_timeout)
-        command = "memlayout " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=False) as progress:
+    except MemlayoutError as exc:
+        _fail(exc)
+    command = "memlayout " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    try:
+        with _progress(console) as progress:
             task = progress.add_task("starting (importing OpInfo)", total=None)
 
-            def on_record(dt: str, rec) -> None:
+            def on_record(dt: str, rec: Any) -> None:
                 progress.update(task, advance=1, description=f"{dt} {rec.name[:36]:<36}")
 
             reports = run_coverage(config, command=command,
@@ -481,19 +496,8 @@ def coverage(
     out_dir = Path(out)
     write_json(reports, out_dir / "coverage.json")
     (out_dir / "coverage.md").write_text(document(reports))
-    for r in reports:
-        console.print(f"[bold]{r.device} {r.dtype} {r.fmt}[/bold], torch {r.torch_version}: "
-                      f"{len(r.ops)} ops in {r.seconds:g} s")
-        console.print(f"  forward:  {summary_line(r, 'forward')}")
-        console.print(f"  backward: {summary_line(r, 'backward')}")
-        bad = r.disagreements()
-        if bad:
-            console.print(f"  [bold red]{len(bad)} value disagreements (bugs in torch or memlayout):[/bold red]")
-            for name, d in bad:
-                console.print(f"    {name} sample {d.sample} {d.what}: max abs err {d.max_abs:.3g} "
-                              f"({d.mismatched}/{d.numel}) on {d.call}")
-        if cache:
-            console.print(f"  cached: {save_to_cache(r)}")
+    cached = {i: save_to_cache(r) for i, r in enumerate(reports)} if cache else None
+    render_terminal(reports, console, cached)
     console.print(f"wrote {out_dir / 'coverage.json'} and {out_dir / 'coverage.md'}")
 
 
@@ -523,11 +527,6 @@ def train(
 ) -> None:
     """Train an image classifier (reference loop) in one layout, on one process or under
     torchrun (DDP); print images/s, loss and accuracy per interval."""
-    import statistics
-
-    import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from memlayout.train import (
         TrainConfig,
         Trainer,
@@ -537,48 +536,52 @@ def train(
     )
     from memlayout.train.ddp import barrier, shutdown
     from memlayout.train.loop import IntervalLog
+    from memlayout.train.render import interval_line, render_comparison, render_run
 
+    layouts = [s.strip() for s in compare.split(",") if s.strip()] if compare else []
+    try:
+        _choice("--plan-costs", plan_costs, PLAN_COSTS)
+        _at_least(1, synthetic=synthetic, rounds=rounds, max_steps=max_steps, threads=threads)
+        cfg = TrainConfig(model, data, epochs=epochs, batch=batch, dtype=_dtype(dtype), layout=layout,
+                          lr=lr, checkpoint=checkpoint, resume=resume, image_size=image_size,
+                          workers=workers, log_every=log_every, seed=seed, max_steps=max_steps,
+                          device=_device(device), plan_measure=plan_costs == "measured",
+                          sync_batchnorm=sync_bn)
+        for name in layouts or [layout]:
+            dataclasses.replace(cfg, layout=name).check()
+    except MemlayoutError as exc:
+        _fail(exc)
     out = console
     try:
-        if plan_costs not in ("measured", "analytic"):
-            raise MemlayoutError(f"--plan-costs {plan_costs!r} is neither measured nor analytic")
         if threads is not None:
             torch.set_num_threads(threads)
-        info = init_distributed(device)
+        info = init_distributed(cfg.device)
         if not info.is_main:
             out = Console(quiet=True)
         if synthetic is not None:
             if info.is_main:
                 make_synthetic(data, synthetic, size=image_size, seed=seed)
             barrier(info)
-        cfg = TrainConfig(model, data, epochs=epochs, batch=batch, dtype=dtype, layout=layout, lr=lr,
-                          checkpoint=checkpoint, resume=resume, image_size=image_size,
-                          workers=workers, log_every=log_every, seed=seed, max_steps=max_steps,
-                          device=device, plan_measure=plan_costs == "measured", sync_batchnorm=sync_bn)
-        cfg.check()
-        where = (f"{info.world_size} processes (torchrun, DDP {'nccl' if device.startswith('cuda') else 'gloo'})"
+        where = (f"{info.world_size} processes (torchrun, DDP {'nccl' if cfg.device.startswith('cuda') else 'gloo'})"
                  if info.distributed else "1 process")
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=out, transient=False) as progress:
+        with _progress(out) as progress:
             bar = progress.add_task("building", total=None)
 
             def on_event(event: object) -> None:
                 if isinstance(event, IntervalLog):
-                    progress.console.print(
-                        f"[{event.layout}] Epoch: [{event.epoch}][{event.step_in_epoch:>4}/{event.steps_per_epoch}]  "
-                        f"Time {event.seconds:7.3f} s  Speed {event.images_per_second:8.1f} img/s  "
-                        f"Loss {event.loss:.4f}  Acc@1 {event.accuracy:6.2f}", markup=False, highlight=False)
+                    progress.console.print(interval_line(event), markup=False, highlight=False)
                     progress.update(bar, completed=event.step, total=event.total_steps,
                                     description=f"{event.layout} epoch {event.epoch}")
                 else:
                     progress.console.print(str(event), markup=False, highlight=False)
 
-            if compare:
-                layouts = [s.strip() for s in compare.split(",") if s.strip()]
+            if layouts:
                 progress.update(bar, total=rounds * len(layouts), completed=0)
-                out.print(f"memlayout train {model} --compare {','.join(layouts)}: {dtype}, batch {batch} per process x {where}, "
+                out.print(f"memlayout train {model} --compare {','.join(layouts)}: {cfg.dtype}, batch {batch} per process x {where}, "
                           f"{image_size} px, {log_every} steps per interval, 1 warm-up + {rounds} interleaved rounds, "
-                          f"device {device}, torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+                          f"device {cfg.device}, torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+                if info.is_main:
+                    _print_conditions(Conditions.now())
                 steps = [0]
 
                 def on_step(r: int, name: str) -> None:
@@ -590,7 +593,7 @@ def train(
                 progress.update(bar, completed=rounds * len(layouts), description="done")
             else:
                 trainer = Trainer(cfg, info, on_event)
-                out.print(f"memlayout train {model}: layout {layout}, {dtype}, batch {batch} per process x {where}, "
+                out.print(f"memlayout train {model}: layout {layout}, {cfg.dtype}, batch {batch} per process x {where}, "
                           f"{image_size} px, {len(trainer.dataset)} images in {len(trainer.dataset.classes)} classes, "
                           f"{trainer.steps_per_epoch} steps/epoch, {epochs} epochs, device {trainer.device}, "
                           f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
@@ -602,40 +605,10 @@ def train(
                 run = trainer.run()
     except MemlayoutError as exc:
         _fail(exc)
-    if compare:
-        c = result.comparison
-        base = layouts[0]
-        table = Table(title=f"images/s per layout, {result.steps_per_interval} steps x {batch} images x "
-                            f"{info.world_size} processes per interval (median of {rounds} interleaved rounds)")
-        for col in ("layout", "images/s", "interval s (median)", "spread", f"speed vs {base}", "last loss", "last acc@1"):
-            table.add_column(col, justify="left" if col == "layout" else "right")
-        for name in layouts:
-            t = c[name]
-            if not t.ok:
-                table.add_row(name, "failed", t.error or "", "", "", "", "")
-                continue
-            span = c.speedup_range(name)
-            ratio = (f"{c.speedup(name):.3f}x ({span[0]:.2f}-{span[1]:.2f})"
-                     if name != base and span else "1")
-            loss, acc = result.final.get(name, (float("nan"), float("nan")))
-            table.add_row(name, f"{result.images_per_second(name):.1f}", f"{t.median:.3f}",
-                          f"{100 * t.spread:.0f} %", ratio, f"{loss:.4f}", f"{acc:.1f}")
-        out.print(table)
-        for name in layouts[1:]:
-            if c[name].ok and c.speedup(name) is not None:
-                lo, hi = c.speedup_range(name)
-                out.print(f"ratio {name}/{base} images/s: {c.speedup(name):.3f}x (median of "
-                          f"{len(c.ratios(name))} per-round ratios, range {lo:.3f}-{hi:.3f})",
-                          markup=False, highlight=False)
+    if layouts:
+        render_comparison(result, layouts, out, batch=batch, world_size=info.world_size, rounds=rounds)
     else:
-        later = [i.images_per_second for i in run.intervals[1:]] or [i.images_per_second for i in run.intervals]
-        if later:
-            out.print(f"{run.step - run.start_step} steps; images/s per interval (all processes, "
-                      f"first interval left out as warm-up): median {statistics.median(later):.1f}, "
-                      f"range {min(later):.1f}-{max(later):.1f}; final loss {run.intervals[-1].loss:.4f}",
-                      markup=False, highlight=False)
-        if run.checkpoint:
-            out.print(f"checkpoint: {run.checkpoint}", markup=False, highlight=False)
+        render_run(run, out)
     shutdown(info)
 
 

@@ -1,7 +1,8 @@
 """What layout a model's parameters and module outputs are in after a channels-last run (L2).
 
 ``inspect_model`` converts copies of the model and input to ``fmt``, runs one forward under
-``no_grad`` with forward hooks on every module, and returns plain data; the CLI renders it.
+``no_grad`` with forward hooks on every module, and returns plain data; ``render_terminal``
+only reads it.
 (The audit goes further: every aten op, backward included, with conversion costs.)
 """
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch import nn
 
 from memlayout.layout import Format
@@ -85,3 +88,37 @@ def inspect_model(model: nn.Module, inputs: Any, fmt: Format = Format.CHANNELS_L
         for h in handles:
             h.remove()
     return InspectReport(fmt, params, tuple(outputs))
+
+
+_STYLE = {"channels_last": "green", "channels_last_3d": "green", "contiguous": "yellow",
+          "none": "red"}
+
+
+def styled(name: str) -> str:
+    """A format name in rich markup: green in a channels-last format, yellow contiguous,
+    cyan ambiguous, red none."""
+    style = "cyan" if name.startswith("ambiguous") else _STYLE.get(name, "white")
+    return f"[{style}]{name}[/{style}]"
+
+
+def render_terminal(report: InspectReport, console: Console, *, model: str,
+                    input_shape: tuple[int, ...]) -> None:
+    """Parameters and buffers by rank and format, every module's outputs in execution order,
+    and the outputs counted by format."""
+    params = Table(title=f"{model}: parameters and buffers after convert_module(..., {report.fmt.name})")
+    for col in ("rank", "tensors", "elements", "formats"):
+        params.add_column(col, justify="right" if col != "formats" else "left")
+    for g in report.params:
+        fmts = ", ".join(f"{styled(n)} x{c}" for n, c in g.formats)
+        params.add_row(str(g.rank), str(g.tensors), f"{g.elements:,}", fmts)
+    console.print(params)
+    outs = Table(title=f"{model}: module outputs, input {input_shape} in {report.fmt.name}")
+    for col in ("#", "module", "type", "output shape", "format"):
+        outs.add_column(col)
+    for i, o in enumerate(report.outputs):
+        outs.add_row(str(i), o.path or "(model)", o.type,
+                     " ".join(str(s) for s in o.shapes), " ".join(styled(f) for f in o.formats))
+    console.print(outs)
+    counts = Counter(f for o in report.outputs for f in o.formats)
+    console.print("module outputs by format: "
+                  + ", ".join(f"{styled(k)} {v}" for k, v in sorted(counts.items())))

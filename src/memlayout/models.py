@@ -92,7 +92,7 @@ def load_model(spec: str, *, batch: int = 8, image_size: int | None = None,
 def torchvision_kind(name: str) -> str | None:
     """``classification``, ``segmentation``, ``detection``, ``video``, ``optical_flow``,
     ``quantization``, or ``None`` for a name torchvision does not know."""
-    import torchvision.models as tvm
+    import torchvision.models as tvm  # seconds to import; only torchvision specs need it
 
     for kind, module in (("segmentation", tvm.segmentation), ("detection", tvm.detection),
                          ("video", tvm.video), ("optical_flow", tvm.optical_flow),

@@ -15,9 +15,22 @@ import html
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
-from memlayout.audit.report import OUTSIDE, PHASES, AuditReport, OpRecord, in_format_name
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from memlayout.audit.report import (
+    OUTSIDE,
+    PHASES,
+    AuditReport,
+    OpRecord,
+    drops_by_op,
+    in_format_name,
+    offender_patterns,
+)
+from memlayout.machine import SPREAD_LIMIT, noisy
+from memlayout.timing import Comparison
 
 
 def human_bytes(n: int) -> str:
@@ -47,16 +60,14 @@ def write_json(report: AuditReport, path: str | Path) -> None:
 
 
 # -- terminal ---------------------------------------------------------------------------------
-def render_terminal(report: AuditReport, console: Any, title: str = "audit", top: int = 20) -> None:
-    """A rich summary, then drops and conversions grouped by (module type, op), by bytes."""
-    from rich.markup import escape
-    from rich.table import Table
-
+def render_terminal(report: AuditReport, console: Console, title: str = "audit", top: int = 20) -> None:
+    """A rich summary, then drops and conversions grouped by (module type, op), by bytes; then
+    the offending module instances grouped by path pattern, each group counted once."""
     s = report.summary
     share = "n/a" if s.activation_share is None else f"{100 * s.activation_share:.1f} %"
     ops = ", ".join(f"{p} {n}" for p, n in s.ops.items() if n)
     drops = ", ".join(f"{p} {n}" for p, n in s.drops_by_phase.items() if n) or "none"
-    console.print(f"[bold]{html.escape(title, quote=False)}[/bold] in {report.fmt}  "
+    console.print(f"[bold]{escape(title)}[/bold] in {report.fmt}  "
                   f"({', '.join(f'{k}={v}' for k, v in report.meta.items() if k in ('train', 'dtype', 'device'))})")
     console.print(f"  aten calls recorded: {ops or 'none'}")
     console.print(f"  drops of {report.fmt}: [{'red' if s.drops else 'green'}]{s.drops}[/] ({drops})")
@@ -75,20 +86,52 @@ def render_terminal(report: AuditReport, console: Any, title: str = "audit", top
     if len(s.groups) > top:
         table.caption = f"{len(s.groups) - top} more groups in --json / --html"
     console.print(table)
-    worst = Table(title="top offenders (module instances)")
-    for col in ("phase", "module", "op", "drops", "conversions", "bytes"):
-        worst.add_column(col, justify="right" if col in ("drops", "conversions", "bytes") else "left")
-    for o in s.top_offenders:
-        worst.add_row(o.phase, _where(o.module, o.module_type), o.op, str(o.drops),
-                      str(o.conversions), human_bytes(o.bytes))
+    patterns = offender_patterns(report)
+    worst = Table(title="offending modules, instances that differ only in numbers counted together")
+    for col in ("phase", "modules", "instances", "op", "drops", "conversions", "bytes"):
+        worst.add_column(col, justify="right" if col in ("instances", "drops", "conversions", "bytes") else "left")
+    for p in patterns[:top]:
+        where = _where(p.example if p.instances == 1 else p.pattern, p.module_type)
+        worst.add_row(p.phase, where, str(p.instances), p.op, str(p.drops), str(p.conversions),
+                      human_bytes(p.bytes))
+    if len(patterns) > top:
+        worst.caption = f"{len(patterns) - top} more in --json / --html"
     console.print(worst)
+    render_coverage_notes(report, console)
+
+
+def render_coverage_notes(report: AuditReport, console: Console) -> None:
+    """What the coverage matrix says about each dropping op, one line per op with its count;
+    the ops it has no record of in one line, and the hint to run ``memlayout coverage`` once."""
+    counts = drops_by_op(report)
+    if not counts:
+        return
     notes = report.meta.get("coverage") or {}
-    if notes:
+    explained = [(op, n) for op, n in counts.items() if op in notes]
+    if explained:
         console.print("[bold]what the coverage matrix says about the dropping ops:[/bold]")
-        for sentence in notes.values():
-            console.print(f"  {escape(sentence)}")
-    elif s.drops:
-        console.print("[dim]run `memlayout coverage` once to have drops explained by op[/dim]")
+        for op, n in explained:
+            console.print(f"  {n} drop{'s' if n > 1 else ''}: {escape(notes[op])}")
+    missing = [op for op in counts if op not in notes]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        console.print(f"[dim]not in the coverage matrix here: {escape(shown)}; run `memlayout "
+                      f"coverage` once to have drops explained by op[/dim]")
+
+
+def render_overhead(c: Comparison, console: Console, heading: str) -> None:
+    """The audited and plain runs' medians and the median per-round ratio audited / plain,
+    with a warning beside figures whose rounds spread beyond ``machine.SPREAD_LIMIT``."""
+    ratio, span = c.speedup("plain"), c.speedup_range("plain")
+    figures = ", ".join(f"{name} median {c[name].median * 1e3:.1f} ms (spread {100 * c[name].spread:.0f} %)"
+                        for name in ("plain", "audited"))
+    console.print(f"{heading}, {c.rounds} interleaved rounds: {figures}")
+    if ratio is not None and span is not None:
+        console.print(f"audited / plain: median per-round ratio {ratio:.2f}x (range {span[0]:.2f}-{span[1]:.2f})")
+    loose = [name for name in ("plain", "audited") if noisy(c[name].spread)]
+    if loose:
+        console.print(f"[yellow]warning[/yellow]: the {' and '.join(loose)} rounds spread more than "
+                      f"{100 * SPREAD_LIMIT:.0f} %: trust the ratio for its direction only")
 
 
 # -- HTML -------------------------------------------------------------------------------------

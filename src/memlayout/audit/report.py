@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -122,6 +123,23 @@ class Offender:
     conversions: int
     conversion_bytes: int
     dropped_bytes: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class OffenderPattern:
+    """Offenders whose module paths differ only in numbers (``layer1.0.bn1``, ``layer2.1.bn1``
+    -> ``layer*.*.bn*``), for one phase, module type and op: a list a reader can take in.
+    ``example``: the first instance's path; ``instances``: how many module instances."""
+
+    phase: str
+    pattern: str | None
+    module_type: str | None
+    op: str
+    instances: int
+    example: str | None
+    drops: int
+    conversions: int
     bytes: int
 
 
@@ -286,3 +304,36 @@ def summarize(records: tuple[OpRecord, ...], fmt: str, top: int = 10) -> AuditSu
         conversions=len(conversions), conversion_bytes=sum(r.bytes for r in conversions),
         activation_bytes=act_total, activation_bytes_in_format=act_in,
         groups=tuple(group_list), top_offenders=tuple(offender_list[:top]))
+
+
+def module_pattern(path: str | None) -> str | None:
+    """A module path with every number replaced by ``*``: repeated blocks share one pattern.
+
+    >>> module_pattern("layer1.0.conv1"), module_pattern(""), module_pattern(None)
+    ('layer*.*.conv*', '', None)
+    """
+    return None if path is None else re.sub(r"\d+", "*", path)
+
+
+def offender_patterns(report: AuditReport) -> tuple[OffenderPattern, ...]:
+    """Every offender of ``report`` (not only the top ones), grouped by phase, module pattern,
+    module type and op, most bytes first."""
+    everyone = summarize(report.records, report.fmt, top=len(report.records)).top_offenders
+    groups: dict[tuple[str, str | None, str | None, str], list[Offender]] = {}
+    for o in everyone:
+        groups.setdefault((o.phase, module_pattern(o.module), o.module_type, o.op), []).append(o)
+    patterns = (OffenderPattern(phase, pattern, module_type, op, len(os), os[0].module,
+                                sum(o.drops for o in os), sum(o.conversions for o in os),
+                                sum(o.bytes for o in os))
+                for (phase, pattern, module_type, op), os in groups.items())
+    return tuple(sorted(patterns, key=lambda p: (-p.bytes, -p.drops - p.conversions, p.phase,
+                                                 p.pattern or "", p.op)))
+
+
+def drops_by_op(report: AuditReport) -> dict[str, int]:
+    """How many calls of each op dropped the format, most first."""
+    counts: dict[str, int] = defaultdict(int)
+    for r in report.records:
+        if r.dropped:
+            counts[r.op] += 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

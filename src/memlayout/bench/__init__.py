@@ -22,6 +22,7 @@ from memlayout.bench.config import (
     ModeUnavailable,
 )
 from memlayout.bench.records import FLAT_FIELDS, BenchRecord, Environment
+from memlayout.bench.report import read_json, write_atomic, write_csv, write_json, write_markdown
 from memlayout.bench.runner import BenchEvent, BenchResult, run_bench
 from memlayout.bench.zoo import ZOO_NAMES, ZooEntry, zoo
 
@@ -34,8 +35,7 @@ def write_outputs(result: BenchResult, out_dir: Path, *, command: str = "") -> d
     """Write ``results.csv``, ``results.json``, ``speedup.png``, ``summary.md`` and
     ``config.json`` (what ``--resume`` checks) into ``out_dir`` (created if missing), each by
     writing a temporary file and renaming it; returns their paths by kind."""
-    from memlayout.bench.plot import plot_speedups
-    from memlayout.bench.report import write_atomic, write_csv, write_json, write_markdown
+    from memlayout.bench.plot import plot_speedups  # matplotlib: loaded only when a run writes
 
     out_dir.mkdir(parents=True, exist_ok=True)
     env = result.env
@@ -59,8 +59,6 @@ def resume_records(out_dir: Path, config: BenchConfig) -> list[BenchRecord]:
 
     Raises ``BenchConfigError`` when the settings differ, naming each difference.
     """
-    from memlayout.bench.report import read_json
-
     results, saved = out_dir / "results.json", out_dir / "config.json"
     if not results.is_file():
         return []

@@ -12,6 +12,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
 from memlayout.bench.config import BASELINE, MODES
 from memlayout.bench.records import BenchRecord
 
@@ -21,10 +25,6 @@ _COLORS = {"nhwc": "#1f77b4", "planned": "#2ca02c", "compile": "#ff7f0e",
 
 def plot_speedups(records: Sequence[BenchRecord], path: Path, *, title: str = "") -> Path:
     """Write the bar chart to ``path`` (PNG) and return it."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
-
     cases = list(dict.fromkeys((r.dtype, r.task) for r in records))
     present = {r.mode for r in records if r.status != "unavailable"} - {BASELINE}
     modes = [m for m in MODES if m in present]

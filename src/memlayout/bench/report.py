@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memlayout.bench.config import BASELINE, CONTROL
-from memlayout.bench.records import FLAT_FIELDS, BenchRecord
+from memlayout.bench.records import FLAT_FIELDS, BenchRecord, Environment
 from memlayout.bench.runner import BenchResult
 from memlayout.timing import geomean
 
@@ -62,8 +62,6 @@ def write_json(records: Sequence[BenchRecord], path: Path) -> Path:
 
 def read_json(path: Path) -> list[BenchRecord]:
     """The records ``write_json`` wrote (to re-render tables and plots without re-running)."""
-    from memlayout.bench.records import Environment
-
     env_fields = {f.name for f in dataclasses.fields(Environment)}
     records = []
     for row in json.loads(path.read_text()):

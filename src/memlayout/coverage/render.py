@@ -1,9 +1,14 @@
-"""Markdown tables of coverage reports (rendering only reads the records)."""
+"""Coverage reports as markdown tables and as a terminal summary (rendering only reads the
+records)."""
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
 
 from memlayout.coverage.records import CoverageReport, OpRecord, Values, Verdict
 
@@ -137,3 +142,28 @@ def document(reports: list[CoverageReport]) -> str:
         "",
     ]
     return "\n".join(head + [to_markdown(r) for r in reports])
+
+
+def render_terminal(reports: list[CoverageReport], console: Console,
+                    cached: dict[int, Path] | None = None) -> None:
+    """Per report: op counts per phase and the value disagreements grouped by op (samples
+    counted, the worst error shown); ``cached``: where report ``i`` was merged into the cache."""
+    for i, r in enumerate(reports):
+        console.print(f"[bold]{r.device} {r.dtype} {r.fmt}[/bold], torch {r.torch_version}: "
+                      f"{len(r.ops)} ops in {r.seconds:g} s")
+        console.print(f"  forward:  {summary_line(r, 'forward')}")
+        console.print(f"  backward: {summary_line(r, 'backward')}")
+        bad = r.disagreements()
+        if bad:
+            by_op: dict[str, list] = defaultdict(list)
+            for name, d in bad:
+                by_op[name].append(d)
+            console.print(f"  [bold red]{len(bad)} value disagreements in {len(by_op)} ops "
+                          f"(bugs in torch or memlayout):[/bold red]")
+            for name, ds in by_op.items():
+                worst = max(ds, key=lambda d: d.max_abs)
+                console.print(f"    {escape(name)}: {len(ds)} sample{'s' if len(ds) > 1 else ''}, worst "
+                              f"sample {worst.sample} {worst.what}: max abs err {worst.max_abs:.3g} "
+                              f"({worst.mismatched}/{worst.numel}) on {escape(worst.call)}")
+        if cached and i in cached:
+            console.print(f"  cached: {cached[i]}")
