@@ -23,8 +23,8 @@ modes that call is the compilation (reported as compile time, never mixed into t
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
 fp32, matmuls and convolutions run in bf16); the backward pass runs outside autocast as the
 PyTorch AMP recipe says. Task ``train`` is forward + backward + ``SGD.step``, with the loss
-``sum(0.5 * mean(y ** 2))`` over every floating output tensor (any model, and stable for the
-few steps a benchmark takes).
+``memlayout.tensors.mean_square_loss``: ``sum(0.5 * mean(y ** 2))`` over every floating output
+tensor that requires grad (any model, and stable for the few steps a benchmark takes).
 
 >>> import torch
 >>> from torch import nn
