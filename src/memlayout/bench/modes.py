@@ -102,7 +102,7 @@ class PreparedMode:
     module: nn.Module | None = None
 
 
-def autocast_dtype(dtype: str) -> torch.dtype | None:
+def _autocast_dtype(dtype: str) -> torch.dtype | None:
     """The autocast dtype of a benchmark dtype (``None`` for fp32), by ``memlayout.dtypes``."""
     return parse_dtype(dtype, allowed=DTYPES)
 
@@ -119,7 +119,7 @@ def _train_loss(out: Any) -> torch.Tensor:
 
 def _step_fn(model: nn.Module, x: torch.Tensor, dtype: str, task: str,
              device: str) -> Callable[[], object]:
-    run_dtype = autocast_dtype(dtype)
+    run_dtype = _autocast_dtype(dtype)
     if task == "infer":
         def infer() -> object:
             with torch.no_grad(), autocast(device, run_dtype):
@@ -159,7 +159,7 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
     elif mode == "planned+compile" and task == "infer":
         # memlayout.compile: the plan compiled so that it stands (Inductor's layout
         # optimization off), or Inductor's own layout unless the plan measured >2 % faster
-        model = plan_and_compile(model, (x,), dtype=autocast_dtype(dtype), measure=plan_measure,
+        model = plan_and_compile(model, (x,), dtype=_autocast_dtype(dtype), measure=plan_measure,
                                  backend=compile_backend)
         kept = model.plan.compiled.get("kept")  # type: ignore[union-attr]
         note = (f"memlayout.compile(backend={compile_backend!r}): kept {kept}; compile time = "
@@ -167,7 +167,7 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
     elif mode in ("planned", "planned+compile"):
         # task train: planned for a training step (forward + backward costs, gradients verified)
         own_input = mode == "planned"  # its input in the plan's format, like nhwc's (above)
-        model = optimize(model, (x,), dtype=autocast_dtype(dtype), measure=plan_measure,
+        model = optimize(model, (x,), dtype=_autocast_dtype(dtype), measure=plan_measure,
                          **({"train": True} if task == "train" else {}),
                          **({"input_format": "auto"} if own_input else {}))
         model.train(task == "train")
@@ -207,7 +207,7 @@ def count_flops(module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")
     x = x.to(device)
-    run_dtype = autocast_dtype(dtype)
+    run_dtype = _autocast_dtype(dtype)
     with FlopCounterMode(display=False) as counter:
         if task == "infer":
             with torch.no_grad(), autocast(device, run_dtype):
@@ -223,7 +223,7 @@ def gemm_step(side: int, dtype: str, device: str = "cpu") -> tuple[Callable[[], 
     """A ``side`` x ``side`` matmul in ``dtype`` (real bf16 tensors for bf16) and its FLOPs:
     the machine's practical peak, timed in the same interleaved rounds as the models."""
     gen = torch.Generator().manual_seed(0)
-    tensor_dtype = autocast_dtype(dtype) or torch.float32
+    tensor_dtype = _autocast_dtype(dtype) or torch.float32
     a, b = (torch.randn(side, side, generator=gen).to(device=device, dtype=tensor_dtype)
             for _ in range(2))
     out = torch.empty_like(a)
