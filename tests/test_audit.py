@@ -17,8 +17,10 @@ import torchvision
 from torch import nn
 
 from memlayout import AuditMode, AuditReport, Format, LayoutDropError, audit, strict, to_format
+from memlayout.audit import recorder
 from memlayout.audit.recorder import NOT_RECORDED
 from memlayout.audit.render import render_html
+from memlayout.coverage import CoverageConfig, explain, run_coverage, save_to_cache
 from memlayout.layout import formats_of
 from memlayout.tensors import convert_module, iter_tensors
 
@@ -362,8 +364,6 @@ def test_video_models_in_channels_last_3d():
 
 
 def test_a_call_that_cannot_be_recorded_does_not_break_the_run(monkeypatch):
-    from memlayout.audit import recorder
-
     def broken(shape, strides):
         raise RuntimeError("boom")
 
@@ -377,8 +377,6 @@ def test_a_call_that_cannot_be_recorded_does_not_break_the_run(monkeypatch):
 
 
 def test_drops_are_explained_from_the_coverage_cache(tmp_path, monkeypatch):
-    from memlayout.coverage import CoverageConfig, explain, run_coverage, save_to_cache
-
     monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path))
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8), nn.CircularPad2d(1))
     x = torch.randn(2, 3, 10, 10)

@@ -10,18 +10,32 @@ import csv
 import json
 import shutil
 import statistics
+import subprocess
+import sys
 import textwrap
 
 import pytest
 import torch
+import torchvision
 from PIL import Image
 from torch import nn
 from typer.testing import CliRunner
 
-from memlayout.bench import BenchConfig, BenchConfigError, ModeUnavailable, run_bench, zoo
-from memlayout.bench.modes import count_flops, find_optimize, training_loss
+import memlayout
+from memlayout import malloc
+from memlayout.bench import (
+    CONTROL,
+    DEFAULT_MODES,
+    BenchConfig,
+    BenchConfigError,
+    run_bench,
+    runner,
+    zoo,
+)
+from memlayout.bench.modes import count_flops, prepare_mode
 from memlayout.bench.report import read_json, summary_tables, write_json
 from memlayout.cli import app
+from memlayout.models import load_model
 
 ALL_MODES = ("nchw", "nhwc", "planned", "compile", "planned+compile")
 
@@ -30,14 +44,6 @@ ALL_MODES = ("nchw", "nhwc", "planned", "compile", "planned+compile")
 def _planner_cache(tmp_path, monkeypatch):
     # the planner caches measured costs; keep the user's cache out of the tests
     monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def _planner_available() -> bool:
-    try:
-        find_optimize()
-    except ModeUnavailable:
-        return False
-    return True
 
 
 def _models_file(tmp_path):
@@ -131,11 +137,8 @@ def test_quick_zoo_cli_writes_every_record_and_output(tmp_path):
     assert {(r["model"], r["task"], r["mode"]) for r in rows} == {
         (m, "infer", mode) for m in models for mode in ALL_MODES}
     assert len(rows) == len(models) * len(ALL_MODES)
-    planner = _planner_available()
     for r in rows:
-        assert r["status"] in ("ok", "error", "unavailable"), r
-        if r["status"] == "unavailable":
-            assert r["mode"] in ("planned", "planned+compile") and not planner
+        assert r["status"] in ("ok", "error"), r
         if r["status"] != "ok":
             assert r["error"], r
             continue
@@ -181,7 +184,7 @@ def test_quick_zoo_cli_writes_every_record_and_output(tmp_path):
     if r18["status"] == "ok":
         assert f"{r18['speedup']:.2f}x ({r18['speedup_min']:.2f}-{r18['speedup_max']:.2f})" in table_lines[0]
     assert "resnet18" in result.output and "wrote" in result.output
-    chose = md.split("## What the planner chose", 1)[-1] if planner else ""
+    chose = md.split("## What the planner chose", 1)[-1]
     for r in rows:
         if r["mode"].startswith("planned") and r["status"] == "ok":
             assert r["note"].startswith(("plan: ", "memlayout.compile")), r["note"]
@@ -197,35 +200,25 @@ def test_every_mode_trains_or_reports_why(tmp_path):
                                    gemm_size=32, compile_backend="eager", plan_measure=False)
     records = run_bench(cfg).records
     assert [(r.dtype, r.mode) for r in records] == [(d, m) for d in ("fp32", "bf16") for m in ALL_MODES]
-    planner = _planner_available()
     for r in records:
-        if r.mode.startswith("planned") and not planner:
-            assert r.status == "unavailable"
-        else:
-            assert r.status == "ok", (r.mode, r.error)
-    if planner:
-        # the planned record says what the plan chose: the headline of the same plan made
-        # directly (analytic costs: no timing, so the same choice)
-        import memlayout
-        from memlayout.models import load_model
-
-        built = load_model(f"{path}:tiny", batch=2, image_size=8)
-        for r in records:
-            if r.mode == "planned":
-                opt = memlayout.optimize(built.module.train(), (built.example_input,),
-                                         dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[r.dtype]),
-                                         measure=False, train=True, input_format="auto")
-                assert r.note == opt.plan.headline()
-                # timed with its input in the format the plan chose, converted beforehand
-                assert r.input_format == opt.plan.input_format
-            if r.mode == "planned+compile":
-                assert r.note.startswith("plan: ") and "torch.compile" in r.note
-            assert r.rounds == 2 and r.flops and r.speedup is not None
+        assert r.status == "ok", (r.mode, r.error)
+    # the planned record says what the plan chose: the headline of the same plan made
+    # directly (analytic costs: no timing, so the same choice)
+    built = load_model(f"{path}:tiny", batch=2, image_size=8)
+    for r in records:
+        if r.mode == "planned":
+            opt = memlayout.optimize(built.module.train(), (built.example_input,),
+                                     dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[r.dtype]),
+                                     measure=False, train=True, input_format="auto")
+            assert r.note == opt.plan.headline()
+            # timed with its input in the format the plan chose, converted beforehand
+            assert r.input_format == opt.plan.input_format
+        if r.mode == "planned+compile":
+            assert r.note.startswith("plan: ") and "torch.compile" in r.note
+        assert r.rounds == 2 and r.flops and r.speedup is not None
 
 
 def test_train_step_updates_the_weights_of_its_own_copy():
-    from memlayout.bench.modes import prepare_mode
-
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
     before = [p.detach().clone() for p in model.parameters()]
     prepared = prepare_mode("nhwc", model, torch.randn(2, 3, 8, 8), dtype="fp32", task="train")
@@ -314,8 +307,6 @@ def _grouped_net() -> nn.Module:
 
 @pytest.mark.parametrize("name", ["resnet18", "grouped"])
 def test_flop_count_matches_a_count_by_hand(name):
-    import torchvision
-
     model = _grouped_net() if name == "grouped" else getattr(torchvision.models, name)()
     model.eval()
     x = torch.randn(2, 3, 32, 32)
@@ -377,22 +368,43 @@ def test_inductor_compile_mode_on_a_tiny_model(tmp_path):
     assert compiled.rounds == 2 and nchw.compile_s is None
 
 
-def test_planned_mode_is_used_or_reported_unavailable(tmp_path):
+def test_planned_mode_is_used(tmp_path):
     path = _models_file(tmp_path)
     cfg = BenchConfig.from_strings([f"{path}:tiny"], modes="nchw,planned", batch=2, image_size=8,
                                    rounds=2, gemm_size=32)
     planned = run_bench(cfg).records[1]
-    if _planner_available():
-        assert planned.status in ("ok", "error") and planned.setup_s is not None or planned.error
-    else:
-        assert planned.status == "unavailable" and "not available" in planned.error
+    assert planned.status in ("ok", "error") and planned.setup_s is not None or planned.error
 
 
-def test_training_loss_walks_every_output_structure():
-    a, b = torch.ones(2, 3), torch.full((4,), 2.0)
-    assert training_loss({"out": a, "aux": [b, "label"]}).item() == pytest.approx(0.5 + 2.0)
+class TwoHeads(nn.Module):
+    """Outputs of every structure a training step's loss walks: dict, list, non-tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 2, 1), nn.Conv2d(3, 1, 1)
+
+    def forward(self, x):
+        return {"out": self.a(x), "aux": [self.b(x), "label"], "n": torch.ones(2, dtype=torch.int64)}
+
+
+class Labels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x):
+        return self.conv(x).argmax(1)
+
+
+def test_training_step_loss_walks_every_output_structure():
+    x = torch.randn(2, 3, 4, 4)
+    prepared = prepare_mode("nchw", TwoHeads(), x, dtype="fp32", task="train")
+    with torch.no_grad():
+        out = prepared.module(x)  # the weights the next step's loss is computed with
+    expected = 0.5 * out["out"].square().mean() + 0.5 * out["aux"][0].square().mean()
+    assert prepared.step().item() == pytest.approx(expected.item())
     with pytest.raises(TypeError, match="no floating tensor"):
-        training_loss({"n": torch.ones(2, dtype=torch.int64)})
+        prepare_mode("nchw", Labels(), x, dtype="fp32", task="train")
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -410,18 +422,16 @@ def test_bad_config_names_what_was_given(kwargs, match):
 
 
 def test_cli_errors_are_clean():
-    runner = CliRunner()
-    result = runner.invoke(app, ["bench", "--zoo", "huge"])
+    cli = CliRunner()
+    result = cli.invoke(app, ["bench", "--zoo", "huge"])
     assert result.exit_code == 2 and "unknown zoo 'huge'" in result.output
-    result = runner.invoke(app, ["bench"])
+    result = cli.invoke(app, ["bench"])
     assert result.exit_code == 2 and "no models given" in result.output
-    result = runner.invoke(app, ["bench", "--help"])
+    result = cli.invoke(app, ["bench", "--help"])
     assert result.exit_code == 0 and "Default: 8." in result.output
 
 
 def test_zoos_are_buildable_specs():
-    import torchvision
-
     known = set(torchvision.models.list_models())
     for name in ("quick", "classification", "all"):
         for entry in zoo(name):
@@ -453,8 +463,6 @@ def test_resume_keeps_measured_cases_and_runs_only_the_missing_ones(tmp_path):
     assert {(r["model"].split(":")[-1], r["dtype"]) for r in before} == {("tiny", "fp32")}
 
     events = []
-    from memlayout.bench import runner
-
     real = runner._run_case
 
     def counting(config, env, spec, dtype, task, *rest):
@@ -482,8 +490,6 @@ def test_resume_keeps_measured_cases_and_runs_only_the_missing_ones(tmp_path):
 
 
 def test_steady_heap_is_applied_recorded_and_part_of_the_resume_check(tmp_path, monkeypatch):
-    from memlayout import malloc
-
     calls = []
 
     def fake_steady_heap() -> bool:  # the real one changes this process for good
@@ -512,9 +518,6 @@ def test_steady_heap_is_applied_recorded_and_part_of_the_resume_check(tmp_path, 
 
 
 def test_a_run_killed_mid_way_keeps_every_finished_case(tmp_path):
-    import subprocess
-    import sys
-
     path, out = _models_file(tmp_path), tmp_path / "out"
     script = ("import sys; from memlayout.cli import app; sys.argv = ['memlayout', *sys.argv[1:]];"
               " app()")
@@ -529,8 +532,6 @@ def test_a_run_killed_mid_way_keeps_every_finished_case(tmp_path):
 
 
 def test_the_control_mode_is_a_second_nhwc_copy_and_not_a_default(tmp_path):
-    from memlayout.bench import CONTROL, DEFAULT_MODES
-
     assert CONTROL not in DEFAULT_MODES and CONTROL not in BenchConfig(models=("m",)).modes
     path = _models_file(tmp_path)
     out = tmp_path / "out"
@@ -548,8 +549,6 @@ def test_the_control_mode_is_a_second_nhwc_copy_and_not_a_default(tmp_path):
     assert again.mode == CONTROL and again.status == "ok" and again.rounds == 3
     assert again.input_format == nhwc.input_format == "channels_last"
     # its own copy: training one does not touch the other's weights
-    from memlayout.bench.modes import prepare_mode
-
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
     a, b = (prepare_mode(m, model, torch.randn(2, 3, 8, 8), dtype="fp32", task="train")
             for m in ("nhwc", CONTROL))

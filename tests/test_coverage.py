@@ -6,13 +6,18 @@ torch (``is_contiguous(memory_format=...)``), never copied from a run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from typer.testing import CliRunner
 
+from memlayout.cli import app
 from memlayout.coverage import (
     CoverageConfig,
     OpRecord,
@@ -26,6 +31,8 @@ from memlayout.coverage import (
     write_json,
 )
 from memlayout.coverage.check import _compare, check_op
+from memlayout.coverage.opinfo import load_op_db
+from memlayout.coverage.runner import _with_crashes
 from memlayout.coverage.store import cached_report
 from memlayout.errors import CoverageUnavailableError, LayoutError
 from memlayout.layout import Format
@@ -142,8 +149,6 @@ def test_storage_reading_op_is_not_comparable_but_not_hidden(report):
 
 
 def test_crashed_samples_are_errors_in_the_record():
-    from memlayout.coverage.runner import _with_crashes
-
     rec = OpRecord("x", Verdict.NOT_APPLICABLE, Verdict.PRESERVES, Values.AGREE, Values.AGREE,
                    error_samples=1, errors=("boom",))
     out = _with_crashes(rec, ["worker process died (signal SIGSEGV) in sample 3"])
@@ -166,6 +171,7 @@ class FakeOp:
     supported_backward_dtypes = supported_dtypes
 
     def reference_inputs(self, device, dtype, requires_grad=False):
+        # torch's internal test API, as OpInfo itself: only when a sample is drawn
         from torch.testing._internal.opinfo.core import SampleInput
 
         yield SampleInput(torch.randn(2, 3, 4, 5, dtype=dtype, requires_grad=requires_grad))
@@ -202,7 +208,6 @@ def test_error_only_in_channels_last_is_reported():
 
 def test_sample_timeout_guards_a_hanging_op():
     pytest.importorskip("expecttest")
-    import time
 
     def slow(x):
         time.sleep(5)
@@ -259,8 +264,6 @@ def test_json_round_trip_and_cache_lookup(report, tmp_path, monkeypatch):
 
 
 def test_partial_runs_merge_into_the_cache(report, tmp_path, monkeypatch):
-    import dataclasses
-
     monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path))
     save_to_cache(report)
     changed = dataclasses.replace(_rec(report, "nn.functional.relu"), notes=("rerun",))
@@ -279,10 +282,6 @@ def test_config_rejects_bad_format_and_dtype():
 
 def test_cli_isolated_workers_agree_with_in_process(report, tmp_path, monkeypatch):
     """The CLI path (worker process, files, cache) gives the records the in-process run gave."""
-    from typer.testing import CliRunner
-
-    from memlayout.cli import app
-
     monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
     ops = "nn.functional.pad.circular,nn.functional.relu"
     result = CliRunner().invoke(app, ["coverage", "--ops", ops, "--max-samples", "6",
@@ -300,13 +299,6 @@ def test_cli_isolated_workers_agree_with_in_process(report, tmp_path, monkeypatc
 
 def test_unavailable_op_db_is_said_clearly(monkeypatch, tmp_path):
     """When torch's internal test API cannot be imported, the command says so and exits 2."""
-    import sys
-
-    from typer.testing import CliRunner
-
-    from memlayout.cli import app
-    from memlayout.coverage.opinfo import load_op_db
-
     monkeypatch.setitem(sys.modules, "torch.testing._internal.common_methods_invocations", None)
     load_op_db.cache_clear()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 from typer.testing import CliRunner
 
+from memlayout.cli import app
 from memlayout.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -29,6 +31,7 @@ from memlayout.data import (
     to_model_input,
 )
 from memlayout.data.bench import synthetic_jpeg_folder
+from memlayout.data.normalize import _affine_into
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.tensors import format_of, in_format
@@ -298,8 +301,6 @@ def test_synthetic_folder_is_made_once(tmp_path):
 
 
 def test_bench_data_command(tmp_path):
-    from memlayout.cli import app
-
     out = tmp_path / "r.json"
     res = CliRunner().invoke(app, ["bench-data", "--images", "4", "--size", "16", "--batch", "2",
                                    "--rounds", "1", "--cache-dir", str(tmp_path), "--json", str(out)])
@@ -317,8 +318,6 @@ def test_bench_data_command(tmp_path):
 
 
 def test_collate_object_in_a_users_dataloader_fits_mixed_sizes(files):
-    import pickle
-
     collate = pickle.loads(pickle.dumps(ChannelsLastCollate(fit="resize", size=(H, W))))  # spawn workers pickle it
     paths = [files["rgb"][0], files["small"][0], files["rgb"][1]]
     (x, y), = list(DataLoader(Files(paths), batch_size=3, collate_fn=collate))
@@ -331,8 +330,6 @@ def test_collate_object_in_a_users_dataloader_fits_mixed_sizes(files):
                                                     (False, torch.bfloat16)])
 def test_both_normalize_paths_agree_with_the_formula(cast_first, dtype):
     # cast_first: the CPU float32 path; one addcmul: the accelerator path (run on CPU here)
-    from memlayout.data.normalize import _affine_into
-
     x = torch.randint(0, 256, (3, 5, 6, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
     mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
     out = torch.empty(x.shape, dtype=dtype, memory_format=torch.channels_last)

@@ -5,7 +5,6 @@ tests/test_train_ddp.py.)"""
 from __future__ import annotations
 
 import copy
-import inspect
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,10 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
+from memlayout.cli import app
 from memlayout.errors import CheckpointError, ExportError, MemlayoutError, TrainError
 from memlayout.layout import Format
+from memlayout.plan.api import optimize
 from memlayout.tensors import convert_module, format_of, in_format
 from memlayout.train import (
     TrainConfig,
@@ -64,17 +65,6 @@ def load_factory(path: Path, name: str) -> nn.Module:
     return namespace[name]()
 
 
-def planned_training_available() -> bool:
-    from memlayout.plan.api import optimize
-
-    return "train" in inspect.signature(optimize).parameters
-
-
-needs_planned_training = pytest.mark.skipif(
-    not planned_training_available(),
-    reason="memlayout.optimize(train=True) (issue #6) is not in this build")
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("train")
@@ -95,8 +85,6 @@ def channels_last_model(model: nn.Module) -> nn.Module:
 
 
 def planned_model(model: nn.Module) -> nn.Module:
-    from memlayout.plan.api import optimize
-
     x = torch.randn(2, 3, IMAGE, IMAGE).contiguous(memory_format=torch.channels_last)
     return optimize(model, x, measure=False, input_format="channels_last")
 
@@ -173,8 +161,7 @@ def test_a_truncated_file_is_a_checkpoint_error(tmp_path):
 # ---------------------------------------------------------------------------------------
 # Resume continues the same loss curve
 
-@pytest.mark.parametrize("layout", [
-    "nchw", "nhwc", pytest.param("planned", marks=needs_planned_training)])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "planned"])
 def test_resume_continues_the_same_loss_curve(work, tmp_path, layout):
     k = 5  # 8 steps per epoch: the resume is mid-epoch, the run then crosses an epoch
     whole = train(config(work, layout=layout, epochs=2, max_steps=2 * k,
@@ -204,20 +191,6 @@ def test_resume_without_a_checkpoint_says_what_to_do(work, tmp_path):
 
 # ---------------------------------------------------------------------------------------
 # Planned training and SyncBatchNorm
-
-def test_planned_training_unavailable_is_said_not_faked(work, monkeypatch):
-    from memlayout.plan import api
-    from memlayout.train.loop import plan_for_training
-
-    def inference_only(model, example_inputs, *, dtype=None, input_format=None, measure=True,
-                       name=None):
-        raise AssertionError("never called with train=True")
-
-    monkeypatch.setattr(api, "optimize", inference_only)
-    with pytest.raises(TrainError, match="planned training"):
-        plan_for_training(nn.Conv2d(3, 3, 1), torch.randn(1, 3, 4, 4), dtype="fp32",
-                          measure=False, name="conv")
-
 
 def test_sync_batchnorm_conversion_keeps_the_plan(work):
     source = load_factory(work / "tiny_models.py", "bn_dropout")
@@ -281,8 +254,6 @@ def test_compare_trains_every_layout_from_the_same_start(work):
 
 
 def test_cli_train_prints_the_log_and_rejects_bad_layouts(tmp_path):
-    from memlayout.cli import app
-
     models = write_models(tmp_path)
     runner = CliRunner()
     args = ["train", f"{models}:plain", "--data", str(tmp_path / "ds"), "--synthetic", "16",

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from memlayout.models import load_model
 from memlayout.train import TrainConfig, load_checkpoint, make_synthetic, train
 from memlayout.train.checkpoint import LATEST, PAUSE_ENV, stale_temporaries
-from tests.test_train import IMAGE, planned_training_available, write_models
+from tests.test_train import IMAGE, write_models
 
 # What torch says when gradients and DDP buckets disagree in layout (reducer.cpp), and ours.
 LAYOUT_WARNINGS = ("Grad strides do not match", "bucket view", "gradient layout contract")
@@ -40,9 +41,9 @@ def work(tmp_path_factory) -> Path:
 
 
 def test_two_process_ddp_equals_one_process_on_the_global_batch(work):
-    # one torchrun run (they are slow here): the planned model when planned training exists
-    # (its convolutions run channels-last), else the channels-last model
-    layout = "planned" if planned_training_available() else "nhwc"
+    # one torchrun run (they are slow here), of the planned model: its convolutions run
+    # channels-last
+    layout = "planned"
     steps = 6
     common = ["--data", str(work / "data"), "--image-size", str(IMAGE), "--layout", layout,
               "--max-steps", str(steps), "--log-every", "3", "--lr", "0.05",
@@ -74,8 +75,6 @@ def test_two_process_ddp_equals_one_process_on_the_global_batch(work):
 
 
 def _initial(cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    from memlayout.models import load_model
-
     return load_model(cfg.model, batch=1, image_size=IMAGE, seed=cfg.seed).module.state_dict()
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from memlayout.audit.recorder import audit, parse_dtype, prepare, run_once
+from memlayout.audit.recorder import audit, prepare, run_once
+from memlayout.dtypes import parse_dtype
 from memlayout.layout import Format
 from memlayout.timing import Comparison, device_sync, interleaved
 

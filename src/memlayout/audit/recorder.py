@@ -23,7 +23,6 @@ owning the parameter. No monkey-patching, nothing changes what the ops compute.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 from functools import cache, lru_cache
@@ -31,9 +30,19 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from memlayout.audit.report import AuditReport, ModuleCall, OpRecord, TensorInfo
+from memlayout.coverage.store import explain
 from memlayout.dispatch import ObservingMode
+from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import LayoutDropError, MemlayoutError
 from memlayout.layout import Format, formats_of
 from memlayout.tensors import (
@@ -206,22 +215,11 @@ class AuditMode:
 
     # -- context manager ------------------------------------------------------------------
     def __enter__(self) -> AuditMode:
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
-
         self._report = None
         self._handles = [register_module_forward_pre_hook(self._pre_hook),
-                         register_module_forward_hook(self._post_hook)]
-        with contextlib.suppress(ImportError):  # torch < 2.0 has no global optimizer hooks
-            from torch.optim.optimizer import (
-                register_optimizer_step_post_hook,
-                register_optimizer_step_pre_hook,
-            )
-
-            self._handles += [register_optimizer_step_pre_hook(self._optimizer_pre),
-                              register_optimizer_step_post_hook(self._optimizer_post)]
+                         register_module_forward_hook(self._post_hook),
+                         register_optimizer_step_pre_hook(self._optimizer_pre),
+                         register_optimizer_step_post_hook(self._optimizer_post)]
         self._mode = _Recorder(self)
         self._mode.__enter__()
         return self
@@ -406,27 +404,16 @@ def strict(fmt: Format | str = Format.CHANNELS_LAST, *, model: nn.Module | None 
 
 
 # -- one-call audit ---------------------------------------------------------------------------
-_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
-
-
-def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """The autocast dtype for ``fp32`` / ``bf16`` / ``fp16`` (``None``: no autocast)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return None if dtype is torch.float32 else dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise MemlayoutError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
-    return _DTYPES[key]
-
-
 def call_model(model: nn.Module, inputs: Any) -> Any:
     """``model(*inputs)`` for a tuple or list, ``model(inputs)`` otherwise."""
     return model(*inputs) if isinstance(inputs, (list, tuple)) else model(inputs)
 
 
 def scalar_loss(outputs: Any) -> torch.Tensor:
-    """The sum of every floating-point output that requires grad: what ``train=True`` backpropagates."""
+    """The sum of every floating-point output that requires grad: what ``train=True``
+    backpropagates. Not ``tensors.mean_square_loss`` (the loss of timed training steps): the
+    loss's own ops are recorded with the model's, and a sum adds one forward op whose gradient
+    is an ``expand`` view (no copy, no format), so the record is the model's ops."""
     parts = [t.sum() for t in iter_tensors(outputs) if t.requires_grad and t.is_floating_point()]
     if not parts:
         raise MemlayoutError(
@@ -441,13 +428,6 @@ def _device_of(model: nn.Module, inputs: Any) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def autocast_for(model: nn.Module, inputs: Any, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    """``torch.autocast`` on the inputs' device for bf16/fp16; a no-op context for fp32."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(_device_of(model, inputs).type, dtype=dtype)
 
 
 def prepare(model: nn.Module, inputs: Any, fmt: Format) -> tuple[nn.Module, Any]:
@@ -475,7 +455,7 @@ def _fresh_leaves(obj: Any) -> Any:
 def run_once(model: nn.Module, inputs: Any, *, train: bool, dtype: torch.dtype | None) -> Any:
     """One forward (no grad unless ``train``), then backward of ``scalar_loss`` when ``train``."""
     with torch.set_grad_enabled(train):
-        with autocast_for(model, inputs, dtype):
+        with autocast(_device_of(model, inputs), dtype):
             out = call_model(model, inputs)
         if train:
             scalar_loss(out).backward()
@@ -486,8 +466,6 @@ def coverage_notes(records: Any, fmt: Format, meta: dict[str, Any]) -> dict[str,
     """For each op that dropped ``fmt``, what the cached coverage matrix says about it on this
     torch build, device and dtype (``memlayout coverage`` fills the cache; without it: ``{}``).
     Reads only the cache, never runs an op."""
-    from memlayout.coverage.store import explain
-
     device = str(meta.get("device", "cpu")).split(":")[0]
     dtype = str(meta.get("dtype", "float32"))
     notes: dict[str, str] = {}

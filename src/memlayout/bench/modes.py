@@ -23,8 +23,8 @@ modes that call is the compilation (reported as compile time, never mixed into t
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
 fp32, matmuls and convolutions run in bf16); the backward pass runs outside autocast as the
 PyTorch AMP recipe says. Task ``train`` is forward + backward + ``SGD.step``, with the loss
-``sum(0.5 * mean(y ** 2))`` over every floating output tensor (any model, and stable for the
-few steps a benchmark takes).
+``memlayout.tensors.mean_square_loss``: ``sum(0.5 * mean(y ** 2))`` over every floating output
+tensor that requires grad (any model, and stable for the few steps a benchmark takes).
 
 >>> import torch
 >>> from torch import nn
@@ -38,7 +38,6 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -47,13 +46,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
-from memlayout.bench.config import CONTROL, ModeUnavailable
+from memlayout.bench.config import CONTROL, DTYPES
+from memlayout.dtypes import autocast, parse_dtype
 from memlayout.layout import Format
-from memlayout.tensors import format_name, format_of, iter_tensors, torch_memory_format
+from memlayout.plan.api import optimize
+from memlayout.plan.compiled import compile as plan_and_compile
+from memlayout.tensors import format_name, format_of, mean_square_loss, torch_memory_format
 from memlayout.timing import device_sync
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LEARNING_RATE = 1e-3
 
 #: what counts as "out of memory" by type: CUDA's and Python's.
@@ -100,45 +102,27 @@ class PreparedMode:
     module: nn.Module | None = None
 
 
-def autocast_context(dtype: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of the context every forward runs in: nothing for fp32, autocast for bf16."""
-    if dtype == "fp32":
-        return contextlib.nullcontext
-    device_type = torch.device(device).type
-    return lambda: torch.autocast(device_type, dtype=TORCH_DTYPES[dtype])
+def _autocast_dtype(dtype: str) -> torch.dtype | None:
+    """The autocast dtype of a benchmark dtype (``None`` for fp32), by ``memlayout.dtypes``."""
+    return parse_dtype(dtype, allowed=DTYPES)
 
 
-def training_loss(out: Any) -> torch.Tensor:
-    """``sum(0.5 * mean(y ** 2))`` over every floating tensor in a model's output (tensor, dict,
-    namedtuple of aux logits, ...), computed in fp32."""
-    terms = [0.5 * t.float().square().mean() for t in iter_tensors(out) if t.is_floating_point()]
-    if not terms:
-        raise TypeError(f"model output {type(out).__name__} holds no floating tensor to train on")
-    return torch.stack(terms).sum()
-
-
-def find_optimize() -> Callable[..., nn.Module]:
-    """``memlayout.optimize`` (the planner), or ``ModeUnavailable`` when it is not installed."""
-    import memlayout
-
-    fn = getattr(memlayout, "optimize", None)
-    if fn is None:
-        try:
-            from memlayout.plan import optimize as fn  # type: ignore[attr-defined, no-redef]
-        except ImportError as exc:
-            raise ModeUnavailable(
-                "memlayout.optimize (the layout planner) is not available in this build; "
-                "the planned modes are reported as unavailable, not faked"
-            ) from exc
-    return fn
+def _train_loss(out: Any) -> torch.Tensor:
+    """``mean_square_loss`` of a model's output, or a ``TypeError`` when it has nothing to
+    train on (a bench case records it as the mode's error)."""
+    loss = mean_square_loss(out)
+    if loss is None:
+        raise TypeError(f"model output {type(out).__name__} holds no floating tensor that "
+                        "requires grad to train on")
+    return loss
 
 
 def _step_fn(model: nn.Module, x: torch.Tensor, dtype: str, task: str,
              device: str) -> Callable[[], object]:
-    ctx = autocast_context(dtype, device)
+    run_dtype = _autocast_dtype(dtype)
     if task == "infer":
         def infer() -> object:
-            with torch.no_grad(), ctx():
+            with torch.no_grad(), autocast(device, run_dtype):
                 return model(x)
         return infer
 
@@ -147,9 +131,9 @@ def _step_fn(model: nn.Module, x: torch.Tensor, dtype: str, task: str,
 
     def train() -> object:
         optimizer.zero_grad(set_to_none=True)
-        with ctx():
+        with autocast(device, run_dtype):
             out = model(x)
-        loss = training_loss(out)
+        loss = _train_loss(out)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -161,8 +145,7 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
                  compile_backend: str = "inductor", plan_measure: bool = True) -> PreparedMode:
     """Copy ``module``, apply ``mode``, make one untimed first call and return the timed step.
 
-    Raises ``ModeUnavailable`` when the mode cannot exist here (no planner); any other
-    exception is the mode failing on this model, for the caller to record.
+    An exception is the mode failing on this model, for the caller to record.
     """
     start = time.perf_counter()
     model = copy.deepcopy(module).to(device)
@@ -176,18 +159,15 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
     elif mode == "planned+compile" and task == "infer":
         # memlayout.compile: the plan compiled so that it stands (Inductor's layout
         # optimization off), or Inductor's own layout unless the plan measured >2 % faster
-        from memlayout.plan.compiled import compile as plan_and_compile
-
-        model = plan_and_compile(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure,
+        model = plan_and_compile(model, (x,), dtype=_autocast_dtype(dtype), measure=plan_measure,
                                  backend=compile_backend)
         kept = model.plan.compiled.get("kept")  # type: ignore[union-attr]
         note = (f"memlayout.compile(backend={compile_backend!r}): kept {kept}; compile time = "
                 "its candidates' compiles + the first call")
     elif mode in ("planned", "planned+compile"):
-        optimize = find_optimize()
         # task train: planned for a training step (forward + backward costs, gradients verified)
         own_input = mode == "planned"  # its input in the plan's format, like nhwc's (above)
-        model = optimize(model, (x,), dtype=TORCH_DTYPES[dtype], measure=plan_measure,
+        model = optimize(model, (x,), dtype=_autocast_dtype(dtype), measure=plan_measure,
                          **({"train": True} if task == "train" else {}),
                          **({"input_format": "auto"} if own_input else {}))
         model.train(task == "train")
@@ -224,20 +204,18 @@ def count_flops(module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
     """FLOPs of one step (forward; forward + backward for ``train``) by
     ``torch.utils.flop_counter.FlopCounterMode``: matmuls and convolutions, the same in every
     layout, so one count serves every mode. The optimizer step is not counted."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")
     x = x.to(device)
-    ctx = autocast_context(dtype, device)
+    run_dtype = _autocast_dtype(dtype)
     with FlopCounterMode(display=False) as counter:
         if task == "infer":
-            with torch.no_grad(), ctx():
+            with torch.no_grad(), autocast(device, run_dtype):
                 model(x)
         else:
-            with ctx():
+            with autocast(device, run_dtype):
                 out = model(x)
-            training_loss(out).backward()
+            _train_loss(out).backward()
     return int(counter.get_total_flops())
 
 
@@ -245,7 +223,8 @@ def gemm_step(side: int, dtype: str, device: str = "cpu") -> tuple[Callable[[], 
     """A ``side`` x ``side`` matmul in ``dtype`` (real bf16 tensors for bf16) and its FLOPs:
     the machine's practical peak, timed in the same interleaved rounds as the models."""
     gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(side, side, generator=gen).to(device=device, dtype=TORCH_DTYPES[dtype])
+    tensor_dtype = _autocast_dtype(dtype) or torch.float32
+    a, b = (torch.randn(side, side, generator=gen).to(device=device, dtype=tensor_dtype)
             for _ in range(2))
     out = torch.empty_like(a)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memlayout import malloc
 from memlayout.bench.config import BASELINE, BenchConfig, ModeUnavailable
 from memlayout.bench.modes import (
     PreparedMode,
@@ -85,8 +86,6 @@ def run_bench(config: BenchConfig, *, on_event: Callable[[BenchEvent], None] | N
     done = on_case or (lambda records: None)
     skipped = set(skip)
     if config.steady_heap:
-        from memlayout import malloc
-
         malloc.steady_heap()
     with _threads(config.threads):
         env = Environment.collect(config.device)

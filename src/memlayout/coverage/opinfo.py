@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.testing import make_tensor
 
 from memlayout.errors import CoverageUnavailableError
 from memlayout.layout import Format, formats_of, strides_for
@@ -179,6 +180,7 @@ def lift(sample: Any, rank: int) -> Any | None:
             return t
         return _fresh(t, new_shape)
 
+    # torch's internal test API, like op_db: loaded only where OpInfo samples are in hand
     from torch.testing._internal.opinfo.core import SampleInput
 
     args = map_tensors(tuple(sample.args), grow)
@@ -191,8 +193,6 @@ def lift(sample: Any, rank: int) -> Any | None:
 
 def _fresh(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """New values of ``shape`` within ``t``'s range (so an op's domain is respected)."""
-    from torch.testing import make_tensor
-
     src = t.detach()
     if src.numel() and not src.is_complex():
         finite = src[torch.isfinite(src)].float()

@@ -14,6 +14,7 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,30 +22,29 @@ from typing import Any
 
 import torch
 
-from memlayout.coverage.opinfo import load_op_db, op_name, select_ops
+from memlayout.coverage.check import check_op
+from memlayout.coverage.opinfo import describe, load_op_db, op_name, select_ops
 from memlayout.coverage.records import CoverageReport, OpRecord, Values, Verdict
 from memlayout.errors import CoverageUnavailableError, LayoutError
 from memlayout.layout import Format
 
-_DTYPES = {"float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
+#: the tensor dtypes OpInfo samples are drawn in that the matrix covers (torch's own names)
+_OPINFO_DTYPES = {"float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """``torch.float32`` from ``"float32"`` (or ``"torch.float32"``).
+def opinfo_dtype(name: str) -> torch.dtype:
+    """The tensor dtype OpInfo samples are made in, by torch's name: ``torch.float64`` from
+    ``"float64"`` (or ``"torch.float64"``). Not an autocast dtype (``memlayout.dtypes``): the
+    samples themselves are in it.
 
-    >>> parse_dtype("bfloat16")
-    torch.bfloat16
+    >>> opinfo_dtype("bfloat16"), opinfo_dtype("torch.complex64")
+    (torch.bfloat16, torch.complex64)
     """
     key = str(name).strip().removeprefix("torch.")
-    if key not in _DTYPES:
+    if key not in _OPINFO_DTYPES:
         raise LayoutError(f"unknown dtype {name!r} for the coverage matrix; "
-                          f"known: {', '.join(sorted(_DTYPES))}")
+                          f"known: {', '.join(sorted(_OPINFO_DTYPES))}")
     return getattr(torch, key)
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """``"float32"`` for ``torch.float32`` or ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class CoverageConfig:
             raise LayoutError(f"coverage checks channels_last or channels_last_3d, got "
                               f"{self.fmt.value}; pass --format channels_last or channels_last_3d")
         for d in self.dtypes:
-            parse_dtype(d)
+            opinfo_dtype(d)
 
     @property
     def op_budget(self) -> float:
@@ -84,16 +84,12 @@ def _failed(name: str, message: str) -> OpRecord:
 
 def _check(ops: tuple[Any, ...], idx: int, dtype: str, config: CoverageConfig,
            on_step: Any = None, skip: tuple[int, ...] = ()) -> OpRecord:
-    from memlayout.coverage.check import check_op
-
-    return check_op(ops[idx], device=config.device, dtype=parse_dtype(dtype), fmt=config.fmt,
+    return check_op(ops[idx], device=config.device, dtype=opinfo_dtype(dtype), fmt=config.fmt,
                     max_samples=config.max_samples, sample_timeout=config.sample_timeout,
                     op_budget=config.op_budget, on_step=on_step, skip=skip)
 
 
 def _announce(conn: Any) -> Any:
-    from memlayout.coverage.opinfo import describe
-
     last: list[int] = [-1]
 
     def send(i: int, sample: Any, step: str) -> None:
@@ -106,8 +102,6 @@ def _announce(conn: Any) -> Any:
 
 def _worker(conn: Any, config: CoverageConfig) -> None:
     """A worker process: load op_db once, then check ops until told to stop."""
-    import warnings
-
     warnings.filterwarnings("ignore")
     torch.set_num_threads(config.threads)
     try:

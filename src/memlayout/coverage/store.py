@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from memlayout.coverage.records import AtenRecord, CoverageReport, OpRecord, Verdict
 
 _FORMAT_VERSION = 1
@@ -103,8 +105,6 @@ def cached_report(device: str = "cpu", dtype: Any = "float32", fmt: Any = "chann
 
 def _path_for(device: str, dtype: Any, fmt: Any, torch_version: str | None) -> Path:
     if torch_version is None:
-        import torch
-
         torch_version = torch.__version__
     fmt_value = getattr(fmt, "value", str(fmt))
     return cache_path(torch_version, str(device).split(":")[0],
@@ -161,8 +161,6 @@ def explain(op: Any, device: str = "cpu", dtype: Any = "float32", fmt: Any = "ch
     if rec is None:
         return None
     if torch_version is None:
-        import torch
-
         torch_version = torch.__version__
     fmt_value = getattr(fmt, "value", str(fmt))
     where = f"on {device} {str(dtype).removeprefix('torch.')} in torch {torch_version}"

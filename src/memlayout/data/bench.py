@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+from torchvision import transforms as T
 from torchvision.datasets.folder import pil_loader
 
 from memlayout.data.collate import channels_last_loader
@@ -154,8 +155,6 @@ class JpegFiles(Dataset):
 
 def standard_pipeline(paths: Sequence[Path], batch: int, workers: int) -> tuple[DataLoader, Callable[[torch.Tensor], torch.Tensor]]:
     """The torchvision recipe: (loader, finish) with finish = ``.to(memory_format=channels_last)``."""
-    from torchvision import transforms as T
-
     tf = T.Compose([T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     loader = DataLoader(JpegFiles(paths, tf), batch_size=batch, num_workers=workers,
                         persistent_workers=workers > 0)

@@ -28,6 +28,7 @@ import torch
 from PIL import Image, ImageMode
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchvision import tv_tensors
+from torchvision.transforms.v2 import functional as F
 
 from memlayout.data.copies import note_copy, order_of
 from memlayout.errors import DataPipelineError, MixedImageSizeError
@@ -110,8 +111,6 @@ def _write(dst: torch.Tensor, x: Any) -> None:
 
 
 def _fit(x: Any, size: tuple[int, int], fit: str) -> Any:
-    from torchvision.transforms.v2 import functional as F
-
     if isinstance(x, np.ndarray):
         x = _as_chw_tensor(x)
     if fit == "resize":

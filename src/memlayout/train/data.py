@@ -17,7 +17,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
+from torchvision.datasets import ImageFolder
+from torchvision.transforms.v2 import functional as F
 
+from memlayout.data import IMAGENET_MEAN, IMAGENET_STD, channels_last_loader, to_model_input
 from memlayout.errors import TrainError
 
 LAYOUTS: tuple[str, ...] = ("nchw", "nhwc", "planned")
@@ -37,8 +40,6 @@ class _ToCHW:
         self.size = size
 
     def __call__(self, img):
-        from torchvision.transforms.v2 import functional as F
-
         x = F.pil_to_tensor(img)
         if tuple(x.shape[1:]) != (self.size, self.size):
             x = F.resize(x, [self.size, self.size], antialias=True)
@@ -48,8 +49,6 @@ class _ToCHW:
 def image_folder(root: str | Path, layout: str, image_size: int) -> Dataset:
     """The ImageFolder at ``root`` as this layout's pipeline reads it: PIL images (the
     channels-last collate decodes them into the batch) or uint8 CHW tensors (nchw)."""
-    from torchvision.datasets import ImageFolder
-
     root = Path(root)
     if not root.is_dir():
         raise TrainError(f"--data {str(root)!r} is not a folder; give an ImageFolder "
@@ -81,8 +80,6 @@ def loader(dataset: Dataset, layout: str, *, batch: int, sampler: Sampler[int],
     kwargs = dict(batch_size=batch, sampler=sampler, num_workers=workers, drop_last=True,
                   persistent_workers=False, generator=generator)
     if uses_channels_last(layout):
-        from memlayout.data import channels_last_loader
-
         return channels_last_loader(dataset, fit="resize", size=(image_size, image_size),
                                     pin_memory=pin_memory, **kwargs)
     return DataLoader(dataset, pin_memory=pin_memory, **kwargs)
@@ -92,13 +89,7 @@ def model_input(images: torch.Tensor, layout: str, device: torch.device) -> torc
     """uint8 batch -> float32 normalized (ImageNet mean/std) input on ``device``: channels-last
     in one device pass (``memlayout.data.to_model_input``), or NCHW as torchvision's
     ``Normalize`` computes it."""
-    from memlayout.data import IMAGENET_MEAN, IMAGENET_STD
-
     if uses_channels_last(layout):
-        from memlayout.data import to_model_input
-
         return to_model_input(images, IMAGENET_MEAN, IMAGENET_STD, torch.float32, device)
-    from torchvision.transforms.v2 import functional as F
-
     x = images.to(device, non_blocking=True).to(torch.float32).div_(255.0)
     return F.normalize(x, list(IMAGENET_MEAN), list(IMAGENET_STD))

@@ -55,9 +55,3 @@ def export_model(model: nn.Module, example_inputs: Any, *, strict: bool = False)
         ) from exc
     finally:
         module.train(was_training)
-
-
-def exported_parameter_strides(program: Any) -> dict[str, tuple[int, ...]]:
-    """Strides of the parameters and buffers an exported program holds (as saved with it)."""
-    return {k: tuple(v.stride()) for k, v in program.state_dict.items()
-            if isinstance(v, torch.Tensor)}

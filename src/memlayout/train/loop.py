@@ -7,7 +7,6 @@ Plain data in and out: a :class:`TrainConfig` in, :class:`IntervalLog` events wh
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -16,11 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
-from memlayout.errors import TrainError
+from memlayout.dtypes import autocast, parse_dtype
+from memlayout.errors import DtypeError, TrainError
+from memlayout.models import load_model
+from memlayout.tensors import convert_batch, convert_module
+from memlayout.timing import Comparison, device_sync, interleaved
 from memlayout.train import checkpoint as ckpt
 from memlayout.train.data import LAYOUTS, SkipSampler, image_folder, loader, model_input
 from memlayout.train.ddp import (
@@ -31,8 +35,6 @@ from memlayout.train.ddp import (
     warn_grad_layouts,
     wrap_ddp,
 )
-
-DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,10 @@ class TrainConfig:
     def check(self) -> None:
         if self.layout not in LAYOUTS:
             raise TrainError(f"--layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
-        if self.dtype not in DTYPES:
-            raise TrainError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        try:
+            parse_dtype(self.dtype)
+        except DtypeError as exc:
+            raise TrainError(f"--dtype: {exc}") from exc
         for name in ("epochs", "batch", "image_size", "log_every"):
             if getattr(self, name) < 1:
                 raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -111,27 +115,15 @@ class TrainResult:
 Event = Callable[[Any], None]
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
                       measure: bool, name: str) -> nn.Module:
-    """``memlayout.optimize(module, example, train=True)`` with channels-last input, or a
-    ``TrainError`` saying that this build has no planned training."""
+    """``memlayout.optimize(module, example, train=True)`` with channels-last input."""
+    # The planner (torch.fx, scipy) takes about as long to import as the rest of training:
+    # only --layout planned loads it.
     from memlayout.plan.api import optimize
 
-    try:
-        return optimize(module, example, dtype=dtype, input_format="channels_last",
-                        measure=measure, name=name, train=True)
-    except TypeError as exc:
-        if "train" not in str(exc):
-            raise
-        raise TrainError("--layout planned needs planned training (memlayout.optimize(..., "
-                         "train=True)), which this build of memlayout does not have; use "
-                         "--layout nhwc or nchw") from exc
+    return optimize(module, example, dtype=dtype, input_format="channels_last",
+                    measure=measure, name=name, train=True)
 
 
 class Trainer:
@@ -139,8 +131,6 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, dist_info: DistInfo | None = None,
                  on_event: Event | None = None) -> None:
-        from memlayout.models import load_model
-
         config.check()
         self.config = config
         self.dist = dist_info or DistInfo()
@@ -150,7 +140,7 @@ class Trainer:
             device = torch.device("cuda", self.dist.local_rank)
             torch.cuda.set_device(device)
         self.device = device
-        self.autocast_dtype = DTYPES[config.dtype]
+        self.autocast_dtype = parse_dtype(config.dtype)
         if config.sync_batchnorm and self.dist.distributed and device.type != "cuda":
             raise TrainError("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU kernel "
                              "for a distributed run; drop --sync-bn on CPU")
@@ -172,12 +162,8 @@ class Trainer:
         model = spec.module.to(device)
         self.plan_summary: str | None = None
         if config.layout == "nhwc":
-            from memlayout.tensors import convert_module
-
             convert_module(model, spec.fmt)
         elif config.layout == "planned":
-            from memlayout.tensors import convert_batch
-
             example = convert_batch(spec.example_input.to(device), spec.fmt)
             model = self._plan(model, example)
         model.train()
@@ -189,8 +175,7 @@ class Trainer:
                                          momentum=config.momentum,
                                          weight_decay=config.weight_decay)
         self.scaler = (torch.amp.GradScaler(device.type)
-                       if config.dtype == "fp16" and hasattr(torch, "amp")
-                       and hasattr(torch.amp, "GradScaler") else None)
+                       if self.autocast_dtype is torch.float16 else None)
         torch.manual_seed(config.seed + self.dist.rank)  # dropout etc.: per rank, reproducible
         self.step = 0
         self._checked_grads = False
@@ -201,8 +186,6 @@ class Trainer:
     def _plan(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
         # Rank 0 plans (and fills the cost cache) first; the others then read the same costs,
         # so every rank arrives at the same plan (checked again by wrap_ddp).
-        import torch.distributed as dist
-
         if self.dist.distributed and not self.dist.is_main:
             dist.barrier()
         try:
@@ -245,7 +228,7 @@ class Trainer:
         """Forward, backward, optimizer step on one batch; returns (loss, correct) tensors."""
         x = model_input(images, self.config.layout, self.device)
         y = labels.to(self.device, non_blocking=True)
-        with _autocast(self.device, self.autocast_dtype):
+        with autocast(self.device, self.autocast_dtype):
             out = self.model(x)
             loss = F.cross_entropy(out.float(), y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -278,8 +261,6 @@ class Trainer:
         rng = ckpt.rng_state(self.device)
         rngs = [rng]
         if self.dist.distributed:
-            import torch.distributed as dist
-
             rngs = [None] * self.dist.world_size
             dist.all_gather_object(rngs, rng)
         return {
@@ -377,7 +358,7 @@ class LayoutComparison:
     """Layouts trained side by side in one process, interval by interval
     (``memlayout.timing.interleaved``): seconds per interval and the per-round ratios."""
 
-    comparison: Any                       # memlayout.timing.Comparison
+    comparison: Comparison
     images_per_interval: int              # over all processes
     steps_per_interval: int
     final: dict[str, tuple[float, float]]  # layout -> (loss, top-1 %) of its last interval
@@ -393,8 +374,6 @@ def compare_layouts(config: TrainConfig, layouts: list[str], *, rounds: int = 7,
     ``config.log_every`` steps of each, ``rounds`` timed rounds after one warm-up interval;
     the first layout is the baseline of the ratios. Under torchrun every rank runs the same
     order, so DDP's collectives line up."""
-    from memlayout.timing import device_sync, interleaved
-
     if len(layouts) < 2 or len(set(layouts)) != len(layouts):
         raise TrainError(f"--compare needs two or more different layouts, got {layouts}")
     info = dist_info or DistInfo()
@@ -418,6 +397,6 @@ def compare_layouts(config: TrainConfig, layouts: list[str], *, rounds: int = 7,
                             config.log_every, final)
 
 
-__all__ = ["DTYPES", "IntervalLog", "LayoutComparison", "TrainConfig", "TrainResult",
+__all__ = ["IntervalLog", "LayoutComparison", "TrainConfig", "TrainResult",
            "Trainer", "compare_layouts", "grad_layout_mismatches", "plan_for_training", "train",
            "unwrap"]

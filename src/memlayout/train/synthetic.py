@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from memlayout.errors import TrainError
 
@@ -23,8 +24,6 @@ def make_synthetic(root: str | Path, n: int, *, classes: int = 4, size: int = 64
     """Write ``n`` ``size`` x ``size`` RGB JPEGs as ``root/class{k}/{i:05d}.jpg`` (ImageFolder
     layout), ``n // classes`` or one more per class. An existing dataset with the same number
     of images and classes is reused as is. Returns ``root``."""
-    from PIL import Image
-
     if n < classes or classes < 1 or size < 4:
         raise TrainError(f"a synthetic dataset needs n >= classes >= 1 and size >= 4; got "
                          f"n={n}, classes={classes}, size={size}")
