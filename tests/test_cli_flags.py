@@ -105,9 +105,10 @@ def test_one_wording_for_a_bad_dtype_across_verbs(models, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
-@pytest.mark.parametrize("verb", ["audit", "inspect", "bench", "train", "coverage"])
+@pytest.mark.parametrize("verb", ["audit", "inspect", "bench", "train", "coverage", "bench-data"])
 def test_cuda_without_cuda_is_a_clear_error(verb, models, tmp_path):
     args = {"coverage": ["coverage", "--out", str(tmp_path / "o")],
+            "bench-data": ["bench-data", "--cache-dir", str(tmp_path / "jpegs")],
             "train": ["train", f"{models}:boom", "--data", str(tmp_path / "ds")],
             "bench": ["bench", f"{models}:boom", "--out", str(tmp_path / "o")]}.get(
         verb, [verb, f"{models}:boom"])

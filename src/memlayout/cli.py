@@ -212,6 +212,7 @@ def bench_data(
     threads: Annotated[int | None, typer.Option(help="torch.set_num_threads in the main process. Default: torch's own.")] = None,
     cache_dir: Annotated[str | None, typer.Option(help="Folder for the JPEGs, made once and reused. Default: $XDG_CACHE_HOME/memlayout/bench-data.")] = None,
     json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here. Default: none.")] = None,
+    device: Annotated[str, typer.Option(help="Where the normalized batch goes (cpu, cuda, cuda:N). Default: cpu.")] = "cpu",
 ) -> None:
     """Images/s from JPEG files to a normalized float32 channels-last batch: the torchvision
     recipe (ToTensor, Normalize, default collate, .to(channels_last)) vs memlayout.data,
@@ -222,12 +223,13 @@ def bench_data(
     try:
         _at_least(1, images=images, size=size, batch=batch, rounds=rounds, threads=threads)
         _at_least(0, workers=workers)
+        device = _device(device)
     except MemlayoutError as exc:
         _fail(exc)
     if threads is not None:
         torch.set_num_threads(threads)
     config = DataBenchConfig(images=images, size=size, batch=batch, workers=workers, rounds=rounds,
-                             cache_dir=Path(cache_dir) if cache_dir else None)
+                             cache_dir=Path(cache_dir) if cache_dir else None, device=device)
     console.print(f"{images} synthetic {size}x{size} JPEGs, batch {batch}, workers {workers}, "
                   f"torch threads {torch.get_num_threads()}, {rounds} interleaved rounds of one epoch each")
     _print_conditions(Conditions.now())

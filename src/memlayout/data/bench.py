@@ -32,7 +32,7 @@ from torchvision.datasets.folder import pil_loader
 from memlayout.data.collate import channels_last_loader
 from memlayout.data.copies import CopyCounter
 from memlayout.data.normalize import IMAGENET_MEAN, IMAGENET_STD, to_model_input
-from memlayout.timing import Comparison, interleaved
+from memlayout.timing import Comparison, device_sync, interleaved
 
 PIPELINES: tuple[str, str] = ("torchvision", "memlayout")
 
@@ -49,6 +49,8 @@ class DataBenchConfig:
     warmup: int = 1
     quality: int = 90
     cache_dir: Path | None = None
+    #: where the normalized batch goes (both pipelines copy it there; timing syncs the device)
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -153,19 +155,24 @@ class JpegFiles(Dataset):
         return (self.transform(img) if self.transform is not None else img), i % 10
 
 
-def standard_pipeline(paths: Sequence[Path], batch: int, workers: int) -> tuple[DataLoader, Callable[[torch.Tensor], torch.Tensor]]:
-    """The torchvision recipe: (loader, finish) with finish = ``.to(memory_format=channels_last)``."""
+def standard_pipeline(paths: Sequence[Path], batch: int, workers: int, device: str = "cpu"
+                      ) -> tuple[DataLoader, Callable[[torch.Tensor], torch.Tensor]]:
+    """The torchvision recipe: (loader, finish) with finish = ``.to(device)`` then
+    ``.to(memory_format=channels_last)``."""
     tf = T.Compose([T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     loader = DataLoader(JpegFiles(paths, tf), batch_size=batch, num_workers=workers,
                         persistent_workers=workers > 0)
-    return loader, lambda x: x.to(memory_format=torch.channels_last)
+    return loader, lambda x: x.to(device).to(memory_format=torch.channels_last)
 
 
-def memlayout_pipeline(paths: Sequence[Path], batch: int, workers: int) -> tuple[DataLoader, Callable[[torch.Tensor], torch.Tensor]]:
-    """memlayout's: (channels_last_loader, finish) with finish = ``to_model_input`` (float32)."""
+def memlayout_pipeline(paths: Sequence[Path], batch: int, workers: int, device: str = "cpu"
+                       ) -> tuple[DataLoader, Callable[[torch.Tensor], torch.Tensor]]:
+    """memlayout's: (channels_last_loader, finish) with finish = ``to_model_input`` (float32,
+    on ``device``: the uint8 batch crosses, normalization runs there)."""
     loader = channels_last_loader(JpegFiles(paths), batch_size=batch, num_workers=workers,
                                   persistent_workers=workers > 0)
-    return loader, lambda x: to_model_input(x, IMAGENET_MEAN, IMAGENET_STD, torch.float32)
+    return loader, lambda x: to_model_input(x, IMAGENET_MEAN, IMAGENET_STD, torch.float32,
+                                            device=device)
 
 
 def _epoch(loader: DataLoader, finish: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
@@ -193,12 +200,14 @@ def run_data_bench(config: DataBenchConfig, on_step: Callable[[int, str], None] 
     copies: dict[str, PipelineCopies] = {}
     outs: dict[str, torch.Tensor] = {}
     for name, build in builders.items():
-        copies[name], outs[name] = _count_one_batch(name, *build(paths, config.batch, 0))
+        copies[name], outs[name] = _count_one_batch(name, *build(paths, config.batch, 0,
+                                                                 config.device))
     diff = (outs["torchvision"] - outs["memlayout"]).abs().max().item()
-    loaders = {name: build(paths, config.batch, config.workers) for name, build in builders.items()}
+    loaders = {name: build(paths, config.batch, config.workers, config.device)
+               for name, build in builders.items()}
     comparison = interleaved({name: _epoch(*lf) for name, lf in loaders.items()},
                              rounds=config.rounds, warmup=config.warmup, baseline="torchvision",
-                             on_step=on_step)
+                             on_step=on_step, sync=device_sync(config.device))
     return DataBenchResult(
         config=config,
         folder=paths[0].parent,
