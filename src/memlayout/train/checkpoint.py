@@ -319,10 +319,6 @@ class CheckpointLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def release(self) -> None:
         """Give the folder up (the lock file stays: removing it would race a new holder)."""
         if getattr(self, "_fd", None) is not None:
