@@ -17,7 +17,7 @@ import torch
 
 from memlayout.models import load_model
 from memlayout.train import TrainConfig, load_checkpoint, make_synthetic, train
-from memlayout.train.checkpoint import LATEST, PAUSE_ENV, stale_temporaries
+from memlayout.train.checkpoint import LATEST, PAUSE_ENV, stale_temporaries, temporaries
 from tests.test_train import IMAGE, write_models
 
 # What torch says when gradients and DDP buckets disagree in layout (reducer.cpp), and ours.
@@ -149,7 +149,7 @@ def test_killed_during_a_checkpoint_write_the_previous_one_survives(work, tmp_pa
         deadline = time.monotonic() + TIMEOUT
         latest = ckpt_dir / LATEST
         # the first write done (latest.pt there), the second one begun (its temporary file)
-        while not (latest.exists() and [p for p in stale_temporaries(ckpt_dir)
+        while not (latest.exists() and [p for p in temporaries(ckpt_dir)
                                         if p.stat().st_size > 0]):
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "the second checkpoint write never started"
@@ -161,7 +161,7 @@ def test_killed_during_a_checkpoint_write_the_previous_one_survives(work, tmp_pa
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
     partial = stale_temporaries(ckpt_dir)
-    assert partial  # the half-written file is there: the kill was mid-write
+    assert partial  # the half-written file is there (its writer dead): the kill was mid-write
     assert latest.stat().st_size > partial[0].stat().st_size
     state = load_checkpoint(latest)
     assert state["step"] == 8 and state["epoch"] == 1 and state["step_in_epoch"] == 0
@@ -170,4 +170,4 @@ def test_killed_during_a_checkpoint_write_the_previous_one_survives(work, tmp_pa
                                 batch=4, image_size=IMAGE, epochs=2, resume=True,
                                 checkpoint=str(ckpt_dir)))
     assert resumed.start_step == 8 and resumed.step == 16
-    assert load_checkpoint(latest)["step"] == 16 and not stale_temporaries(ckpt_dir)
+    assert load_checkpoint(latest)["step"] == 16 and not temporaries(ckpt_dir)

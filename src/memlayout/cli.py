@@ -513,7 +513,7 @@ def train(
     dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
     layout: Annotated[str, typer.Option(help="nchw (torchvision's usual path), nhwc (channels-last model + memlayout's channels-last data pipeline) or planned (memlayout.optimize(train=True) + the pipeline). Default: nhwc.")] = "nhwc",
     lr: Annotated[float, typer.Option(help="SGD learning rate (momentum 0.9). Default: 0.01.")] = 0.01,
-    checkpoint: Annotated[str | None, typer.Option(help="Folder for latest.pt, written atomically at each epoch's end and the last step (rank 0). Default: none.")] = None,
+    checkpoint: Annotated[str | None, typer.Option(help="Folder for latest.pt, written atomically at each epoch's end and the last step (rank 0), locked by this run (one writer per folder); its parent must exist. Default: none.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from --checkpoint's latest.pt (model, optimizer, step, RNG). Default: off.")] = False,
     image_size: Annotated[int, typer.Option(help="Image height and width (images are resized to it). Default: 64.")] = 64,
     workers: Annotated[int, typer.Option(help="DataLoader worker processes. Default: 0.")] = 0,
@@ -523,12 +523,15 @@ def train(
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps in all. Default: epochs x steps per epoch.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda (under torchrun: cuda:LOCAL_RANK). Default: cpu.")] = "cpu",
     plan_costs: Annotated[str, typer.Option(help="Planner costs for --layout planned: measured (cached) or analytic. Default: measured.")] = "measured",
-    sync_bn: Annotated[bool, typer.Option("--sync-bn", help="SyncBatchNorm under torchrun (CUDA only). Default: off.")] = False,
+    sync_bn: Annotated[bool, typer.Option("--sync-bn", help="SyncBatchNorm under torchrun: BatchNorm statistics over all ranks instead of each rank's own (CUDA only: torch has no CPU SyncBatchNorm). Default: off.")] = False,
+    timeout: Annotated[float, typer.Option(help="Under torchrun: seconds a rank waits for the others (joining, each collective) before the run stops with an error naming the silent rank. Default: 300.")] = 300.0,
     seed: Annotated[int, typer.Option(help="Seed of the weights, data order and dropout. Default: 0.")] = 0,
     threads: Annotated[int | None, typer.Option(help="torch.set_num_threads per process (1 is steadier on a loaded machine). Default: torch's setting (torchrun: 1).")] = None,
 ) -> None:
     """Train an image classifier (reference loop) in one layout, on one process or under
     torchrun (DDP); print images/s, loss and accuracy per interval."""
+    import contextlib
+
     from memlayout.train import (
         TrainConfig,
         Trainer,
@@ -536,7 +539,7 @@ def train(
         init_distributed,
         make_synthetic,
     )
-    from memlayout.train.ddp import barrier, shutdown
+    from memlayout.train.ddp import barrier, collectives, shutdown
     from memlayout.train.loop import IntervalLog
     from memlayout.train.render import interval_line, render_comparison, render_run
 
@@ -548,7 +551,7 @@ def train(
                           lr=lr, checkpoint=checkpoint, resume=resume, image_size=image_size,
                           workers=workers, log_every=log_every, seed=seed, max_steps=max_steps,
                           device=_device(device), plan_measure=plan_costs == "measured",
-                          sync_batchnorm=sync_bn)
+                          sync_batchnorm=sync_bn, timeout=timeout)
         for name in layouts or [layout]:
             dataclasses.replace(cfg, layout=name).check()
     except MemlayoutError as exc:
@@ -557,16 +560,17 @@ def train(
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        info = init_distributed(cfg.device)
+        info = init_distributed(cfg.device, timeout=cfg.timeout)
         if not info.is_main:
             out = Console(quiet=True)
         if synthetic is not None:
-            if info.is_main:
-                make_synthetic(data, synthetic, size=image_size, seed=seed)
-            barrier(info)
+            with collectives(info, cfg.timeout, "rank 0 wrote the --synthetic data"):
+                if info.is_main:
+                    make_synthetic(data, synthetic, size=image_size, seed=seed)
+                barrier(info)
         where = (f"{info.world_size} processes (torchrun, DDP {'nccl' if cfg.device.startswith('cuda') else 'gloo'})"
                  if info.distributed else "1 process")
-        with _progress(out) as progress:
+        with contextlib.ExitStack() as stack, _progress(out) as progress:
             bar = progress.add_task("building", total=None)
 
             def on_event(event: object) -> None:
@@ -594,7 +598,7 @@ def train(
                                          on_event=on_event, on_step=on_step)
                 progress.update(bar, completed=rounds * len(layouts), description="done")
             else:
-                trainer = Trainer(cfg, info, on_event)
+                trainer = stack.enter_context(Trainer(cfg, info, on_event))
                 out.print(f"memlayout train {model}: layout {layout}, {cfg.dtype}, batch {batch} per process x {where}, "
                           f"{image_size} px, {len(trainer.dataset)} images in {len(trainer.dataset.classes)} classes, "
                           f"{trainer.steps_per_epoch} steps/epoch, {epochs} epochs, device {trainer.device}, "

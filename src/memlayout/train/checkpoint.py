@@ -8,6 +8,11 @@ own tensors, which keep their layout; optimizer state is put back into its param
 Atomic: the file is written to a temporary file in the same folder, flushed and fsynced, then
 ``os.replace``-d over the old one; a crash mid-write leaves the previous checkpoint intact.
 
+One writer per folder: a training run holds :class:`CheckpointLock` (``flock`` on a lock file
+in the folder) for its whole length, so a second run pointed at the same folder stops at its
+start with the holder's pid. Temporary files carry their writer's pid; only those of dead
+writers are ever removed.
+
 >>> import tempfile, pathlib, torch
 >>> from torch import nn
 >>> conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
@@ -22,6 +27,8 @@ Atomic: the file is written to a temporary file in the same folder, flushed and 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import io
 import os
 import pickle
@@ -29,6 +36,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -41,6 +49,7 @@ from memlayout.train.ddp import unwrap
 
 FORMAT = "memlayout-train-checkpoint/1"
 LATEST = "latest.pt"
+LOCK = ".memlayout-train.lock"
 #: "N:SECONDS": the N-th checkpoint write of this process sleeps SECONDS after writing half of
 #: the file (tests kill the process there to show the previous checkpoint survives).
 PAUSE_ENV = "MEMLAYOUT_CHECKPOINT_PAUSE"
@@ -129,32 +138,60 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _os_problem(exc: OSError, path: Path, doing: str) -> str:
+    """What went wrong with ``path`` and what to do, from an ``OSError``."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        remedy = "free space there or point --checkpoint at a folder on another disk"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        remedy = "make the folder writable for this user or point --checkpoint elsewhere"
+    elif exc.errno == errno.ENOENT:
+        remedy = ("was the folder or the temporary file removed while training ran? give each "
+                  "run its own --checkpoint folder")
+    else:
+        remedy = "check the file system, or point --checkpoint elsewhere"
+    return f"cannot {doing} {str(path)!r}: {reason} (errno {exc.errno}); {remedy}"
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def atomic_save(obj: Any, path: str | Path) -> Path:
     """``torch.save(obj)`` to ``path`` so that ``path`` is always either the old file or the
-    complete new one: temporary file in the same folder, fsync, ``os.replace``, fsync of the
-    folder. Returns ``path``."""
+    complete new one: temporary file in the same folder (named with this process's pid),
+    fsync, ``os.replace``, fsync of the folder. Returns ``path``. A file system error
+    (full disk, permissions) is a ``CheckpointError`` naming the path; the old file stays."""
     global _writes
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getbuffer()
     _writes += 1
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
-        with os.fdopen(fd, "wb") as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
+                                   dir=path.parent)
+        try:
             half = len(data) // 2
-            f.write(data[:half])
-            f.flush()
+            _write_all(fd, data[:half])
             _pause(tmp)
-            f.write(data[half:])
-            f.flush()
-            os.fsync(f.fileno())
+            _write_all(fd, data[half:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        tmp = None
+    except OSError as exc:
+        kept = f"; the previous {path.name} is kept" if path.is_file() else ""
+        raise CheckpointError(_os_problem(exc, path, f"write {len(data) / 2**20:.1f} MiB to")
+                              + kept) from exc
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     _fsync_dir(path.parent)
     return path
 
@@ -177,6 +214,123 @@ def load_checkpoint(path: str | Path, *, check_format: bool = True) -> dict[str,
     return ckpt
 
 
-def stale_temporaries(folder: str | Path) -> list[Path]:
-    """Temporary files a killed writer left in ``folder`` (never read; safe to delete)."""
+def temporaries(folder: str | Path) -> list[Path]:
+    """Temporary files of checkpoint writes in ``folder``: being written, or left by a writer
+    that was killed."""
     return sorted(Path(folder).glob(f".{LATEST}.*.tmp"))
+
+
+def _writer_pid(tmp: Path) -> int | None:
+    # ".latest.pt.<pid>.<random>.tmp"
+    middle = tmp.name[len(f".{LATEST}."):-len(".tmp")]
+    head = middle.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def stale_temporaries(folder: str | Path) -> list[Path]:
+    """Temporary files whose writer (the pid in the name) is no longer running: left by a
+    writer that was killed, safe to delete. A live writer's file is never among them."""
+    return [t for t in temporaries(folder)
+            if (pid := _writer_pid(t)) is not None and not _alive(pid)]
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Delete :func:`stale_temporaries`; returns what was removed."""
+    removed = []
+    for tmp in stale_temporaries(folder):
+        with contextlib.suppress(FileNotFoundError):  # another cleaner was first
+            tmp.unlink()
+            removed.append(tmp)
+    return removed
+
+
+def check_location(folder: str | Path, *, resume: bool = False) -> Path:
+    """Raise ``CheckpointError`` unless ``folder`` can hold checkpoints: an existing writable
+    folder, or a new one whose parent is an existing writable folder (a mistyped parent is
+    refused, not created); with ``resume``, ``folder/latest.pt`` must exist. Reads only."""
+    folder = Path(folder)
+    if resume:
+        if not (folder / LATEST).is_file():
+            raise CheckpointError(f"no checkpoint at {str(folder / LATEST)!r}; train with "
+                                  "--checkpoint DIR first, or drop --resume")
+        return folder
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"--checkpoint {str(folder)!r} is a file; expected a folder "
+                              f"(it will hold {LATEST}): give a folder path")
+    target = folder if folder.is_dir() else folder.parent
+    if not folder.is_dir():
+        if not target.exists():
+            raise CheckpointError(f"--checkpoint {str(folder)!r}: its parent {str(target)!r} "
+                                  "does not exist; create it first or fix the path")
+        if not target.is_dir():
+            raise CheckpointError(f"--checkpoint {str(folder)!r}: its parent {str(target)!r} "
+                                  "is a file, not a folder; fix the path")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise CheckpointError(f"--checkpoint {str(folder)!r}: {str(target)!r} is not writable "
+                              "for this user; make it writable or point --checkpoint elsewhere")
+    return folder
+
+
+class CheckpointLock:
+    """Exclusive right to write checkpoints into a folder, for as long as it is held: an
+    ``flock`` on ``folder/.memlayout-train.lock`` holding the owner's pid. The kernel drops
+    the lock when its process dies, so a killed run never leaves the folder locked.
+
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> with CheckpointLock(folder):
+    ...     CheckpointLock(folder)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    memlayout.errors.CheckpointError: checkpoint folder ... is in use by another training run (pid ...)...
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK
+        try:
+            self.folder.mkdir(exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise CheckpointError(_os_problem(exc, self.path, "create the lock file")) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(
+                f"checkpoint folder {str(self.folder)!r} is in use by another training run "
+                f"(pid {holder}, which holds {str(self.path)!r}); give this run its own "
+                "--checkpoint folder, or wait for that one to finish") from None
+        except OSError as exc:
+            os.close(fd)
+            raise CheckpointError(_os_problem(exc, self.path, "lock")) from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Give the folder up (the lock file stays: removing it would race a new holder)."""
+        if getattr(self, "_fd", None) is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def __enter__(self) -> CheckpointLock:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()

@@ -8,13 +8,21 @@ not the parameter's). :func:`wrap_ddp` therefore takes the model with its layout
 final (planned, converted, SyncBatchNorm swapped in), checks that every rank holds the same
 layouts, and only then constructs DDP, with ``gradient_as_bucket_view=True`` (no copy between
 ``.grad`` and the bucket).
+
+A rank that stops answering (crashed, frozen, swapping) must not leave the others waiting
+for torch's default (30 minutes on gloo): the process group gets the run's timeout, and
+:func:`collectives` turns the backend's error into a ``TrainError`` naming the silent ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,19 +51,116 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device: str | torch.device = "cpu") -> DistInfo:
+#: Seconds a rank waits for the others in one collective before the run stops with an error.
+DEFAULT_TIMEOUT = 300.0
+#: Longest wait for the other ranks' answer to the roll call after a failed collective.
+ROLL_CALL_SECONDS = 10.0
+
+
+def init_distributed(device: str | torch.device = "cpu", *,
+                     timeout: float = DEFAULT_TIMEOUT) -> DistInfo:
     """Join the torchrun job this process belongs to (``WORLD_SIZE`` > 1 in the environment):
-    gloo on CPU, nccl on CUDA. Without torchrun: ``DistInfo()`` (one process), nothing to join.
+    gloo on CPU, nccl on CUDA; every collective (and joining itself) gives up after
+    ``timeout`` seconds. Without torchrun: ``DistInfo()`` (one process), nothing to join.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
     if not dist.is_available():
         raise TrainError("WORLD_SIZE > 1 but this torch has no torch.distributed")
+    if timeout <= 0:
+        raise TrainError(f"--timeout must be > 0 seconds, got {timeout}")
     if not dist.is_initialized():
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-        dist.init_process_group(backend)
+        try:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        except (RuntimeError, TimeoutError) as exc:
+            raise TrainError(
+                f"rank {os.environ.get('RANK', '?')} of {world}: not every rank joined the job "
+                f"within --timeout {timeout:g} s ({_first_line(exc)}); check the other ranks' "
+                "logs (did one fail to start?), or raise --timeout") from exc
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# What gloo and nccl say when a peer is gone or silent (their errors are plain RuntimeErrors).
+_COMM_FAILURES = ("timed out", "timeout", "connection reset", "connection closed",
+                  "connection refused", "pair closure", "broken pipe", "nccl", "gloo")
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc).lower() for s in _COMM_FAILURES)
+
+
+def roll_call(info: DistInfo, seconds: float = ROLL_CALL_SECONDS) -> list[int] | None:
+    """After a failed collective: the ranks that do not check in through the job's
+    rendezvous store within ``seconds`` (the collective's error does not say who is silent).
+    ``None`` when the store cannot be asked."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=seconds))
+        store.set(f"memlayout/alive/{info.rank}", "1")
+        missing = [r for r in range(info.world_size) if r != info.rank]
+        deadline = time.monotonic() + seconds
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"memlayout/alive/{r}"])]
+            if missing:
+                time.sleep(0.1)
+        return missing
+    except Exception:  # the store's host may be the silent rank: then we cannot tell
+        return None
+
+
+@contextlib.contextmanager
+def collectives(info: DistInfo, timeout: float, doing: str) -> Iterator[None]:
+    """Turn a collective's failure (a peer timed out or left) inside the block into a
+    ``TrainError`` naming the ranks that stopped answering, ``doing``, the timeout and what
+    to do. Other errors, and every error of a one-process run, pass unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        if not info.distributed or not _is_comm_failure(exc):
+            raise
+        silent = roll_call(info, min(timeout, ROLL_CALL_SECONDS))
+        who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped "
+               "answering" if silent else
+               "every rank answers a roll call now, so one was slower than the timeout or "
+               "failed the collective" if silent == []
+               else "a peer stopped answering (the backend does not say which)")
+        raise TrainError(
+            f"rank {info.rank} of {info.world_size}: {who} while {doing}; no reply within "
+            f"--timeout {timeout:g} s ({_first_line(exc)}). Look at the log and state of "
+            f"{'rank ' + ', '.join(map(str, silent)) if silent else 'every rank'} (crashed, "
+            "frozen, out of memory?); if it is only slow (planning, writing --synthetic data or "
+            "a checkpoint on rank 0), raise --timeout") from exc
+
+
+def batchnorm_notice(model: nn.Module, info: DistInfo, *, device: torch.device,
+                     sync_batchnorm: bool) -> str | None:
+    """What to tell a user who trains a model with BatchNorm on several ranks without
+    SyncBatchNorm: each rank normalizes with its own batch's statistics. ``None``: nothing."""
+    if not info.distributed or sync_batchnorm:
+        return None
+    norms = [n for n, m in unwrap(model).named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+    if not norms:
+        return None
+    offer = ("--sync-bn shares the statistics across ranks (SyncBatchNorm)"
+             if device.type == "cuda" else
+             "SyncBatchNorm would share them, but torch has it for CUDA only (--sync-bn "
+             "--device cuda); on CPU, a larger --batch per process brings each rank's "
+             "statistics closer to the global batch's")
+    return (f"the model has {len(norms)} BatchNorm layers ({', '.join(norms[:3])}"
+            f"{', ...' if len(norms) > 3 else ''}): under DDP each of the {info.world_size} "
+            f"ranks normalizes with its own batch's statistics (and keeps its own running "
+            "statistics; rank 0's are checkpointed), so the losses differ from one process "
+            f"on the global batch; {offer}")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -142,6 +247,16 @@ def warn_grad_layouts(model: nn.Module) -> None:
         warnings.warn(f"memlayout: {len(bad)} gradients are not laid out as their parameters "
                       f"(gradient layout contract), e.g. {bad[0]}; was a parameter converted "
                       "after the optimizer or DDP was built?", stacklevel=2)
+
+
+def broadcast_error(info: DistInfo, message: str | None) -> str | None:
+    """Rank 0's error message (or ``None``) on every rank, so that all stop together when
+    rank 0 cannot go on (one process: ``message`` as is)."""
+    if not info.distributed:
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

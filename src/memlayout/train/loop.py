@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -21,15 +22,19 @@ from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
 from memlayout.dtypes import autocast, parse_dtype
-from memlayout.errors import DtypeError, TrainError
+from memlayout.errors import CheckpointError, DtypeError, TrainError
 from memlayout.models import load_model
 from memlayout.tensors import convert_batch, convert_module
 from memlayout.timing import Comparison, device_sync, interleaved
 from memlayout.train import checkpoint as ckpt
 from memlayout.train.data import LAYOUTS, SkipSampler, image_folder, loader, model_input
 from memlayout.train.ddp import (
+    DEFAULT_TIMEOUT,
     DistInfo,
     all_reduce_sum,
+    batchnorm_notice,
+    broadcast_error,
+    collectives,
     grad_layout_mismatches,
     unwrap,
     warn_grad_layouts,
@@ -40,7 +45,8 @@ from memlayout.train.ddp import (
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a run depends on. ``batch`` is per process; ``max_steps`` stops early
-    (counted from the start of training, across resumes)."""
+    (counted from the start of training, across resumes); ``timeout``: seconds a rank waits
+    for the others in one collective before the run stops with a ``TrainError``."""
 
     model: str
     data: str
@@ -61,8 +67,11 @@ class TrainConfig:
     device: str = "cpu"
     plan_measure: bool = True
     sync_batchnorm: bool = False
+    timeout: float = DEFAULT_TIMEOUT
 
     def check(self) -> None:
+        """Raise ``TrainError`` (``CheckpointError`` for the checkpoint folder) for a setting
+        this run cannot use, before anything is built."""
         if self.layout not in LAYOUTS:
             raise TrainError(f"--layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         try:
@@ -76,6 +85,10 @@ class TrainConfig:
             raise TrainError(f"--workers must be >= 0, got {self.workers}")
         if self.resume and not self.checkpoint:
             raise TrainError("--resume needs --checkpoint DIR (the folder holding latest.pt)")
+        if not self.timeout > 0:
+            raise TrainError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.checkpoint:
+            ckpt.check_location(self.checkpoint, resume=self.resume)
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,10 @@ class TrainResult:
 Event = Callable[[Any], None]
 
 
+def _ignore(_event: Any) -> None:
+    pass
+
+
 def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
                       measure: bool, name: str) -> nn.Module:
     """``memlayout.optimize(module, example, train=True)`` with channels-last input."""
@@ -127,14 +144,16 @@ def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
 
 
 class Trainer:
-    """One model, optimizer and data stream in one layout, on this process."""
+    """One model, optimizer and data stream in one layout, on this process. With a
+    checkpoint folder, rank 0 holds its lock until :meth:`close` (or the end of a ``with``
+    block, or of the process)."""
 
     def __init__(self, config: TrainConfig, dist_info: DistInfo | None = None,
                  on_event: Event | None = None) -> None:
         config.check()
         self.config = config
         self.dist = dist_info or DistInfo()
-        self.on_event = on_event or (lambda _e: None)
+        self.on_event = on_event or _ignore
         device = torch.device(config.device)
         if device.type == "cuda" and self.dist.distributed:
             device = torch.device("cuda", self.dist.local_rank)
@@ -143,8 +162,32 @@ class Trainer:
         self.autocast_dtype = parse_dtype(config.dtype)
         if config.sync_batchnorm and self.dist.distributed and device.type != "cuda":
             raise TrainError("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU kernel "
-                             "for a distributed run; drop --sync-bn on CPU")
+                             "(it refuses CPU tensors), so on CPU each rank keeps its own "
+                             "BatchNorm statistics; drop --sync-bn or train with --device cuda")
+        self._lock: ckpt.CheckpointLock | None = None
+        with collectives(self.dist, config.timeout, "rank 0 checked the checkpoint folder"):
+            self._take_checkpoint_folder()
+        try:
+            self._build(config, device)
+        except BaseException:
+            self.close()
+            raise
 
+    def _take_checkpoint_folder(self) -> None:
+        """Rank 0 locks the checkpoint folder (and removes dead writers' temporary files);
+        when it cannot, every rank stops with its reason."""
+        problem = None
+        if self.config.checkpoint and self.dist.is_main:
+            try:
+                self._lock = ckpt.CheckpointLock(self.config.checkpoint)
+                ckpt.remove_stale_temporaries(self.config.checkpoint)
+            except CheckpointError as exc:
+                problem = str(exc)
+        problem = broadcast_error(self.dist, problem)
+        if problem is not None:
+            raise CheckpointError(problem if self.dist.is_main else f"rank 0: {problem}")
+
+    def _build(self, config: TrainConfig, device: torch.device) -> None:
         self.dataset = image_folder(config.data, config.layout, config.image_size)
         self.sampler = DistributedSampler(self.dataset, num_replicas=self.dist.world_size,
                                           rank=self.dist.rank, shuffle=True, seed=config.seed)
@@ -165,11 +208,17 @@ class Trainer:
             convert_module(model, spec.fmt)
         elif config.layout == "planned":
             example = convert_batch(spec.example_input.to(device), spec.fmt)
-            model = self._plan(model, example)
+            with collectives(self.dist, config.timeout, "rank 0 planned the model"):
+                model = self._plan(model, example)
         model.train()
+        notice = batchnorm_notice(model, self.dist, device=device,
+                                  sync_batchnorm=config.sync_batchnorm)
+        if notice and self.dist.is_main:
+            self._warn(notice)
         if self.dist.distributed:
-            model = wrap_ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
-                             sync_batchnorm=config.sync_batchnorm)
+            with collectives(self.dist, config.timeout, "the ranks compared parameter layouts"):
+                model = wrap_ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                 sync_batchnorm=config.sync_batchnorm)
         self.model = model
         self.optimizer = torch.optim.SGD(model.parameters(), lr=config.lr,
                                          momentum=config.momentum,
@@ -182,6 +231,26 @@ class Trainer:
         if config.resume:
             self.load(Path(config.checkpoint) / ckpt.LATEST)  # type: ignore[arg-type]
         self._stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _warn(self, message: str) -> None:
+        # the CLI prints events above its progress bar; a library caller without a handler
+        # still hears it
+        if self.on_event is _ignore:
+            warnings.warn(f"memlayout: {message}", stacklevel=3)
+        else:
+            self.on_event(f"warning: {message}")
+
+    def close(self) -> None:
+        """Release the checkpoint folder (rank 0). Idempotent."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _plan(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
         # Rank 0 plans (and fills the cost cache) first; the others then read the same costs,
@@ -249,7 +318,9 @@ class Trainer:
         """``n`` steps; returns the mean loss and the top-1 % over their images (this process)."""
         losses, correct = [], []
         for _ in range(n):
-            loss, c = self.train_step(*self.next_batch())
+            with collectives(self.dist, self.config.timeout, f"training step {self.step + 1} "
+                             "(the gradient all-reduce)"):
+                loss, c = self.train_step(*self.next_batch())
             losses.append(loss)
             correct.append(c)
         return (torch.stack(losses).mean().item(),
@@ -272,20 +343,18 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": rngs, "world_size": self.dist.world_size,
             "config": {k: v for k, v in asdict(self.config).items()
-                       if k not in ("resume", "max_steps", "checkpoint")},
+                       if k not in ("resume", "max_steps", "checkpoint", "timeout")},
         }
 
     def save(self) -> Path | None:
         """Write ``latest.pt`` (rank 0) atomically; every rank must call it."""
         if not self.config.checkpoint:
             return None
-        state = self.state()
+        with collectives(self.dist, self.config.timeout, "gathering RNG states for a checkpoint"):
+            state = self.state()
         if not self.dist.is_main:
             return None
-        folder = Path(self.config.checkpoint)
-        for stale in ckpt.stale_temporaries(folder):  # left by a writer that was killed
-            stale.unlink(missing_ok=True)
-        return ckpt.atomic_save(state, folder / ckpt.LATEST)
+        return ckpt.atomic_save(state, Path(self.config.checkpoint) / ckpt.LATEST)
 
     def load(self, path: Path) -> None:
         state = ckpt.load_checkpoint(path)
@@ -317,7 +386,9 @@ class Trainer:
         correct: list[torch.Tensor] = []
         start = time.perf_counter()
         while self.step < self.total_steps:
-            loss, c = self.train_step(*self.next_batch())
+            with collectives(self.dist, cfg.timeout, f"training step {self.step + 1} "
+                             "(the gradient all-reduce)"):
+                loss, c = self.train_step(*self.next_batch())
             losses.append(loss)
             correct.append(c)
             end_of_epoch = self.step % self.steps_per_epoch == 0
@@ -326,9 +397,10 @@ class Trainer:
                 values = torch.stack(losses).tolist()
                 result.losses.extend(values)
                 n = len(values) * cfg.batch
-                total_loss, total_correct, count = all_reduce_sum(
-                    [sum(values) * cfg.batch, float(torch.stack(correct).sum()), float(n)],
-                    self.device)
+                with collectives(self.dist, cfg.timeout, f"summing the losses of step {self.step}"):
+                    total_loss, total_correct, count = all_reduce_sum(
+                        [sum(values) * cfg.batch, float(torch.stack(correct).sum()), float(n)],
+                        self.device)
                 seconds = time.perf_counter() - start
                 epoch, done = divmod(self.step - 1, self.steps_per_epoch)
                 log = IntervalLog(cfg.layout, epoch, done + 1, self.steps_per_epoch, self.step,
@@ -349,8 +421,10 @@ class Trainer:
 
 def train(config: TrainConfig, *, dist_info: DistInfo | None = None,
           on_event: Event | None = None) -> TrainResult:
-    """Build a :class:`Trainer` for ``config`` and run it to the end."""
-    return Trainer(config, dist_info, on_event).run()
+    """Build a :class:`Trainer` for ``config`` and run it to the end (the checkpoint folder
+    is released when it returns or fails)."""
+    with Trainer(config, dist_info, on_event) as trainer:
+        return trainer.run()
 
 
 @dataclass(frozen=True)
