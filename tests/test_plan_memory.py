@@ -152,7 +152,7 @@ def test_a_second_plan_reads_memory_padding_and_mkldnn_records_from_the_cache(
     from memlayout.plan import blocked, memory
 
     net, x = unet_small()
-    options = dict(cache=tmp_path / "c.sqlite", guard=False, rounds=1)
+    options = dict(cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=True)
     first = optimize(net, x, **options).plan
 
     def no_run(*args, **kwargs):

@@ -261,7 +261,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              keep_weight_formats: bool = False, max_plans: int = 8,
              guard_margin: float = 0.0, memory: bool = True,
              memory_budget: int | str | None = None, padding: bool = True,
-             blocked: bool = True, refresh: bool = False) -> OptimizedModule:
+             blocked: bool = False, refresh: bool = False) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -307,8 +307,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       ``optimized.plans`` holds the plans by signature.
     - ``padding`` (with ``measure``): convolutions whose channel counts are not a multiple of
       the vector width run padded where that measures faster (``memlayout.plan.padding``).
-    - ``blocked`` (with ``measure``): where this build has mkldnn tensors, chains of supported
-      ops are timed in that blocked format too and reported (``memlayout.plan.blocked``).
+    - ``blocked`` (with ``measure``, default off): where this build has mkldnn tensors, chains
+      of supported ops are timed in that blocked format too and reported, never applied
+      (``memlayout.plan.blocked``).
     - ``memory``: ``plan.memory`` reports the peak activation memory of the planned model vs
       the original (``memlayout.plan.memory``); ``memory_budget`` (bytes, or ``"300MB"``):
       the fastest plan whose peak fits, or ``PlanError`` saying the smallest peak found.
@@ -793,12 +794,6 @@ def _build_uniform(work: nn.Module, solved: list, inputs: tuple[Any, ...], label
                     "", n.name, fmt, [list(t.shape) for t in meta.layout_tensors], meta.nbytes,
                     0.0 if cost is None else cost.to_1 if label else cost.to_0, ["forward"]))
     return model, [], nodes, conversions
-
-
-def _format(label: int, rank: int) -> Format:
-    from memlayout.plan.capture import label_format
-
-    return label_format(label, rank)
 
 
 def _open_cache(cache: bool | str | Path, *, refresh: bool = False) -> CostCache | None:

@@ -209,11 +209,6 @@ def budget_bytes(budget: int | float | str | None) -> int | None:
                     "or a string such as '300MB' or '1.5GiB'")
 
 
-def describe_bytes(n: int) -> str:
-    """``12.3 MB`` (decimal megabytes, as the plan summary prints them)."""
-    return f"{n / 1e6:.2f} MB"
-
-
 # ---------------------------------------------------------------- the planner's memory step
 
 #: conversion bytes are weighted by these multiples of the model's mean conversion cost per
