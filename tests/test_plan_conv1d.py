@@ -7,7 +7,7 @@ from torch import nn
 
 import memlayout
 from memlayout.layout import Format
-from memlayout.plan import api, capture, rewrite
+from memlayout.plan import capture, records, rewrite
 from memlayout.plan.solve import Solution
 
 
@@ -18,8 +18,8 @@ def _net() -> nn.Module:
 
 def _plan_all_channels_last(monkeypatch) -> None:
     """Label every unpinned node channels-last (the rewrite is what is under test)."""
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+    real = records.solve_min_cut
+    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
 
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import memlayout
-import memlayout.plan.api as api
 import memlayout.plan.costs as costs
 import memlayout.plan.guard as guard
 from memlayout import timing
+from memlayout.plan import records
 from memlayout.plan.capture import capture
+from memlayout.plan.result import FORMAT_NAMES
 from memlayout.plan.solve import Solution
 from tests.test_plan_api import Branchy, Features, _x
 
@@ -41,8 +42,8 @@ def _no_timing(*args, **kwargs):
 
 def _plan_all_contiguous(monkeypatch) -> None:
     """Make the solver label every unpinned node contiguous (so the guard has work to do)."""
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+    real = records.solve_min_cut
+    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 0) for k in real(problem).labels}, 0))
 
 
@@ -72,12 +73,12 @@ def test_an_eager_candidate_keeps_output_format_and_state_dict_keys(db, monkeypa
     # the kept candidate is the original run in channels-last: a feature map it returns comes
     # back in the format the original returns it in, and state dicts load both ways
     _fake_clock(monkeypatch, {"all_channels_last": 1.0})
-    real = api.solve_min_cut
+    real = records.solve_min_cut
 
     def all_contiguous(problem):  # a plan that is not channels-last, whatever was measured
         return Solution({k: problem.pins.get(k, 0) for k in real(problem).labels}, 0)
 
-    monkeypatch.setattr(api, "solve_min_cut", all_contiguous)
+    monkeypatch.setattr(records, "solve_min_cut", all_contiguous)
     model, x = Features().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
     assert opt.plan.guard["skipped"] == ["all_contiguous"]  # that is the plan already
@@ -115,7 +116,7 @@ def test_auto_input_format_times_each_candidate_with_its_own_inputs(db, monkeypa
     g = opt.plan.guard
     for name, label in guard.UNIFORM.items():
         if name in seen:
-            assert seen[name] == {memlayout.Format.parse(api.FORMAT_NAMES[label])}
+            assert seen[name] == {memlayout.Format.parse(FORMAT_NAMES[label])}
     assert seen["planned"] == {memlayout.Format.CONTIGUOUS}  # the plan: all contiguous
     if target in g["skipped"]:
         assert g["kept"] == "planned"

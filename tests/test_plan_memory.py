@@ -12,8 +12,8 @@ from torch import nn
 from memlayout.bench.unets import unet_small
 from memlayout.errors import PlanError
 from memlayout.plan import padding as padding_mod
-from memlayout.plan.api import optimize
 from memlayout.plan.memory import budget_bytes, peak_memory
+from memlayout.plan.pipeline import optimize
 from memlayout.plan.result import Plan
 
 
@@ -94,11 +94,11 @@ def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
 def _plan_all_channels_last(monkeypatch: pytest.MonkeyPatch) -> None:
     """The solver labels every unpinned node channels-last: the same plan whatever the noisy
     measurements say (which labels a plan gets decides where its peak falls)."""
-    from memlayout.plan import api
+    from memlayout.plan import records
     from memlayout.plan.solve import Solution
 
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+    real = records.solve_min_cut
+    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
 
 

@@ -13,8 +13,8 @@ from torch import nn
 from memlayout.bench.unets import odd_channels_small
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan import padding as padding_mod
-from memlayout.plan.api import optimize
 from memlayout.plan.padding import UNPADDED, PaddedConv2d, block_sizes, decide, variants
+from memlayout.plan.pipeline import optimize
 
 CASES = [  # (C in, C out, kernel, stride, padding, dilation, bias)
     (3, 24, 3, 2, 1, 1, False),

@@ -17,8 +17,8 @@ from memlayout import Format, format_of
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan import guard as g
 from memlayout.plan import rewrite as rewrite_module
-from memlayout.plan.api import optimize
 from memlayout.plan.costs import convert_value
+from memlayout.plan.pipeline import optimize
 
 
 class Net(nn.Module):

@@ -9,7 +9,7 @@ from torch import nn
 
 import memlayout
 from memlayout.layout import Format
-from memlayout.plan import api
+from memlayout.plan import records
 from memlayout.plan.solve import Solution
 
 VIDEO_MODELS = ("r3d_18", "mc3_18", "r2plus1d_18")
@@ -56,8 +56,8 @@ def test_torchvision_video_models_plan_verify_and_match(name):
 
 
 def test_an_ndhwc_plan_feeds_ndhwc_and_keeps_the_output_format(monkeypatch):
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+    real = records.solve_min_cut
+    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
     net = nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.BatchNorm3d(8), nn.ReLU(),
                         nn.MaxPool3d(2), nn.Conv3d(8, 4, 3, padding=1)).eval()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from memlayout.errors import MemlayoutError
+
+if TYPE_CHECKING:
+    from memlayout.plan.compare import ModelComparison
 
 app = typer.Typer(
     help="Tensor memory layout (NCHW / channels-last) for PyTorch models.",
@@ -358,8 +361,8 @@ def optimize(
     from rich.progress import Progress
 
     from memlayout.models import load_model
-    from memlayout.plan.api import compare_with_eager
-    from memlayout.plan.api import optimize as plan_model
+    from memlayout.plan.compare import compare_with_eager
+    from memlayout.plan.pipeline import optimize as plan_model
 
     try:
         spec = load_model(model, batch=batch, image_size=image_size)
@@ -411,30 +414,19 @@ def optimize(
         from memlayout.plan.compiled import compare_compiled
 
         result = compare_compiled(spec.module, opt, spec.example_input, rounds=rounds)
-        _print_comparison(result, "memlayout.compile", ("torch.compile", "eager_nchw"), "batch")
+        _print_comparison(result, "batch")
     elif rounds > 0:
         result = compare_with_eager(spec.module, opt, spec.example_input, rounds=rounds,
                                     train=train)
         unit = "training step (forward, backward, SGD)" if train else "batch"
-        _print_comparison(result, "optimized", ("eager_nchw", "eager_nhwc"), unit)
+        _print_comparison(result, unit)
 
 
-def _print_comparison(result: dict, base: str, others: tuple[str, ...], unit: str) -> None:
-    """Each mode's median time, then ``base`` against each other mode (median of per-round
-    ratios other / base: > 1, ``base`` is faster)."""
-    c = result["comparison"]
-    width = max(len(n) for n in (base, *others))
-    for name in (base, *others):
-        t = c[name]
-        if not t.ok:
-            console.print(f"{name}: failed: {t.error}")
-            continue
-        console.print(f"{name:>{width}}: median {t.median * 1e3:8.1f} ms per {unit} (spread {100 * t.spread:.0f} %)")
-    for name in others:
-        if name in result:
-            r = result[name]
-            console.print(f"{base} vs {name}: {r['median']:.3f}x (median of {len(r['ratios'])} "
-                          f"per-round ratios {name} / {base}, range {r['min']:.3f}-{r['max']:.3f})")
+def _print_comparison(result: ModelComparison, unit: str) -> None:
+    """Each mode's median time, then the base mode against each other one (the ratio of the
+    medians shown, with the per-round ratios' median and range), and a warning when noisy."""
+    for line in result.lines(unit):
+        console.print(line, markup=False, highlight=False)
 
 
 @app.command()

@@ -45,15 +45,11 @@ import torch
 from torch import nn
 
 from memlayout.errors import LayoutVerificationError
-from memlayout.plan.api import (
-    OptimizedModule,
-    Progress,
-    _inputs,
-    _open_cache,
-    optimize,
-    parse_dtype,
-)
 from memlayout.plan.capture import autocast_context, device_of
+from memlayout.plan.compare import ModelComparison
+from memlayout.plan.module import OptimizedModule
+from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
+from memlayout.plan.records import Progress
 
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
 INDUCTOR = "inductor"  # the original model compiled as the caller asked: Inductor decides
@@ -86,9 +82,9 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     optimized = optimize(model, example_inputs, dtype=dtype, input_format=input_format,
                          output_format=output_format, measure=measure, cache=cache,
                          progress=progress, name=name, guard=guard, **(plan_kwargs or {}))
-    run_dtype = parse_dtype(dtype)
+    run_dtype = optimized.autocast_dtype
     plan = optimized.plan
-    inputs = optimized.prepare_inputs(*_inputs(example_inputs))
+    inputs = optimized.prepare_inputs(*example_inputs_of(example_inputs))
     options = _split_options(compile_kwargs)
     backend = compile_kwargs.get("backend", "inductor")
     record: dict[str, Any] = {"backend": backend if isinstance(backend, str) else repr(backend),
@@ -108,7 +104,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     decision = inductor_layout_decision(model, inputs, run_dtype)
     record["inductor_layout_opt"] = decision
     refresh = bool((plan_kwargs or {}).get("refresh", False))  # re-measure this decision too
-    store = _open_cache(cache, refresh=refresh) if measure else None
+    store = open_cache(cache, refresh=refresh) if measure else None
     key = _cache_key(model, inputs, run_dtype, plan, compile_kwargs)
     try:
         cached = store.get(key) if store is not None else None
@@ -176,7 +172,7 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
         return built[kept], {**out, "kept": kept, "source": "none", "candidates": {},
                              "rounds": 0}
     times = g.time_candidates({g.PLANNED: built[PLANNED], INDUCTOR: built[INDUCTOR]}, inputs,
-                              dtype, rounds=rounds)
+                              dtype, device=device_of(inputs, built[PLANNED]), rounds=rounds)
     errors.update(times["errors"])
     kept = _decide(times, margin)
     return built[kept], {**out, **_describe(times), "kept": kept, "source": "measured",
@@ -312,7 +308,8 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
 
 
 def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs: Any, *,
-                     rounds: int = 7, warmup: int = 1, **compile_kwargs: Any) -> dict[str, Any]:
+                     rounds: int = 7, warmup: int = 1,
+                     **compile_kwargs: Any) -> ModelComparison:
     """Time ``compiled`` (from :func:`compile`) against ``torch.compile(model)`` with Inductor's
     defaults and eager NCHW, interleaved round by round, under the plan's autocast. Returns
     the ``Comparison`` and, per other mode, the per-round ratios ``other / compiled`` (> 1: the
@@ -322,7 +319,7 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
     from memlayout.tensors import convert_batch, convert_module
     from memlayout.timing import device_sync, interleaved
 
-    inputs = _inputs(example_inputs)
+    inputs = example_inputs_of(example_inputs)
     dtype = compiled.autocast_dtype
     device = device_of(inputs, model)
     eager = convert_module(copy.deepcopy(model).eval(), Format.CONTIGUOUS)
@@ -342,10 +339,7 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
                      "eager_nchw": runner(eager, Format.CONTIGUOUS)},
                     rounds=rounds, warmup=warmup, baseline="memlayout.compile",
                     sync=device_sync(str(device)))
-    from memlayout.plan.api import ratios_against
-
-    return {"comparison": c,
-            **ratios_against(c, "memlayout.compile", ("torch.compile", "eager_nchw"))}
+    return ModelComparison.of(c, "memlayout.compile", ("torch.compile", "eager_nchw"))
 
 
 __all__ = ["INDUCTOR", "PLANNED", "compare_compiled", "compile", "inductor_layout_decision"]

@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memlayout.plan.capture import META_KEY, autocast_context, device_of
+from memlayout.dtypes import autocast
+from memlayout.plan.capture import META_KEY
+from memlayout.tensors import mean_square_loss
 from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"
@@ -82,25 +84,23 @@ def cache_key(device: str, dtype: torch.dtype | None, graph_signature: str) -> s
 
 
 def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
-                    dtype: torch.dtype | None, *, rounds: int,
+                    dtype: torch.dtype | None, *, device: torch.device, rounds: int,
                     on_step: Callable[[int, str], None] | None = None,
                     train: bool = False, margin: float | None = None,
                     inputs_of: Mapping[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
     """Time whole models (``models[PLANNED]`` and the others) interleaved, as they will run
-    (no grad, autocast for ``dtype``; ``train``: a training step's forward and backward, the
-    loss ``sum(0.5 * mean(y ** 2))`` over the floating outputs, backward outside autocast,
+    (no grad, autocast for ``dtype`` on ``device``; ``train``: a training step's forward and
+    backward, the loss ``memlayout.tensors.mean_square_loss``, backward outside autocast,
     gradients into ``.grad`` as an optimizer reads them; the caller restores buffers).
     With ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more.
     ``inputs_of``: a candidate's own inputs (e.g. in its format), instead of ``inputs``.
     Returns ``{"ratios": {name: per-round planned / candidate time}, "rounds": n,
     "errors": {name: message}, "extended": bool}``."""
-    device = device_of(inputs, models[PLANNED])
-
     def runner(module: nn.Module, xs: tuple[Any, ...]) -> Callable[[], Any]:
         def run() -> Any:
-            with torch.no_grad(), autocast_context(device, dtype):
+            with torch.no_grad(), autocast(device, dtype):
                 return module(*xs)
-        return train_step(module, xs, dtype) if train else run
+        return train_step(module, xs, dtype, device) if train else run
 
     own = inputs_of or {}
     fns = {name: runner(m, own.get(name, inputs)) for name, m in models.items()}
@@ -149,25 +149,21 @@ def is_close(record: Mapping[str, Any], *, margin: float) -> bool:
     return bool(medians) and abs(max(medians) - (1.0 + margin)) < CLOSE
 
 
-def train_step(module: nn.Module, inputs: tuple[Any, ...],
-               dtype: torch.dtype | None) -> Callable[[], Any]:
+def train_step(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
+               device: torch.device) -> Callable[[], Any]:
     """One training step of ``module`` without the optimizer: gradients set to ``None``,
-    forward under autocast, ``sum(0.5 * mean(y ** 2))``, backward (into ``.grad``)."""
-    from memlayout.tensors import iter_tensors
-
-    device = device_of(inputs, module)
+    forward under autocast, ``memlayout.tensors.mean_square_loss``, backward (into ``.grad``)."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> Any:
         for p in params:
             p.grad = None
         with torch.enable_grad():
-            with autocast_context(device, dtype):
+            with autocast(device, dtype):
                 out = module(*inputs)
-            terms = [0.5 * t.float().square().mean() for t in iter_tensors(out)
-                     if t.is_floating_point() and t.requires_grad]
-            if terms:
-                torch.stack(terms).sum().backward()
+            loss = mean_square_loss(out)
+            if loss is not None:
+                loss.backward()
         return out
     return step
 

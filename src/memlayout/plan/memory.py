@@ -27,8 +27,10 @@ measured peak fits a budget; ``PlanError`` says the smallest peak found when non
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,10 @@ from torch.utils._pytree import tree_flatten
 from memlayout.dispatch import ObservingMode
 from memlayout.errors import PlanError
 from memlayout.plan.capture import autocast_context, device_of
+from memlayout.plan.costs import device_name
+from memlayout.plan.guard import signature as graph_signature
+from memlayout.plan.records import Build, Solution
+from memlayout.plan.solve import Problem, Tensor, objective, solve_min_cut
 
 CUDA_ALLOCATOR = "cuda_allocator"
 TENSOR_LIFETIME = "tensor_lifetime"
@@ -144,7 +150,7 @@ def parameter_bytes(module: nn.Module) -> int:
 @dataclass
 class Candidate:
     """A plan to consider under a memory budget: a name, its predicted seconds, and a function
-    that builds it (returns whatever the caller needs; its first element is the module)."""
+    that builds it (returns whatever the caller's ``measure`` takes)."""
 
     name: str
     predicted: float
@@ -152,13 +158,13 @@ class Candidate:
 
 
 def within_budget(candidates: Sequence[Candidate], budget: int,
-                  measure: Callable[[nn.Module], MemoryPeak]) -> tuple[Candidate, Any, dict[str, Any]]:
+                  measure: Callable[[Any], MemoryPeak]) -> tuple[Candidate, Any, dict[str, Any]]:
     """The fastest candidate (lowest ``predicted``; ties in the given order) whose peak fits
     ``budget``: returns it, its build, and the record of every candidate measured. Candidates
     are built and measured fastest first, stopping at the first that fits.
 
     >>> fake = {"fast": 300, "lean": 100, "mid": 200}
-    >>> cs = [Candidate(n, p, lambda n=n: (n,)) for n, p in [("fast", 1.0), ("lean", 3.0), ("mid", 2.0)]]
+    >>> cs = [Candidate(n, p, lambda n=n: n) for n, p in [("fast", 1.0), ("lean", 3.0), ("mid", 2.0)]]
     >>> best, built, record = within_budget(cs, 250, lambda m: MemoryPeak(fake[m], 0, "test"))
     >>> best.name, sorted(record)
     ('mid', ['fast', 'mid'])
@@ -168,7 +174,7 @@ def within_budget(candidates: Sequence[Candidate], budget: int,
     for i in order:
         c = candidates[i]
         built = c.build()
-        peak = measure(built[0])
+        peak = measure(built)
         record[c.name] = {"peak": peak.peak_bytes, "predicted": c.predicted}
         if peak.peak_bytes <= budget:
             return c, built, record
@@ -216,34 +222,28 @@ def budget_bytes(budget: int | float | str | None) -> int | None:
 PENALTIES = (1.0, 4.0, 16.0, 256.0)
 
 
-def plan_signature(solved: list, extra: Any) -> str:
-    """A hash of the solved regions (graphs, shapes, strides, labels) and ``extra``: the key
-    under which this plan's padding, mkldnn and memory records are cached."""
-    from memlayout.plan.guard import signature
-
-    return signature([(r.path, r.gm, labels) for (r, _, _, labels) in solved], extra)
+def plan_signature(graphs: list[tuple[str, Any, Mapping[str, int]]], extra: Any) -> str:
+    """A hash of the solved regions (``(path, graph, labels)``: shapes, strides, labels) and
+    ``extra``: the key under which this plan's padding, mkldnn and memory records are cached."""
+    return graph_signature(graphs, extra)
 
 
 def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
-                built: tuple, *, solved: list, kept: str, predicted: dict[str, float],
+                built: Build, *, solution: Solution, kept: str, predicted: dict[str, float],
                 budget: int | None, padding: list[dict[str, Any]],
-                build: Callable[[list], tuple],
-                build_uniform: Callable[[int], tuple], cache: Any = None,
-                signature: str | None = None) -> tuple[tuple, dict[str, Any]]:
+                build: Callable[[Solution], Build],
+                build_uniform: Callable[[int], Build], device: torch.device,
+                cache: Any = None, signature: str | None = None) -> tuple[Build, dict[str, Any]]:
     """Measure the peak of the original (``work``) and of the plan ``built``; with a
     ``budget`` the plan is over, consider other plans (the min-cut plan unpadded, plans that
     weigh conversion bytes more, all-NCHW, all-NHWC), fastest predicted first, and return the
     first that fits (``PlanError`` when none does). Returns the build kept and the plan's
     ``memory`` record. With a ``cache`` and the plan's ``signature`` the two peaks are
     cached (they follow from the graph, shapes and plan), so a second plan runs no forward."""
-    import json
-
-    from memlayout.plan.costs import device_name
-
     padded = [p["module"] for p in padding if p["chosen"] != "unpadded"]
     key = None
     if cache is not None and signature is not None:
-        key = json.dumps(["memory", device_name(device_of(inputs, work)), torch.__version__,
+        key = json.dumps(["memory", device_name(device), torch.__version__,
                           str(dtype), signature, [(p["module"], p["chosen"]) for p in padding]])
     peaks = cache.get(key) if key is not None else None
     if peaks is not None:
@@ -251,14 +251,14 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
         planned = MemoryPeak(*peaks["planned"])
     else:
         original = peak_memory(work, inputs, dtype=dtype)
-        planned = peak_memory(built[0], inputs, dtype=dtype)
+        planned = peak_memory(built.module, inputs, dtype=dtype)
         if key is not None:
             cache.put(key, {"original": list(original.__dict__.values()),
                             "planned": list(planned.__dict__.values())})
     record: dict[str, Any] = {
         "method": planned.method, "original": original.peak_bytes, "planned": planned.peak_bytes,
         "original_end": original.end_bytes, "planned_end": planned.end_bytes,
-        "parameters": {"original": parameter_bytes(work), "planned": parameter_bytes(built[0])},
+        "parameters": {"original": parameter_bytes(work), "planned": parameter_bytes(built.module)},
         "budget": budget, "chosen": kept + (" (padded)" if padded else ""), "candidates": {},
     }
     if budget is None or planned.peak_bytes <= budget:
@@ -270,47 +270,45 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
                                    "predicted": predicted.get(kept, 0.0) - saved}
     candidates: list[Candidate] = []
     if kept != "planned" or padded:
-        candidates.append(Candidate("planned", predicted["planned"], lambda: build(solved)))
+        candidates.append(Candidate("planned", predicted["planned"], lambda: build(solution)))
     for label, name in ((0, "all_contiguous"), (1, "all_channels_last")):
         if name != kept or padded:
             candidates.append(Candidate(name, predicted[name],
                                         lambda label=label: build_uniform(label)))
-    seen = [tuple(sorted(labels.items())) for *_, labels in solved]
+    seen = [tuple(sorted(s.labels.items())) for s in solution.regions]
     for penalty in PENALTIES:
-        relabelled = [(r, t, f, _labels_weighing_bytes(f, t, penalty)) for r, t, f, _ in solved]
-        key = [tuple(sorted(labels.items())) for *_, labels in relabelled]
+        relabelled = dataclasses.replace(solution, regions=tuple(
+            dataclasses.replace(s, labels=_labels_weighing_bytes(s.form, s.table, penalty))
+            for s in solution.regions))
+        key = [tuple(sorted(s.labels.items())) for s in relabelled.regions]
         if key == seen:
             continue
         seen = key
-        cost = sum(_seconds(f, labels) for _, _, f, labels in relabelled)
+        cost = sum(_seconds(s.form, s.labels) for s in relabelled.regions)
         candidates.append(Candidate(f"fewer_conversion_bytes_x{penalty:g}", cost,
                                     lambda s=relabelled: build(s)))
     candidates.sort(key=lambda c: c.predicted)
     try:
         best, chosen, tried = within_budget(
-            candidates, budget, lambda m: peak_memory(m, inputs, dtype=dtype))
+            candidates, budget, lambda b: peak_memory(b.module, inputs, dtype=dtype))
     except PlanError as exc:
         raise PlanError(f"{exc} (the fastest plan, {first}, peaks at "
                         f"{planned.peak_bytes} bytes)") from None
     record["candidates"].update(tried)
     record["chosen"] = best.name
     record["planned"] = tried[best.name]["peak"]
-    record["parameters"]["planned"] = parameter_bytes(chosen[0])
+    record["parameters"]["planned"] = parameter_bytes(chosen.module)
     record["padding_dropped"] = bool(padded)
     return chosen, record
 
 
-def _seconds(form: Any, labels: dict[str, int]) -> float:
-    from memlayout.plan.solve import Problem, objective
-
+def _seconds(form: Any, labels: Mapping[str, int]) -> float:
     return objective(Problem(form.seconds.unary, form.seconds.tensors), labels) or 0.0
 
 
 def _labels_weighing_bytes(form: Any, table: Any, penalty: float) -> dict[str, int]:
     """The min-cut labels when every conversion also costs ``penalty`` times the region's
     mean conversion seconds per byte, per byte it copies."""
-    from memlayout.plan.solve import Problem, Tensor, solve_min_cut
-
     values = list(form.consumers)  # formulate appends one tensor term per consumed value
     tensors = form.integer.tensors
     assert len(values) == len(tensors)
