@@ -382,8 +382,8 @@ def test_permute_runs_where_its_output_has_a_format(db) -> None:
 def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
     import memlayout.plan.rewrite as rewrite
 
-    def corrupting(value, label):  # a conversion that changes values: a planner bug
-        return convert_value(value, label) * 1.5
+    def corrupting(value, label, ranks):  # a conversion that changes values: a planner bug
+        return convert_value(value, label, ranks) * 1.5
 
     monkeypatch.setattr(rewrite, "convert_value", corrupting)
     model, x = Features().eval(), _x()
@@ -397,7 +397,7 @@ def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
 def test_a_wrong_rewrite_of_a_submodule_is_named_and_never_returned(db, monkeypatch) -> None:
     import memlayout.plan.rewrite as rewrite
 
-    monkeypatch.setattr(rewrite, "convert_value", lambda v, label: convert_value(v, label) * 1.5)
+    monkeypatch.setattr(rewrite, "convert_value", lambda v, label, ranks: convert_value(v, label, ranks) * 1.5)
     model, x = Untraceable().eval(), _x().abs()
     model.net = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Conv2d(64, 64, 3))  # wide: worth NHWC
     snap = _snapshot(model)

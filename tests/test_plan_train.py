@@ -149,8 +149,8 @@ class _DoubleGrad(torch.autograd.Function):
         return 2 * grad
 
 
-def _bad_convert(value, label):  # noqa: ANN001, ANN202
-    out = convert_value(value, label)
+def _bad_convert(value, label, ranks):  # noqa: ANN001, ANN202
+    out = convert_value(value, label, ranks)
     return _DoubleGrad.apply(out) if isinstance(out, torch.Tensor) else out
 
 

@@ -44,8 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
-from memlayout.plan.capture import autocast_context, device_of
+from memlayout.plan.capture import device_of
 from memlayout.plan.compare import ModelComparison
 from memlayout.plan.module import OptimizedModule
 from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
@@ -227,7 +228,7 @@ def _compiled(module: nn.Module, compile_kwargs: Mapping[str, Any]) -> nn.Module
 
 def _reference(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> Any:
     work = copy.deepcopy(model).eval()
-    with torch.no_grad(), autocast_context(device_of(inputs, work), dtype):
+    with torch.no_grad(), autocast(device_of(inputs, work), dtype):
         return work(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
 
 
@@ -274,7 +275,7 @@ def inductor_layout_decision(model: nn.Module, inputs: tuple[Any, ...],
     state = {**dict(work.named_parameters()), **dict(work.named_buffers())}
 
     def run(weights: dict[str, torch.Tensor], *xs: Any) -> Any:
-        with autocast_context(device, dtype):
+        with autocast(device, dtype):
             return functional_call(work, weights, xs)
 
     try:
@@ -330,7 +331,7 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
     def runner(module: nn.Module, fmt: Format | None) -> Callable[[], Any]:
         def run() -> Any:
             xs = inputs if fmt is None else convert_batch(inputs, fmt)
-            with torch.no_grad(), autocast_context(device, dtype):
+            with torch.no_grad(), autocast(device, dtype):
                 return module(*xs)
         return run
 

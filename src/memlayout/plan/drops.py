@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from torch import fx
 
+from memlayout.dtypes import autocast
 from memlayout.layout import Format
-from memlayout.plan.capture import FREE, autocast_context, device_of
+from memlayout.plan.capture import FREE, device_of, graph_ranks
 from memlayout.plan.costs import CostTable, convert_module_to, convert_value
 
 #: ``node.meta`` key of a dropping node's notes (a list of sentences)
@@ -55,7 +56,7 @@ def drop_notes(gm: fx.GraphModule, inputs: tuple[Any, ...], table: CostTable, *,
         return {}
     runner = _Explainer(gm, todo, dtype)
     device = device_of(inputs, gm)
-    with torch.no_grad(), autocast_context(device, dtype):
+    with torch.no_grad(), autocast(device, dtype):
         runner.run(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     for n in gm.graph.nodes:
         if n.name in runner.notes:
@@ -74,6 +75,7 @@ class _Explainer(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, todo: set[str], dtype: torch.dtype | None) -> None:
         super().__init__(gm)
+        self.ranks = graph_ranks(gm)
         self.todo = todo
         self.dtype = dtype
         self.notes: dict[str, list[str]] = {}
@@ -91,9 +93,10 @@ class _Explainer(fx.Interpreter):
         from memlayout.audit.recorder import coverage_notes
 
         args, kwargs = fx.node.map_arg((n.args, n.kwargs),
-                                       lambda m: convert_value(self.env[m], 1))
+                                       lambda m: convert_value(self.env[m], 1, self.ranks))
         if n.op == "call_module":
-            target = convert_module_to(copy.deepcopy(self.module.get_submodule(n.target)), 1)
+            target = convert_module_to(copy.deepcopy(self.module.get_submodule(n.target)), 1,
+                                       self.ranks)
             fn = lambda: target(*args, **kwargs)  # noqa: E731
         elif n.op == "call_function":
             fn = lambda: n.target(*args, **kwargs)  # noqa: E731

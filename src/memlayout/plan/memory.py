@@ -39,8 +39,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memlayout.dispatch import ObservingMode
+from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
-from memlayout.plan.capture import autocast_context, device_of
+from memlayout.plan.capture import device_of
 from memlayout.plan.costs import device_name
 from memlayout.plan.guard import signature as graph_signature
 from memlayout.plan.records import Build, Solution
@@ -114,7 +115,7 @@ def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...],
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with torch.no_grad(), autocast_context(device, dtype):
+        with torch.no_grad(), autocast(device, dtype):
             out = module(*args)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
@@ -122,7 +123,7 @@ def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...],
         del out
         return MemoryPeak(int(peak), int(end), CUDA_ALLOCATOR)
     counter = _LiveBytes()
-    with torch.no_grad(), autocast_context(device, dtype), counter:
+    with torch.no_grad(), autocast(device, dtype), counter:
         out = module(*args)
     end = counter.live
     del out

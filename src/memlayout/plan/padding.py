@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlayout.plan.capture import autocast_context, device_of
+from memlayout.dtypes import autocast
+from memlayout.plan.capture import device_of
 
 Progress = Callable[[int, int, str], None]
 UNPADDED = "unpadded"
@@ -205,7 +206,7 @@ def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
                 seen[path] = args[0].detach().clone(memory_format=torch.preserve_format)
         handles.append(model.get_submodule(path).register_forward_pre_hook(hook))
     try:
-        with torch.no_grad(), autocast_context(device_of(inputs, model), dtype):
+        with torch.no_grad(), autocast(device_of(inputs, model), dtype):
             model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     finally:
         for h in handles:
@@ -336,7 +337,7 @@ def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
         def run() -> Any:
             for p, m in modules.items():
                 _replace(model, p, m)
-            with torch.no_grad(), autocast_context(device, dtype):
+            with torch.no_grad(), autocast(device, dtype):
                 return model(*inputs)
         return run
 
@@ -364,7 +365,7 @@ def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int
 
     def call(m: nn.Module) -> Callable[[], Any]:
         def run() -> Any:
-            with torch.no_grad(), autocast_context(x.device, dtype):
+            with torch.no_grad(), autocast(x.device, dtype):
                 return m(x)
         return run
 

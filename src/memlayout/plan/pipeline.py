@@ -187,7 +187,7 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
     saved_state = {k: b.detach().clone() for k, b in work.named_buffers()}
     rng_state = _rng_state()
     try:
-        captured = capture(work, inputs, dtype=options.dtype)
+        captured = capture(work, inputs, dtype=options.dtype, ranks=options.ranks)
         costs = measure_regions(captured, options, store)
         solution = solve_regions(captured, costs, options)
         decision = guarded_build(work, captured, solution, inputs, options, store)
@@ -238,7 +238,8 @@ def measure_regions(captured: Captured, options: PlanOptions,
     for region in captured.regions:
         table = measure_costs(region.gm, region.inputs, dtype=options.dtype,
                               measure=options.measure, cache=store, rounds=options.rounds,
-                              progress=options.progress, train=options.train)
+                              progress=options.progress, train=options.train,
+                              device=options.device)
         drop_notes(region.gm, region.inputs, table, dtype=options.dtype)  # into node.meta
         tables.append(table)
     return Costs(tuple(tables), sum(t.measured for t in tables), sum(t.cached for t in tables))
@@ -280,7 +281,7 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
     own_inputs = options.auto_input and entry is not None
     if own_inputs:
         inputs = inputs_in(inputs, entry, options.ranks)
-    outputs = _output_label(captured.output, options.output_label)
+    outputs = _output_label(captured.output, options.output_label, options.ranks)
 
     def uniform(label: int) -> Build:
         return build_uniform(work, solution, inputs, label, outputs, options,
@@ -361,7 +362,7 @@ def memory_step(work: nn.Module, captured: Captured, solution: Solution,
     fastest plan whose peak fits (``memlayout.plan.memory``)."""
     if not options.memory and options.memory_budget is None:
         return MemoryDecision(decision.build, {})
-    outputs = _output_label(captured.output, options.output_label)
+    outputs = _output_label(captured.output, options.output_label, options.ranks)
     arrive = decision.input_label if options.auto_input else None
     chosen, record = mem.memory_step(
         work, inputs, options.dtype, decision.build, solution=solution,
@@ -472,8 +473,9 @@ def build_uniform(work: nn.Module, solution: Solution, inputs: tuple[Any, ...], 
     weights converted, inputs converted on entry (outputs to ``output_label``) by hooks,
     so ``state_dict`` keys stay the original's. ``arrive``: the label inputs arrive in
     (``None``: as captured), for the conversions listed."""
-    model = convert_module_to(copy.deepcopy(work), label)
-    model.register_forward_pre_hook(functools.partial(_inputs_to, label=label))
+    model = convert_module_to(copy.deepcopy(work), label, options.ranks)
+    model.register_forward_pre_hook(functools.partial(_inputs_to, label=label,
+                                                      ranks=options.ranks))
     if output_label in (0, 1):
         model.register_forward_hook(functools.partial(_outputs_to, label=output_label))
     fmt = FORMAT_NAMES[label]
@@ -509,19 +511,21 @@ def _is_uniform(solution: Solution, planned: Build, label: int) -> bool:
                for c in planned.conversions)
 
 
-def _output_label(reference: Any, output_label: int | str | None) -> int | str | None:
+def _output_label(reference: Any, output_label: int | str | None,
+                  ranks: tuple[int, ...]) -> int | str | None:
     """The label the outputs of a one-format model are converted to: ``None`` (as they come),
     0 / 1, or ``"mixed"`` (kept outputs in both formats: not possible)."""
     if output_label != "keep":
         return output_label
-    label = value_meta(reference).label
+    label = value_meta(reference, ranks).label
     if label in (0, 1):
         return label
     return None if label in (None, FREE) else "mixed" if label == NONE else None
 
 
-def _inputs_to(module: nn.Module, args: tuple[Any, ...], *, label: int) -> tuple[Any, ...]:
-    return convert_value(tuple(args), label)
+def _inputs_to(module: nn.Module, args: tuple[Any, ...], *, label: int,
+               ranks: tuple[int, ...]) -> tuple[Any, ...]:
+    return convert_value(tuple(args), label, ranks)
 
 
 def _outputs_to(module: nn.Module, args: tuple[Any, ...], output: Any, *, label: int) -> Any:
@@ -558,7 +562,7 @@ def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -
                 if isinstance(value, torch.Tensor) and value.dim() in ranks:
                     tensors.append(value)
         fits = [label for label in (0, 1) if tensors and all(
-            tuple(t.stride()) == strides_for(tuple(t.shape), label_format(label, t.dim()))
+            tuple(t.stride()) == strides_for(tuple(t.shape), label_format(label, t.dim(), ranks))
             for t in tensors)]
         if len(fits) == 1:
             pins[n.name] = fits[0]

@@ -23,9 +23,10 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
+from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import strides_agree
-from memlayout.plan.capture import autocast_context, device_of, node_target_name
+from memlayout.plan.capture import device_of, node_target_name
 from memlayout.tensors import iter_tensors
 
 # (rtol, atol) relative to the reference's largest magnitude. Different kernels (channels-last
@@ -93,7 +94,7 @@ def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...
     already computed (the capture run), else the reference runs here.
     """
     device = device_of(inputs, reference)
-    with torch.no_grad(), autocast_context(device, dtype):
+    with torch.no_grad(), autocast(device, dtype):
         want = reference(*_clone(inputs)) if expected is None else expected
         got = planned(*_clone(inputs))
     ok, worst, count = compare(want, got, dtype)
@@ -168,7 +169,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
     with kept_state(module, list(params.values())), _LayoutFreeDropout():
         with torch.random.fork_rng(devices=_cuda_devices(device)):
             torch.manual_seed(SEED)
-            with torch.enable_grad(), autocast_context(device, dtype):
+            with torch.enable_grad(), autocast(device, dtype):
                 # non-leaf copies (same strides): a forward that works on its input in place
                 # must not fail on a leaf that needs a gradient
                 args = tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad
@@ -368,7 +369,7 @@ def _value_diverged(reference: fx.GraphModule, planned: nn.Module, planned_graph
                     inputs: tuple[Any, ...], name: str, dtype: torch.dtype | None) -> bool:
     device = device_of(inputs, reference)
     with kept_state(reference, []), kept_state(planned, []), torch.no_grad(), \
-            autocast_context(device, dtype):
+            autocast(device, dtype):
         with torch.random.fork_rng(devices=_cuda_devices(device)):
             torch.manual_seed(SEED)
             want = value_at(reference, reference.graph, name, inputs)
@@ -471,7 +472,7 @@ def first_divergent(reference: fx.GraphModule, planned: nn.Module, planned_graph
     device = device_of(inputs, reference)
 
     def diverged(i: int) -> bool:
-        with torch.no_grad(), autocast_context(device, dtype):
+        with torch.no_grad(), autocast(device, dtype):
             want = value_at(reference, reference.graph, names[i], inputs)
             got = value_at(planned, planned_graph, names[i], inputs)
         return not compare(want, got, dtype)[0]
