@@ -107,4 +107,4 @@ def test_old_plan_json_without_the_new_fields_still_loads():
     data = __import__("json").loads(p.to_json())
     del data["compiled"], data["notes"]
     old = Plan.from_json(__import__("json").dumps(data))
-    assert old.compiled == {} and old.notes == []
+    assert old.compiled is None and old.notes == []

@@ -13,7 +13,7 @@ import memlayout.plan.guard as guard
 from memlayout import timing
 from memlayout.plan import records
 from memlayout.plan.capture import capture
-from memlayout.plan.result import FORMAT_NAMES
+from memlayout.plan.result import FORMAT_NAMES, RatioRange
 from memlayout.plan.solve import Solution
 from tests.test_plan_api import Branchy, Features, _x
 
@@ -61,7 +61,7 @@ def test_guard_replaces_the_plan_with_a_clearly_faster_uniform_one(db, monkeypat
         assert g["kept"] == "planned" and g["extended"] and g["rounds"] == 6
     else:
         assert g["kept"] == target and not g["extended"] and g["rounds"] == 3
-        assert g["candidates"][target] == {"median": 2.0, "min": 2.0, "max": 2.0}
+        assert g.candidates[target] == RatioRange(median=2.0, min=2.0, max=2.0)
     convs = [n.format for n in opt.plan.nodes if n.op == "Conv2d"]
     assert convs and set(convs) == {fmt}  # convolutions are never pinned: all follow the kept
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_an_eager_candidate_keeps_output_format_and_state_dict_keys(db, monkeypa
     monkeypatch.setattr(records, "solve_min_cut", all_contiguous)
     model, x = Features().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
-    assert opt.plan.guard["skipped"] == ["all_contiguous"]  # that is the plan already
+    assert opt.plan.guard.skipped == ("all_contiguous",)  # that is the plan already
     assert opt.plan.guard["kept"] == "all_channels_last"
     assert [c.value for c in opt.plan.conversions] == ["x"]  # the input, on entry
     assert {n.format for n in opt.plan.nodes} == {"channels_last"}
@@ -159,7 +159,7 @@ def test_a_plan_uniform_end_to_end_runs_as_that_eager_model(db, monkeypatch) -> 
     _plan_all_contiguous(monkeypatch)
     model, x = Features().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
-    assert opt.plan.guard["kept"] == "planned" and opt.plan.guard["skipped"] == ["all_contiguous"]
+    assert opt.plan.guard["kept"] == "planned" and opt.plan.guard.skipped == ("all_contiguous",)
     assert not isinstance(opt.module, PlannedGraph)  # the original modules, no graph between
     assert type(opt.module) is type(model)
     with torch.no_grad():
@@ -214,7 +214,7 @@ def test_second_optimize_measures_nothing_not_even_the_guard(db, monkeypatch) ->
 def test_no_guard_without_measurement(db, monkeypatch) -> None:
     monkeypatch.setattr(guard, "interleaved", _no_timing)
     opt = memlayout.optimize(Branchy().eval(), _x(), measure=False)
-    assert opt.plan.guard == {} and opt.plan.measured == 0
+    assert opt.plan.guard is None and opt.plan.measured == 0
 
 
 def test_signature_follows_shapes_and_labels() -> None:

@@ -164,8 +164,9 @@ def test_mkldnn_chains_are_measured_and_reported_with_their_values_checked() -> 
 def test_no_mkldnn_is_said_in_the_plan(monkeypatch) -> None:
     from memlayout.plan import blocked
     from memlayout.plan.describe import blocked_summary
+    from memlayout.plan.result import BlockedReport
 
     monkeypatch.setattr(blocked, "available", lambda: (False, "no mkldnn in this build"))
     record = blocked.measure_blocked(nn.Conv2d(3, 4, 1), (torch.randn(1, 3, 4, 4),))
-    assert record == {"available": False, "note": "no mkldnn in this build", "chains": []}
+    assert record == BlockedReport(available=False, note="no mkldnn in this build")
     assert "unavailable: no mkldnn in this build" in blocked_summary(record)

@@ -394,17 +394,8 @@ def optimize(
         plan.explain(console)  # ends with the summary
     else:
         console.print(plan.summary())
-    v = plan.verification
-    if v.get("train"):
-        exact = v.get("float64_error")
-        within = (f"; beyond it only by rounding: in float64 the same models differ by {exact:.2g}"
-                  if exact is not None else "")
-        console.print(f"verification: [green]equal[/green] to the original over one training step "
-                      f"on the example input: outputs, gradients, buffers ({v['tensors']} tensors, "
-                      f"worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}{within})")
-    else:
-        console.print(f"verification: [green]equal[/green] to the original on the example input "
-                      f"(worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}, {v['tensors']} output tensors)")
+    if plan.verification is not None:
+        console.print(plan.verification.describe(), markup=False, highlight=False)
     if save:
         from pathlib import Path
 

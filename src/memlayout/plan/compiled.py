@@ -28,7 +28,7 @@ Inductor's own decision for the graph.
 >>> from torch import nn
 >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
 >>> fast = compile(net, torch.randn(1, 3, 16, 16))  # doctest: +SKIP
->>> fast.plan.compiled["kept"] in ("planned", "inductor")  # doctest: +SKIP
+>>> fast.plan.compiled.kept in ("planned", "inductor")  # doctest: +SKIP
 True
 """
 
@@ -51,6 +51,7 @@ from memlayout.plan.compare import ModelComparison
 from memlayout.plan.module import OptimizedModule
 from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
 from memlayout.plan.records import Progress
+from memlayout.plan.result import CompiledRecord
 
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
 INDUCTOR = "inductor"  # the original model compiled as the caller asked: Inductor decides
@@ -92,8 +93,9 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
                               "settings": {PLANNED: dict(PLAN_STANDS), INDUCTOR: {}}}
     if backend != "inductor":
         optimized.compile(**compile_kwargs)
-        plan.compiled = {**record, "kept": PLANNED, "source": "none", "candidates": {},
-                         "reason": "not Inductor: no layout decision of its own to override"}
+        plan.compiled = CompiledRecord.from_dict({
+            **record, "kept": PLANNED, "source": "none",
+            "reason": "not Inductor: no layout decision of its own to override"})
         return optimized
 
     reference = _reference(model, inputs, run_dtype)
@@ -107,6 +109,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     refresh = bool((plan_kwargs or {}).get("refresh", False))  # re-measure this decision too
     store = open_cache(cache, refresh=refresh) if measure else None
     key = _cache_key(model, inputs, run_dtype, plan, compile_kwargs)
+    compiled: dict[str, Any] = {}
     try:
         cached = store.get(key) if store is not None else None
         module = None
@@ -118,22 +121,21 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
             except Exception:  # compiled differently this time: measure both again
                 module = None
             else:
-                plan.compiled = {**record, **_describe(cached), "kept": kept, "source": "cache",
-                                 "errors": {}, "compile_seconds": {kept: compile_s},
-                                 "margin": margin}
+                compiled = {**record, **_describe(cached), "kept": kept, "source": "cache",
+                            "errors": {}, "compile_seconds": {kept: compile_s},
+                            "margin": margin}
         if module is None:
-            module, plan.compiled = _measure(candidates, inputs, run_dtype, reference,
-                                             rounds=rounds, margin=margin, record=record,
-                                             timed=measure)
-            if store is not None and plan.compiled.get("ratios") is not None:
-                store.put(key, {"ratios": plan.compiled.pop("ratios"),
-                                "rounds": plan.compiled["rounds"],
-                                "repeat": plan.compiled.get("repeat", 1)})
-            plan.compiled.pop("ratios", None)
+            module, compiled = _measure(candidates, inputs, run_dtype, reference,
+                                        rounds=rounds, margin=margin, record=record,
+                                        timed=measure)
+            if store is not None and compiled.get("ratios") is not None:
+                store.put(key, {"ratios": compiled["ratios"], "rounds": compiled["rounds"],
+                                "repeat": compiled.get("repeat", 1)})
     finally:
         if store is not None:
             store.close()
-    plan.compiled["seconds"] = time.perf_counter() - start
+    plan.compiled = CompiledRecord.from_dict({**compiled,
+                                              "seconds": time.perf_counter() - start})
     assert isinstance(module, OptimizedModule)
     return module
 
@@ -301,7 +303,8 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
             h.update(f"{list(x.shape)}{list(x.stride())}{x.dtype}".encode())
     h.update(json.dumps([[n.region, n.name, n.op, n.format] for n in plan.nodes]).encode())
     h.update(json.dumps([[c.region, c.value, c.to] for c in plan.conversions]).encode())
-    h.update(json.dumps([plan.guard.get("kept"), plan.input_format, plan.output_format]).encode())
+    kept = plan.guard.kept if plan.guard is not None else None
+    h.update(json.dumps([kept, plan.input_format, plan.output_format]).encode())
     h.update(json.dumps(compile_kwargs, sort_keys=True, default=repr).encode())
     device = device_of(inputs, model)
     return json.dumps(["compile", device_name(device), torch.__version__, str(dtype),

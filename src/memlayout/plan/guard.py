@@ -27,6 +27,7 @@ dtypes, and the plan's labels): a second plan of the same model times nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -37,7 +38,9 @@ import torch
 from torch import fx, nn
 
 from memlayout.dtypes import autocast
+from memlayout.machine import Conditions
 from memlayout.plan.capture import META_KEY
+from memlayout.plan.result import GuardRecord, RatioRange, decode
 from memlayout.tensors import mean_square_loss
 from memlayout.timing import device_sync, interleaved
 
@@ -95,7 +98,10 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
     With ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more.
     ``inputs_of``: a candidate's own inputs (e.g. in its format), instead of ``inputs``.
     Returns ``{"ratios": {name: per-round planned / candidate time}, "rounds": n,
-    "errors": {name: message}, "extended": bool}``."""
+    "errors": {name: message}, "extended": bool, "conditions": the busier of the machine's
+    conditions before and after (``Conditions`` as a dict)}`` (JSON: the cache stores it)."""
+    before = Conditions.now()
+
     def runner(module: nn.Module, xs: tuple[Any, ...]) -> Callable[[], Any]:
         def run() -> Any:
             with torch.no_grad(), autocast(device, dtype):
@@ -124,8 +130,11 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
             for name in live:
                 if name != PLANNED and name not in errors:
                     ratios[name] = [r for c in runs for r in c.ratios(name)]
+        after = Conditions.now()
+        conditions = after if after.busy or not before.busy else before
         return {"ratios": ratios, "rounds": sum(len(c[PLANNED].times) for c in runs),
-                "repeat": repeat, "errors": errors, "extended": extended}
+                "repeat": repeat, "errors": errors, "extended": extended,
+                "conditions": dataclasses.asdict(conditions)}
 
     first = record()
     if margin is None or first["errors"] or not is_close(first, margin=margin):
@@ -176,14 +185,24 @@ def decide(record: Mapping[str, Any], *, margin: float) -> str:
     return best if best is not None and medians[best] > 1.0 + margin else PLANNED
 
 
+def measured_busy(record: Mapping[str, Any]) -> bool:
+    """A (cached) measurement record taken while the machine was busy: not to be reused.
+
+    >>> measured_busy({"conditions": {"load_average": 5.0, "cpu_count": 2, "threads": 2,
+    ...                               "omp_wait_policy": ""}}), measured_busy({})
+    (True, False)
+    """
+    conditions = decode(Conditions, record.get("conditions"))
+    return conditions is not None and conditions.busy
+
+
 def describe(record: Mapping[str, Any], *, kept: str, margin: float, source: str,
-             skipped: list[str]) -> dict[str, Any]:
-    """The guard's entry in ``Plan.guard`` (plain data)."""
-    return {
-        "kept": kept, "margin": margin, "source": source, "rounds": record["rounds"],
-        "extended": record.get("extended", False),
-        "repeat": record.get("repeat", 1),
-        "candidates": {name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
-                       for name, r in record["ratios"].items() if r},
-        "skipped": skipped, "errors": dict(record.get("errors", {})),
-    }
+             skipped: list[str], seconds: float | None = None) -> GuardRecord:
+    """The guard's entry in ``Plan.guard``."""
+    return GuardRecord(
+        kept=kept, margin=margin, source=source, rounds=record["rounds"],
+        candidates={name: RatioRange(statistics.median(r), min(r), max(r))
+                    for name, r in record["ratios"].items() if r},
+        skipped=tuple(skipped), errors=dict(record.get("errors", {})),
+        extended=record.get("extended", False), repeat=record.get("repeat", 1),
+        seconds=seconds, conditions=decode(Conditions, record.get("conditions")))

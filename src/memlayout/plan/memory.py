@@ -45,6 +45,7 @@ from memlayout.plan.capture import device_of
 from memlayout.plan.costs import device_name
 from memlayout.plan.guard import signature as graph_signature
 from memlayout.plan.records import Build, Solution
+from memlayout.plan.result import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
 from memlayout.plan.solve import Problem, Tensor, objective, solve_min_cut
 
 CUDA_ALLOCATOR = "cuda_allocator"
@@ -231,21 +232,21 @@ def plan_signature(graphs: list[tuple[str, Any, Mapping[str, int]]], extra: Any)
 
 def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
                 built: Build, *, solution: Solution, kept: str, predicted: dict[str, float],
-                budget: int | None, padding: list[dict[str, Any]],
+                budget: int | None, padding: Sequence[PadChoice],
                 build: Callable[[Solution], Build],
                 build_uniform: Callable[[int], Build], device: torch.device,
-                cache: Any = None, signature: str | None = None) -> tuple[Build, dict[str, Any]]:
+                cache: Any = None, signature: str | None = None) -> tuple[Build, MemoryReport]:
     """Measure the peak of the original (``work``) and of the plan ``built``; with a
     ``budget`` the plan is over, consider other plans (the min-cut plan unpadded, plans that
     weigh conversion bytes more, all-NCHW, all-NHWC), fastest predicted first, and return the
     first that fits (``PlanError`` when none does). Returns the build kept and the plan's
     ``memory`` record. With a ``cache`` and the plan's ``signature`` the two peaks are
     cached (they follow from the graph, shapes and plan), so a second plan runs no forward."""
-    padded = [p["module"] for p in padding if p["chosen"] != "unpadded"]
+    padded = [p.module for p in padding if p.chosen != UNPADDED]
     key = None
     if cache is not None and signature is not None:
         key = json.dumps(["memory", device_name(device), torch.__version__,
-                          str(dtype), signature, [(p["module"], p["chosen"]) for p in padding]])
+                          str(dtype), signature, [(p.module, p.chosen) for p in padding]])
     peaks = cache.get(key) if key is not None else None
     if peaks is not None:
         original = MemoryPeak(*peaks["original"])
@@ -256,19 +257,16 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
         if key is not None:
             cache.put(key, {"original": list(original.__dict__.values()),
                             "planned": list(planned.__dict__.values())})
-    record: dict[str, Any] = {
-        "method": planned.method, "original": original.peak_bytes, "planned": planned.peak_bytes,
-        "original_end": original.end_bytes, "planned_end": planned.end_bytes,
-        "parameters": {"original": parameter_bytes(work), "planned": parameter_bytes(built.module)},
-        "budget": budget, "chosen": kept + (" (padded)" if padded else ""), "candidates": {},
-    }
+    record = MemoryReport(
+        method=planned.method, original=original.peak_bytes, planned=planned.peak_bytes,
+        original_end=original.end_bytes, planned_end=planned.end_bytes,
+        parameters_original=parameter_bytes(work), parameters_planned=parameter_bytes(built.module),
+        budget=budget, chosen=kept + (" (padded)" if padded else ""))
     if budget is None or planned.peak_bytes <= budget:
         return built, record
-    saved = sum(p["seconds"]["unpadded"] - p["seconds"][p["chosen"]] for p in padding
-                if p["chosen"] != "unpadded" and p["seconds"].get(p["chosen"]) is not None)
-    first = record["chosen"]
-    record["candidates"][first] = {"peak": planned.peak_bytes,
-                                   "predicted": predicted.get(kept, 0.0) - saved}
+    saved = sum(p.saved for p in padding if p.chosen != UNPADDED)
+    first = record.chosen
+    measured = {first: MemoryCandidate(planned.peak_bytes, predicted.get(kept, 0.0) - saved)}
     candidates: list[Candidate] = []
     if kept != "planned" or padded:
         candidates.append(Candidate("planned", predicted["planned"], lambda: build(solution)))
@@ -295,12 +293,10 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
     except PlanError as exc:
         raise PlanError(f"{exc} (the fastest plan, {first}, peaks at "
                         f"{planned.peak_bytes} bytes)") from None
-    record["candidates"].update(tried)
-    record["chosen"] = best.name
-    record["planned"] = tried[best.name]["peak"]
-    record["parameters"]["planned"] = parameter_bytes(chosen.module)
-    record["padding_dropped"] = bool(padded)
-    return chosen, record
+    measured.update((name, MemoryCandidate(r["peak"], r["predicted"])) for name, r in tried.items())
+    return chosen, dataclasses.replace(
+        record, candidates=measured, chosen=best.name, planned=tried[best.name]["peak"],
+        parameters_planned=parameter_bytes(chosen.module), padding_dropped=bool(padded))
 
 
 def _seconds(form: Any, labels: Mapping[str, int]) -> float:

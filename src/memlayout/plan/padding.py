@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -42,9 +42,9 @@ from torch import nn
 
 from memlayout.dtypes import autocast
 from memlayout.plan.capture import device_of
+from memlayout.plan.result import UNPADDED, PadChoice
 
 Progress = Callable[[int, int, str], None]
-UNPADDED = "unpadded"
 
 
 def block_sizes(device: torch.device | str, dtype: torch.dtype | None) -> tuple[int, ...]:
@@ -167,34 +167,6 @@ class PaddedConv2d(nn.Conv2d):
         return super().extra_repr() + f", padded=({self.in_padded}, {self.out_padded})"
 
 
-@dataclass(frozen=True)
-class PadChoice:
-    """One candidate convolution: its module path, true channels, measured seconds per variant
-    (``unpadded`` and each padded one; ``None`` where it failed), and the variant chosen."""
-
-    module: str
-    in_channels: int
-    out_channels: int
-    input_shape: list[int]
-    input_format: str
-    seconds: dict[str, float | None]
-    chosen: str
-    source: str  # "measured", "cache" or "forced"
-    ratios: dict[str, float] | None = None  # median per-round unpadded / variant time
-    #: the whole model with every chosen padding vs without: median per-round unpadded /
-    #: padded time (``None``: not checked); ``reverted``: the variant chosen alone, dropped
-    #: because the padded model was not faster as a whole
-    whole_model: float | None = None
-    reverted: str | None = None
-
-    @property
-    def saved(self) -> float:
-        """Seconds per call the chosen variant saves (0 when unpadded)."""
-        base = self.seconds.get(UNPADDED)
-        got = self.seconds.get(self.chosen)
-        return 0.0 if base is None or got is None else base - got
-
-
 def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
                dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The input each module in ``paths`` first receives in one run of ``model``."""
@@ -240,12 +212,12 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
         whole_key = json.dumps(["pad-plan", *context, signature, blocks, rounds, margin])
         cached = cache.get(whole_key)
         if cached is not None:
-            return _reapply(model, [PadChoice(**c) for c in cached], blocks, apply)
+            return _reapply(model, [PadChoice.from_dict(c) for c in cached], blocks, apply)
     choices = _plan_padding(model, inputs, convs, dtype=dtype, cache=cache, rounds=rounds,
                             margin=margin, progress=progress, blocks=blocks, force=force,
                             apply=apply, context=context)
     if whole_key is not None:
-        cache.put(whole_key, records(choices))
+        cache.put(whole_key, [asdict(c) for c in choices])
     return choices
 
 
@@ -406,8 +378,3 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, new)
-
-
-def records(choices: list[PadChoice]) -> list[dict[str, Any]]:
-    """The plan's ``padding`` entry: plain dicts."""
-    return [asdict(c) for c in choices]

@@ -7,8 +7,8 @@ runs the steps below in order, each returning a frozen record the next one reads
 >>> from torch import nn
 >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3))
 >>> opt = optimize(net, torch.randn(1, 3, 12, 12), measure=False)
->>> opt.plan.verification["ok"], opt.plan.measured
-(True, 0)
+>>> opt.plan.verification.ok, opt.plan.verification.check, opt.plan.measured
+(True, 'dtype tolerance', 0)
 >>> torch.equal(opt(torch.ones(1, 3, 12, 12)), opt(torch.ones(1, 3, 12, 12)))
 True
 """
@@ -53,7 +53,7 @@ from memlayout.plan.costs import (
 )
 from memlayout.plan.drops import drop_notes, notes_of
 from memlayout.plan.module import OptimizedModule, inputs_in, shape_signature
-from memlayout.plan.padding import plan_padding, records
+from memlayout.plan.padding import plan_padding
 from memlayout.plan.problem import AUTO, OUTPUT_PREFIX, baseline_labels, formulate
 from memlayout.plan.records import (
     Build,
@@ -67,7 +67,19 @@ from memlayout.plan.records import (
     Solution,
     solve_labels,
 )
-from memlayout.plan.result import FORMAT_NAMES, Conversion, NodeChoice, Plan, conv1d_notes
+from memlayout.plan.result import (
+    DTYPE_TOLERANCE,
+    FLOAT64_RECHECK,
+    FORMAT_NAMES,
+    BlockedReport,
+    Conversion,
+    GuardRecord,
+    NodeChoice,
+    PadChoice,
+    Plan,
+    Verification,
+    conv1d_notes,
+)
 from memlayout.plan.rewrite import PlannedGraph, rewrite
 from memlayout.plan.solve import Problem, objective
 from memlayout.plan.verify import TOLERANCE, compare, verify, verify_training
@@ -198,7 +210,7 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
             solution = solution.pin_inputs(decision.input_label)
         # the records below are cached under the plan's signature: a second plan runs no forward
         signature = mem.plan_signature(solution.graphs(), [
-            decision.record.get("kept", g.PLANNED), options.root_input_label,
+            decision.kept, options.root_input_label,
             options.output_label, options.train])
         padded = padding_step(decision.build, inputs, options, store, signature)
         memory = memory_step(work, captured, solution, decision, inputs, padded, options,
@@ -277,7 +289,7 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
     inputs already in its format, and the inputs then arrive in the kept one's."""
     entry = solution.chosen_input() if options.auto_input else options.input_label
     if not (options.guard and options.measure and solution.has_variables):
-        return GuardDecision(build(work, solution, options), {}, entry)
+        return GuardDecision(build(work, solution, options), None, entry)
     own_inputs = options.auto_input and entry is not None
     if own_inputs:
         inputs = inputs_in(inputs, entry, options.ranks)
@@ -298,14 +310,13 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
         eager = uniform(g.UNIFORM[skipped[0]])
         planned = Build(eager.module, (), planned.nodes, planned.conversions)
     if not names:
-        return GuardDecision(planned, {"kept": g.PLANNED, "margin": options.guard_margin,
-                                       "source": "none", "rounds": 0, "candidates": {},
-                                       "skipped": skipped, "errors": {}}, entry)
+        return GuardDecision(planned, GuardRecord(g.PLANNED, options.guard_margin, "none", 0,
+                                                  skipped=tuple(skipped)), entry)
 
     def candidate(name: str) -> Build:
         return planned if name == g.PLANNED else uniform(g.UNIFORM[name])
 
-    def decided(kept: str, record: dict[str, Any]) -> GuardDecision:
+    def decided(kept: str, record: GuardRecord) -> GuardDecision:
         label = g.UNIFORM.get(kept)  # an eager model won: its inputs arrive in its format
         return GuardDecision(candidate(kept), record,
                              label if own_inputs and label is not None else entry)
@@ -314,7 +325,7 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
     key = g.cache_key(device_name(options.device), options.dtype, g.signature(
         solution.graphs(), [options.signature_extra, names, skipped]))
     record = store.get(key) if store is not None else None
-    if record is not None:
+    if record is not None and not g.measured_busy(record):  # a busy machine's: measure again
         kept = g.decide(record, margin=margin)
         return decided(kept, g.describe(record, kept=kept, margin=margin, source="cache",
                                         skipped=skipped))
@@ -339,35 +350,34 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
     if store is not None and not record["errors"]:
         store.put(key, record)
     kept = g.decide(record, margin=margin)
-    described = g.describe(record, kept=kept, margin=margin, source="measured", skipped=skipped)
-    described["seconds"] = time.perf_counter() - start
-    return decided(kept, described)
+    return decided(kept, g.describe(record, kept=kept, margin=margin, source="measured",
+                                    skipped=skipped, seconds=time.perf_counter() - start))
 
 
 def padding_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
-                 store: CostCache | None, signature: str) -> list[dict[str, Any]]:
+                 store: CostCache | None, signature: str) -> tuple[PadChoice, ...]:
     """Convolutions padded to the vector width where that measures faster (inference only:
     a padded convolution's weights are copies made here, they would not train)."""
     if not (options.padding and options.measure) or options.train:
-        return []
-    return records(plan_padding(built.module, inputs, dtype=options.dtype, cache=store,
+        return ()
+    return tuple(plan_padding(built.module, inputs, dtype=options.dtype, cache=store,
                                 rounds=options.rounds, progress=options.progress,
                                 signature=signature))
 
 
 def memory_step(work: nn.Module, captured: Captured, solution: Solution,
-                decision: GuardDecision, inputs: tuple[Any, ...], padded: list[dict[str, Any]],
+                decision: GuardDecision, inputs: tuple[Any, ...], padded: tuple[PadChoice, ...],
                 options: PlanOptions, store: CostCache | None, signature: str) -> MemoryDecision:
     """The peak activation memory of the plan against the original's; with a budget, the
     fastest plan whose peak fits (``memlayout.plan.memory``)."""
     if not options.memory and options.memory_budget is None:
-        return MemoryDecision(decision.build, {})
+        return MemoryDecision(decision.build, None)
     outputs = _output_label(captured.output, options.output_label, options.ranks)
     arrive = decision.input_label if options.auto_input else None
     chosen, record = mem.memory_step(
         work, inputs, options.dtype, decision.build, solution=solution,
         budget=options.memory_budget, padding=padded,
-        kept=decision.record.get("kept", g.PLANNED), predicted=solution.predicted,
+        kept=decision.kept, predicted=solution.predicted,
         build=lambda s: build(work, s, options),
         build_uniform=lambda label: build_uniform(work, solution, inputs, label, outputs,
                                                   options, arrive=arrive),
@@ -376,16 +386,16 @@ def memory_step(work: nn.Module, captured: Captured, solution: Solution,
 
 
 def blocked_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
-                 store: CostCache | None, signature: str) -> dict[str, Any]:
+                 store: CostCache | None, signature: str) -> BlockedReport | None:
     """The mkldnn report (opt-in, never applied): chains of supported ops timed blocked."""
     if not (options.blocked and options.measure):
-        return {}
+        return None
     return measure_blocked(built.module, inputs, dtype=options.dtype, cache=store,
                            rounds=options.rounds, signature=signature)
 
 
 def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple[Any, ...],
-                options: PlanOptions) -> dict[str, Any]:
+                options: PlanOptions) -> Verification:
     """The planned model against the original (one training step when training); raises
     ``LayoutVerificationError`` naming the first divergent node."""
     start = time.perf_counter()
@@ -393,14 +403,13 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
         verification = _verify_training(work, built, inputs, options)
     else:
         verification = _verify(built, inputs, options, expected=captured.output)
-    verification["seconds"] = time.perf_counter() - start
-    return verification
+    return dataclasses.replace(verification, seconds=time.perf_counter() - start)
 
 
 def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
               memory: MemoryDecision, inputs: tuple[Any, ...], options: PlanOptions, *,
-              verification: dict[str, Any], padding: list[dict[str, Any]],
-              blocked: dict[str, Any], seconds: float) -> Plan:
+              verification: Verification, padding: tuple[PadChoice, ...],
+              blocked: BlockedReport | None, seconds: float) -> Plan:
     """The plan as plain data."""
     entry = decision.input_label
     output = options.output_label
@@ -577,7 +586,7 @@ def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -
 
 
 def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
-            expected: Any) -> dict[str, Any]:
+            expected: Any) -> Verification:
     """Run the planned model once and compare with ``expected`` (the original's output from
     the capture run). A whole-model plan is one region: compared (and on a mismatch bisected)
     directly. Planned submodules: the whole model is compared; on a mismatch each region is
@@ -587,7 +596,7 @@ def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
         region, planned = checks[0].region, checks[0].planned
         v = verify(region.gm, planned, region.inputs, dtype=dtype, planned_graph=planned.graph,
                    expected=region.output)
-        return {"ok": True, "max_error": v.max_error, "rtol": v.tolerance, "tensors": v.tensors}
+        return Verification(True, DTYPE_TOLERANCE, v.max_error, v.tolerance, v.tensors)
     with torch.no_grad(), dtypes.autocast(options.device, dtype):
         got = built.module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     ok, err, count = compare(expected, got, dtype)
@@ -603,11 +612,11 @@ def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
             f"the planned model's outputs differ from the original's by {err:.3g} (relative) "
             f"{where}; the plan was not applied")
     rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
-    return {"ok": True, "max_error": err, "rtol": rtol, "tensors": count}
+    return Verification(True, DTYPE_TOLERANCE, err, rtol, count)
 
 
 def _verify_training(work: nn.Module, built: Build, inputs: tuple[Any, ...],
-                     options: PlanOptions) -> dict[str, Any]:
+                     options: PlanOptions) -> Verification:
     """One training step of the planned model against the original's (``work``): a
     whole-model plan is compared (and on a mismatch bisected) directly; planned submodules:
     the whole model, then on a mismatch each region on its own inputs to name the node."""
@@ -625,8 +634,10 @@ def _verify_training(work: nn.Module, built: Build, inputs: tuple[Any, ...],
                                 dtype=dtype, reference_graph=check.region.gm,
                                 planned_graph=check.planned.graph, where=check.region.path)
             raise
-    return {"ok": True, "max_error": v.max_error, "rtol": v.tolerance, "tensors": v.tensors,
-            "train": True, "float64_error": v.float64_error}
+    # verify_training runs the float64 re-check only when the dtype-tolerance compare failed
+    check = DTYPE_TOLERANCE if v.float64_error is None else FLOAT64_RECHECK
+    return Verification(True, check, v.max_error, v.tolerance, v.tensors, train=True,
+                        float64_error=v.float64_error)
 
 
 # ---------------------------------------------------------------- inputs, state, replanning

@@ -21,7 +21,7 @@ from torch import nn
 from memlayout.plan.capture import Region
 from memlayout.plan.costs import CostTable
 from memlayout.plan.problem import Formulation
-from memlayout.plan.result import Conversion, NodeChoice
+from memlayout.plan.result import Conversion, GuardRecord, MemoryReport, NodeChoice
 from memlayout.plan.solve import Problem, solve_min_cut
 
 #: ``progress(done, total, what)``, called while measuring
@@ -177,17 +177,22 @@ class Build:
 
 @dataclass(frozen=True)
 class GuardDecision:
-    """The build the guard kept, its record (``Plan.guard``) and the format the inputs now
-    arrive in."""
+    """The build the guard kept, its record (``Plan.guard``; ``None``: the guard did not run)
+    and the format the inputs now arrive in."""
 
     build: Build
-    record: dict[str, Any]
+    record: GuardRecord | None
     input_label: int | None
+
+    @property
+    def kept(self) -> str:
+        """``planned``, or the eager model that replaced the plan."""
+        return self.record.kept if self.record is not None else "planned"
 
 
 @dataclass(frozen=True)
 class MemoryDecision:
-    """The build the memory step kept and its record (``Plan.memory``)."""
+    """The build the memory step kept and its record (``Plan.memory``; ``None``: not run)."""
 
     build: Build
-    record: dict[str, Any]
+    record: MemoryReport | None
