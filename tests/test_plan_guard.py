@@ -11,9 +11,11 @@ import memlayout
 import memlayout.plan.costs as costs
 import memlayout.plan.guard as guard
 from memlayout import timing
+from memlayout.machine import Conditions
 from memlayout.plan import records
 from memlayout.plan.capture import capture
-from memlayout.plan.result import FORMAT_NAMES, RatioRange
+from memlayout.plan.label import Label
+from memlayout.plan.result import RatioRange
 from memlayout.plan.solve import Solution
 from tests.test_plan_api import Branchy, Features, _x
 
@@ -34,6 +36,13 @@ def _fake_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float],
                                   clock=lambda: now[0], **kwargs)
 
     monkeypatch.setattr(guard, "interleaved", fake_interleaved)
+    _machine(monkeypatch, load=0.0)  # the clock is fake: so is the machine's load
+
+
+def _machine(monkeypatch: pytest.MonkeyPatch, *, load: float) -> None:
+    """``Conditions.now()`` reports ``load`` on 2 CPUs (busy above 2)."""
+    monkeypatch.setattr(Conditions, "now",
+                        classmethod(lambda cls: cls(load, 2, 1, "PASSIVE", "now")))
 
 
 def _no_timing(*args, **kwargs):
@@ -116,7 +125,7 @@ def test_auto_input_format_times_each_candidate_with_its_own_inputs(db, monkeypa
     g = opt.plan.guard
     for name, label in guard.UNIFORM.items():
         if name in seen:
-            assert seen[name] == {memlayout.Format.parse(FORMAT_NAMES[label])}
+            assert seen[name] == {Label(label).format(4)}
     assert seen["planned"] == {memlayout.Format.CONTIGUOUS}  # the plan: all contiguous
     if target in g["skipped"]:
         assert g["kept"] == "planned"
@@ -209,6 +218,27 @@ def test_second_optimize_measures_nothing_not_even_the_guard(db, monkeypatch) ->
     assert second.plan.guard["candidates"] == first.plan.guard["candidates"]
     assert [n.format for n in second.plan.nodes] == [n.format for n in first.plan.nodes]
     assert second.plan.verification["ok"]  # verification still runs: never from the cache
+
+
+def test_a_decision_measured_on_a_busy_machine_is_measured_again_and_said(db,
+                                                                        monkeypatch) -> None:
+    _fake_clock(monkeypatch, {"all_contiguous": 1.0})
+    _machine(monkeypatch, load=5.0)
+    model, x = Branchy().eval(), _x()
+    first = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert first.plan.guard.conditions.busy
+    assert "measured on a busy machine" in first.plan.summary()
+    timed: list[int] = []
+    real = guard.interleaved
+    monkeypatch.setattr(guard, "interleaved", lambda *a, **k: timed.append(1) or real(*a, **k))
+    _machine(monkeypatch, load=0.0)
+    second = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert timed and second.plan.guard.source == "measured"  # not the busy cached record
+    assert not second.plan.guard.conditions.busy
+    assert "busy machine" not in second.plan.summary()
+    monkeypatch.setattr(guard, "interleaved", _no_timing)
+    third = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert third.plan.guard.source == "cache"  # a quiet machine's decision is reused
 
 
 def test_no_guard_without_measurement(db, monkeypatch) -> None:

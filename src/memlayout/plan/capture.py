@@ -9,8 +9,8 @@ one eager run, and the parts left eager are listed with the reason.
 
 >>> from torch import nn
 >>> cap = capture(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), (torch.randn(2, 3, 8, 8),))
->>> [(r.path, [n.meta["memlayout"].label for n in r.gm.graph.nodes]) for r in cap.regions]
-[('', [0, 0, None, None])]
+>>> [(r.path, [str(n.meta["memlayout"].label) for n in r.gm.graph.nodes]) for r in cap.regions]
+[('', ['0', '0', 'None', 'None'])]
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from torch import fx, nn
 
 from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError
-from memlayout.layout import Format, channels_last_for_rank, formats_of
+from memlayout.layout import Format, formats_of
+from memlayout.plan.label import Label
 from memlayout.tensors import iter_tensors
 
 # The ranks planned (a value's format is a choice): 4 and 5 always (channels_last(_3d)); 3
@@ -59,11 +60,11 @@ class TensorMeta:
 @dataclass(frozen=True)
 class ValueMeta:
     """One node's output: every tensor inside it and the two-format label of the whole value:
-    0 (contiguous), 1 (channels-last), ``FREE``, ``NONE``, or ``None`` (no tensor of a
+    a ``Label``, ``FREE``, ``NONE``, or ``None`` (no tensor of a
     layout rank); ``ranks``: the layout ranks of the model it was captured in."""
 
     tensors: tuple[TensorMeta, ...]
-    label: int | str | None
+    label: Label | str | None
     ranks: tuple[int, ...] = BASE_RANKS
 
     @property
@@ -119,19 +120,19 @@ def graph_ranks(gm: fx.GraphModule) -> tuple[int, ...]:
     return BASE_RANKS
 
 
-def label_of(tensors: tuple[TensorMeta, ...], ranks: tuple[int, ...]) -> int | str | None:
+def label_of(tensors: tuple[TensorMeta, ...], ranks: tuple[int, ...]) -> Label | str | None:
     """The two-format label of a value made of ``tensors`` (see :class:`ValueMeta`)."""
     layout = [t for t in tensors if len(t.shape) in ranks]
     if not layout:
         return None
     in0 = all(Format.CONTIGUOUS.value in t.formats for t in layout)
-    in1 = all(_cl(len(t.shape)).value in t.formats for t in layout)
+    in1 = all(Label.CHANNELS_LAST.format(len(t.shape)).value in t.formats for t in layout)
     if in0 and in1:
         return FREE
     if in0:
-        return 0
+        return Label.CONTIGUOUS
     if in1:
-        return 1
+        return Label.CHANNELS_LAST
     return NONE
 
 
@@ -283,22 +284,6 @@ def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any,
 
 def _has_children(m: nn.Module) -> bool:
     return next(iter(m.children()), None) is not None
-
-
-def _cl(rank: int) -> Format:
-    fmt = channels_last_for_rank(rank)
-    assert fmt is not None
-    return fmt
-
-
-def label_format(label: int, rank: int, ranks: tuple[int, ...]) -> Format:
-    """The ``Format`` a two-format label means for a tensor of ``rank`` dims in a model
-    planned in layout ``ranks``.
-
-    >>> label_format(1, 4, BASE_RANKS), label_format(1, 3, BASE_RANKS)
-    (<Format.CHANNELS_LAST: 'channels_last'>, <Format.CONTIGUOUS: 'contiguous'>)
-    """
-    return _cl(rank) if label == 1 and rank in ranks else Format.CONTIGUOUS
 
 
 def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:

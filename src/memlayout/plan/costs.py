@@ -34,7 +34,7 @@ import torch
 from torch import fx, nn
 
 from memlayout.dtypes import autocast
-from memlayout.layout import Format, channels_last_for_rank, strides_for
+from memlayout.layout import Format, strides_for
 from memlayout.plan.capture import (
     FREE,
     META_KEY,
@@ -42,10 +42,10 @@ from memlayout.plan.capture import (
     ValueMeta,
     device_of,
     graph_ranks,
-    label_format,
     node_target_name,
     value_meta,
 )
+from memlayout.plan.label import Label
 from memlayout.tensors import convert_module, to_format
 from memlayout.timing import device_sync, interleaved
 
@@ -158,8 +158,7 @@ def convert_value(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
     """
     if isinstance(value, torch.Tensor):
         if value.dim() in ranks:
-            fmt = channels_last_for_rank(value.dim()) if label == 1 else Format.CONTIGUOUS
-            return to_format(value, fmt)
+            return to_format(value, Label(label).format(value.dim()))
         return value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(convert_value(v, label, ranks) for v in value)
@@ -173,7 +172,7 @@ def fresh_value(value: Any, label: int | None, ranks: tuple[int, ...]) -> Any:
     strides), so a timed op that works in place never touches the real activations."""
     if isinstance(value, torch.Tensor):
         if label is not None and value.dim() in ranks:
-            strides = strides_for(tuple(value.shape), label_format(label, value.dim(), ranks))
+            strides = strides_for(tuple(value.shape), Label(label).format(value.dim()))
         else:
             strides = value.stride()
         return torch.empty_strided(value.shape, strides, dtype=value.dtype,
@@ -355,7 +354,7 @@ def _describe(gm: fx.GraphModule, n: fx.Node, label: int) -> str:
         for t in meta.tensors:
             strides = t.strides
             if kind in ("term", "param") and len(t.shape) in ranks:
-                strides = strides_for(t.shape, label_format(label, len(t.shape), ranks))
+                strides = strides_for(t.shape, Label(label).format(len(t.shape)))
             parts.append(f"{t.dtype}{list(t.shape)}{list(strides)}")
         return "T(" + ",".join(parts) + ")"
 

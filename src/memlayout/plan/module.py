@@ -19,8 +19,8 @@ from memlayout.dtypes import autocast
 from memlayout.errors import MemlayoutError
 from memlayout.plan.capture import device_of
 from memlayout.plan.costs import convert_value
-from memlayout.plan.result import FORMAT_NAMES
-from memlayout.tensors import iter_tensors
+from memlayout.plan.label import Label
+from memlayout.tensors import iter_tensors, torch_memory_format
 
 if TYPE_CHECKING:
     from memlayout.plan.result import Plan
@@ -51,18 +51,14 @@ def _call_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
     return shape_signature((args, kwargs))
 
 
-#: torch's memory format per (label, rank) where ``Tensor.is_contiguous`` can check it
-_TORCH_FORMATS = {(0, 4): torch.contiguous_format, (0, 5): torch.contiguous_format,
-                  (1, 4): torch.channels_last, (1, 5): torch.channels_last_3d}
-
-
 def _arrive(args: tuple[Any, ...], label: int, ranks: tuple[int, ...]) -> tuple[Any, ...]:
     """``args`` with their layout-rank tensors in ``label``'s format, as a plan's inputs
     arrive; ``args`` themselves when every one already is dense in it (the usual call: one
     stride check per tensor, no walk through ``to_format``)."""
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() in ranks:
-            fmt = _TORCH_FORMATS.get((label, a.dim()))
+            # torch's memory format, where ``Tensor.is_contiguous`` can check it (not rank 3)
+            fmt = torch_memory_format(Label(label).format(a.dim()))
             if fmt is None or not a.is_contiguous(memory_format=fmt):
                 return inputs_in(args, label, ranks)
         elif not isinstance(a, torch.Tensor) and isinstance(a, (tuple, list)):
@@ -122,13 +118,13 @@ class OptimizedModule(nn.Module):
         (or a benchmark) does before its loop."""
         if self.plan.input_format is None:
             return args
-        return _arrive(args, FORMAT_NAMES.index(self.plan.input_format), self._ranks)
+        return _arrive(args, Label.parse(self.plan.input_format), self._ranks)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module, plan = self._module_for(args, kwargs)
         if plan is not None and plan.input_format is not None:
             # the format the plan's inputs arrive in: a no-op for inputs already in it
-            args = _arrive(args, FORMAT_NAMES.index(plan.input_format), self._ranks)
+            args = _arrive(args, Label.parse(plan.input_format), self._ranks)
         # the device of this call's tensors: the module may have moved since it was planned
         with autocast(device_of(args, self.module), self.autocast_dtype):
             return module(*args, **kwargs)

@@ -27,7 +27,13 @@ import torch
 from torch import fx, nn
 
 from memlayout import dtypes
-from memlayout.errors import DtypeError, LayoutVerificationError, MemlayoutError, PlanError
+from memlayout.errors import (
+    DtypeError,
+    LayoutError,
+    LayoutVerificationError,
+    MemlayoutError,
+    PlanError,
+)
 from memlayout.layout import Format, strides_for
 from memlayout.plan import guard as g
 from memlayout.plan import memory as mem
@@ -39,7 +45,6 @@ from memlayout.plan.capture import (
     capture,
     device_of,
     iter_nodes,
-    label_format,
     planned_ranks,
     value_meta,
 )
@@ -52,6 +57,7 @@ from memlayout.plan.costs import (
     module_has_layout_params,
 )
 from memlayout.plan.drops import drop_notes, notes_of
+from memlayout.plan.label import LABELS, Label
 from memlayout.plan.module import OptimizedModule, inputs_in, shape_signature
 from memlayout.plan.padding import plan_padding
 from memlayout.plan.problem import AUTO, OUTPUT_PREFIX, baseline_labels, formulate
@@ -70,7 +76,6 @@ from memlayout.plan.records import (
 from memlayout.plan.result import (
     DTYPE_TOLERANCE,
     FLOAT64_RECHECK,
-    FORMAT_NAMES,
     BlockedReport,
     Conversion,
     GuardRecord,
@@ -417,8 +422,8 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
     plan = Plan(
         model=options.name, device=device_name(options.device), torch_version=torch.__version__,
         dtype=None if options.dtype is None else str(options.dtype).removeprefix("torch."),
-        input_format=None if entry is None else FORMAT_NAMES[entry],
-        output_format=output if output in (None, "keep") else FORMAT_NAMES[output],  # type: ignore[index]
+        input_format=None if entry is None else Label(entry).text,
+        output_format=output if output in (None, "keep") else Label(output).text,  # type: ignore[index]
         nodes=list(built.nodes), conversions=list(built.conversions),
         predicted=solution.predicted, regions=[r.path for r in captured.regions],
         uncaptured=[[p, r] for p, r in captured.uncaptured],
@@ -431,7 +436,7 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
     plan.notes.extend(conv1d_notes(plan.nodes))  # rank 3: planned, or why not
     if options.auto_input:
         plan.notes.append(
-            f"input_format='auto': inputs should arrive {FORMAT_NAMES[entry]} (converted "
+            f"input_format='auto': inputs should arrive {Label(entry).text} (converted "
             "on entry otherwise)" if entry is not None else
             "input_format='auto': no input in a definite format at the top level; inputs "
             "are taken as they come")
@@ -463,13 +468,13 @@ def build(work: nn.Module, solution: Solution, options: PlanOptions) -> Build:
             planned_tree = planned
         drops = notes_of(region.gm)
         for n, c in s.table.nodes.items():
-            nodes.append(NodeChoice(region.path, n, c.op, FORMAT_NAMES[s.labels[n]],
-                                    dict(zip(FORMAT_NAMES, c.seconds, strict=True)), c.timed,
+            nodes.append(NodeChoice(region.path, n, c.op, Label(s.labels[n]).text,
+                                    {lb.text: t for lb, t in zip(LABELS, c.seconds, strict=True)}, c.timed,
                                     drops.get(n, [])))
         for value, to, served in made:
             cost = s.table.conversions[value]
             conversions.append(Conversion(
-                region.path, value, FORMAT_NAMES[to], [list(x) for x in cost.shapes],
+                region.path, value, Label(to).text, [list(x) for x in cost.shapes],
                 cost.nbytes, cost.to_1 if to == 1 else cost.to_0, list(served)))
         checks.append(RegionCheck(region, planned))
     return Build(planned_tree, tuple(checks), tuple(nodes), tuple(conversions))
@@ -487,9 +492,9 @@ def build_uniform(work: nn.Module, solution: Solution, inputs: tuple[Any, ...], 
                                                       ranks=options.ranks))
     if output_label in (0, 1):
         model.register_forward_hook(functools.partial(_outputs_to, label=output_label))
-    fmt = FORMAT_NAMES[label]
+    fmt = Label(label).text
     nodes = tuple(NodeChoice(s.region.path, n, c.op, fmt,
-                             dict(zip(FORMAT_NAMES, c.seconds, strict=True)), c.timed,
+                             {lb.text: t for lb, t in zip(LABELS, c.seconds, strict=True)}, c.timed,
                              notes_of(s.region.gm).get(n, []))
                   for s in solution.regions for n, c in s.table.nodes.items())
     conversions = []
@@ -538,8 +543,8 @@ def _inputs_to(module: nn.Module, args: tuple[Any, ...], *, label: int,
 
 
 def _outputs_to(module: nn.Module, args: tuple[Any, ...], output: Any, *, label: int) -> Any:
-    out = convert_batch(output, Format.CHANNELS_LAST if label else Format.CONTIGUOUS)
-    return convert_batch(out, Format.CHANNELS_LAST_3D) if label else out
+    out = convert_batch(output, Label(label).format(4))
+    return convert_batch(out, Label(label).format(5))
 
 
 def _graph_module_on(root: nn.Module, traced: fx.GraphModule) -> fx.GraphModule:
@@ -571,7 +576,7 @@ def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -
                 if isinstance(value, torch.Tensor) and value.dim() in ranks:
                     tensors.append(value)
         fits = [label for label in (0, 1) if tensors and all(
-            tuple(t.stride()) == strides_for(tuple(t.shape), label_format(label, t.dim(), ranks))
+            tuple(t.stride()) == strides_for(tuple(t.shape), Label(label).format(t.dim()))
             for t in tensors)]
         if len(fits) == 1:
             pins[n.name] = fits[0]
@@ -676,15 +681,18 @@ def open_cache(cache: bool | str | Path, *, refresh: bool = False) -> CostCache 
         return None
 
 
-def _label(fmt: str | Format | None, what: str) -> int | None:
+def _label(fmt: str | Format | None, what: str) -> Label | None:
+    """The label of a requested input or output format; ``PlanError`` for a format the
+    planner does not take (channels_last_1d: 1-d models are planned from the costs only)."""
     if fmt is None:
         return None
-    parsed = Format.parse(fmt)
-    if parsed is Format.CONTIGUOUS:
-        return 0
-    if parsed in (Format.CHANNELS_LAST, Format.CHANNELS_LAST_3D):
-        return 1
-    raise PlanError(f"{what} {fmt!r}: the planner handles contiguous and channels_last(_3d)")
+    try:
+        parsed = Format.parse(fmt)
+    except LayoutError as exc:
+        raise PlanError(f"{what} {fmt!r}: {exc}") from None
+    if parsed is Format.CHANNELS_LAST_1D:
+        raise PlanError(f"{what} {fmt!r}: the planner handles contiguous and channels_last(_3d)")
+    return Label.parse(parsed)
 
 
 class Replanner:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memlayout.machine import Conditions
+from memlayout.plan.label import LABELS
 
-FORMAT_NAMES = ("contiguous", "channels_last")  # label 0, label 1
 SCHEMA = 1  # the version of the plan's JSON
 UNPADDED = "unpadded"  # a padding candidate's variant name when left as is
 
@@ -341,7 +341,7 @@ class Plan:
     @property
     def counts(self) -> dict[str, int]:
         """Layout nodes per chosen format."""
-        out = {name: 0 for name in FORMAT_NAMES}
+        out = {label.text: 0 for label in LABELS}
         for n in self.nodes:
             out[n.format] = out.get(n.format, 0) + 1
         return out
