@@ -1,4 +1,4 @@
-"""torch.compile and the planner (issue #6): ``torch.compile(optimize(...))``, ``memlayout.compile``.
+"""torch.compile and the planner: ``torch.compile(optimize(...))``, ``memlayout.compile``.
 
 Compiles are slow on this machine: tiny models only, and each test compiles at most twice.
 """
@@ -12,7 +12,7 @@ import memlayout
 from memlayout.plan import compiled as c
 from memlayout.plan.result import Plan
 
-# issue #10's memory / padding / blocked reports: slow here, not what these tests are about
+# the memory / padding / blocked reports: slow here, not what these tests are about
 QUICK = {"memory": False, "padding": False, "blocked": False}
 
 

@@ -1,4 +1,4 @@
-"""Rank 3 (issue #6): 1-d convolution models planned NCL vs NLC (channels_last_1d)."""
+"""Rank 3: 1-d convolution models planned NCL vs NLC (channels_last_1d)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank 5 (issue #6): video models planned NCDHW vs NDHWC (channels_last_3d), end to end."""
+"""Rank 5: video models planned NCDHW vs NDHWC (channels_last_3d), end to end."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_torchvision_video_models_plan_verify_and_match(name):
     # plan models that drop; batch 2 is the case worth planning)
     x = torch.randn(2, 3, 4, 16, 16)
     # r3d_18 with every planning step; the other two without the memory, padding and blocked
-    # reports (issue #10's, slow here and not about rank 5)
+    # reports (memory, padding, mkldnn: slow here and not about rank 5)
     extras = {} if name == "r3d_18" else {"memory": False, "padding": False, "blocked": False}
     opt = memlayout.optimize(model, x, measure=False, **extras)
     plan = opt.plan

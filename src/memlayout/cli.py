@@ -342,33 +342,54 @@ def optimize(
     dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
     image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; inception_v3 299; video 112).")] = None,
+    device: Annotated[str, typer.Option(help="Where to plan and run: cpu, cuda or cuda:N (when CUDA is available). Default: cpu.")] = "cpu",
     save: Annotated[str | None, typer.Option(help="Write the plan as JSON here. Default: none.")] = None,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="Time each layout node here (cached), or use the analytical model. Default: measure.")] = True,
     explain: Annotated[bool, typer.Option("--explain", help="Print every node's choice and costs. Default: off.")] = False,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds of the speed comparison (0: skip it). Default: 7.")] = 7,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Use the cost cache ($MEMLAYOUT_CACHE_DIR or $XDG_CACHE_HOME/memlayout). Default: on.")] = True,
-    guard: Annotated[bool, typer.Option("--guard/--no-guard", help="Time the whole planned model against all-NCHW and all-NHWC (cached) and keep the fastest of the three in the median of per-round ratios (a close call gets twice the rounds); needs --measure. Default: on.")] = True,
+    guard: Annotated[bool, typer.Option("--guard/--no-guard", help="Time the whole planned model against all-NCHW and all-NHWC (cached; a decision measured on a busy machine is measured again) and keep the fastest of the three in the median of per-round ratios (a close call gets twice the rounds); needs --measure. Default: on.")] = True,
     refresh: Annotated[bool, typer.Option("--refresh", help="Measure every cost and whole-model decision again and overwrite the cached ones (e.g. numbers taken on a busy machine). Default: off.")] = False,
     memory_budget: Annotated[str | None, typer.Option(help="Peak activation memory the plan may use, in bytes or with a unit (300MB, 1.5GiB): the fastest plan within it, or an error naming the smallest peak found. Default: none.")] = None,
     padding: Annotated[bool, typer.Option("--padding/--no-padding", help="Time convolutions with channels padded to the vector width and pad where faster; needs --measure. Default: on.")] = True,
     compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide (kept unless the plan measures >2% faster; cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
-    input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous, channels_last, or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example (contiguous).")] = None,
+    input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous (also nchw / ncdhw), channels_last (also nhwc; channels_last_3d / ndhwc for video), or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example is built (contiguous).")] = None,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC (with
     --compile: against torch.compile's default and eager NCHW)."""
+    import torch
     from rich.progress import Progress
 
+    from memlayout.dtypes import dtype_name, parse_dtype
+    from memlayout.errors import PlanError
     from memlayout.models import load_model
     from memlayout.plan.compare import compare_with_eager
+    from memlayout.plan.pipeline import format_label
     from memlayout.plan.pipeline import optimize as plan_model
+    from memlayout.tensors import format_name, format_of
 
+    try:  # the options first: a bad one is reported before any model is built
+        run_dtype = parse_dtype(dtype)
+        if input_format is not None and input_format.strip().lower() != "auto":
+            format_label(input_format, "input_format")
+        run_device = device.strip().lower()
+        if not (run_device == "cpu" or run_device == "cuda"
+                or (run_device.startswith("cuda:") and run_device[5:].isdigit())):
+            raise PlanError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
+        if run_device != "cpu" and not torch.cuda.is_available():
+            raise PlanError(f"--device {device!r}: CUDA is not available here; use --device cpu")
+    except MemlayoutError as exc:
+        _fail(exc)
     try:
         spec = load_model(model, batch=batch, image_size=image_size)
-        shape = tuple(spec.example_input.shape)
+        module = spec.module.to(run_device)
+        example = spec.example_input.to(run_device)
         task_name = "training step" if train else "inference"
-        console.print(f"{model}: input {shape}, {dtype}, {task_name}, torch threads {__import__('torch').get_num_threads()}")
+        console.print(f"{model}: input {tuple(example.shape)} ({format_name(format_of(example))}"
+                      f" as built), {dtype_name(run_dtype)}, {task_name}, device {run_device}, "
+                      f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("measuring", total=None)
 
@@ -378,12 +399,12 @@ def optimize(
             if compile:
                 from memlayout.plan.compiled import compile as plan_and_compile
 
-                opt = plan_and_compile(spec.module, spec.example_input, dtype=dtype,
+                opt = plan_and_compile(module, example, dtype=dtype,
                                        measure=measure, cache=cache, progress=progress,
                                        name=model, guard=guard, input_format=input_format,
                                        plan_kwargs={"refresh": refresh})
             else:
-                opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
+                opt = plan_model(module, example, dtype=dtype, measure=measure,
                                  cache=cache, progress=progress, name=model, guard=guard,
                                  memory_budget=memory_budget, padding=padding, train=train,
                                  refresh=refresh, input_format=input_format)
@@ -393,7 +414,15 @@ def optimize(
     if explain:
         plan.explain(console)  # ends with the summary
     else:
-        console.print(plan.summary())
+        console.print(plan.summary(), markup=False, highlight=False)
+    if plan.input_format is None:
+        arrives = f"{format_name(format_of(example))}, as built"
+    else:
+        how = ("chosen by the plan (--input-format auto)" if input_format.strip().lower() == "auto"
+               else f"--input-format {input_format}")
+        arrives = (f"{plan.input_format} ({how}; the speed comparison hands every model its "
+                   "input so, and the planned model converts an input that arrives otherwise)")
+    console.print(f"input arrives {arrives}", markup=False, highlight=False)
     if plan.verification is not None:
         console.print(plan.verification.describe(), markup=False, highlight=False)
     if save:
@@ -404,11 +433,10 @@ def optimize(
     if rounds > 0 and compile:
         from memlayout.plan.compiled import compare_compiled
 
-        result = compare_compiled(spec.module, opt, spec.example_input, rounds=rounds)
+        result = compare_compiled(module, opt, example, rounds=rounds)
         _print_comparison(result, "batch")
     elif rounds > 0:
-        result = compare_with_eager(spec.module, opt, spec.example_input, rounds=rounds,
-                                    train=train)
+        result = compare_with_eager(module, opt, example, rounds=rounds, train=train)
         unit = "training step (forward, backward, SGD)" if train else "batch"
         _print_comparison(result, unit)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,15 +47,21 @@ from torch import nn
 
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
+from memlayout.layout import Format
+from memlayout.plan import guard as g
 from memlayout.plan.capture import device_of
 from memlayout.plan.compare import ModelComparison
+from memlayout.plan.costs import device_name
 from memlayout.plan.module import OptimizedModule
 from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
 from memlayout.plan.records import Progress
 from memlayout.plan.result import CompiledRecord
+from memlayout.plan.verify import TOLERANCE, compare
+from memlayout.tensors import convert_batch, convert_module
+from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
-INDUCTOR = "inductor"  # the original model compiled as the caller asked: Inductor decides
+INDUCTOR = "inductor"  # the original model compiled with the settings given: Inductor decides
 PLAN_STANDS = {"layout_optimization": False}
 
 
@@ -68,14 +75,14 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     kernels (Inductor's ``layout_optimization`` off for that compile), or compile the original
     and let Inductor decide; ``plan.compiled`` says which. The plan is kept when it is faster
     than Inductor's own layout by more than ``margin`` (median of ``rounds`` interleaved
-    per-round ratios), else the original compiled as asked: when in doubt, exactly what
+    per-round ratios), else the original compiled with the settings given: when in doubt, exactly what
     ``torch.compile`` gives.
 
     ``plan_kwargs`` go to ``memlayout.optimize`` as well (``memory=False``, ...;
     ``refresh=True`` also measures this planned-vs-Inductor decision again);
     ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``options``, ``dynamic``,
     ...). With a backend other than Inductor there is no layout decision to override: the
-    planned model is compiled as asked and nothing is timed. The returned module is compiled in
+    planned model is compiled with those settings and nothing is timed. The returned module is compiled in
     place (``nn.Module.compile``), so its ``state_dict`` keys are still the original model's.
     Its outputs are compared with the original's (dtype-aware); a candidate that differs is
     dropped, and ``LayoutVerificationError`` is raised when none is left.
@@ -145,8 +152,6 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
              record: dict[str, Any], timed: bool) -> tuple[nn.Module, dict[str, Any]]:
     """Compile every candidate (first call), drop those that fail or compute something else,
     time the rest interleaved and keep the fastest."""
-    from memlayout.plan import guard as g
-
     built: dict[str, nn.Module] = {}
     errors: dict[str, str] = {}
     compile_s: dict[str, float] = {}
@@ -190,8 +195,6 @@ def _decide(record: Mapping[str, Any], margin: float) -> str:
     >>> _decide({"ratios": {"inductor": [0.95, 0.97, 0.96]}}, 0.02), _decide({"ratios": {"inductor": [0.99, 1.0, 0.985]}}, 0.02)
     ('planned', 'inductor')
     """
-    import statistics
-
     ratios = record["ratios"].get(INDUCTOR)
     if not ratios:
         return PLANNED
@@ -200,15 +203,13 @@ def _decide(record: Mapping[str, Any], margin: float) -> str:
 
 def _describe(record: Mapping[str, Any]) -> dict[str, Any]:
     """Per candidate other than the plan: median, min, max of ``planned / candidate`` time."""
-    import statistics
-
     return {"rounds": record["rounds"], "repeat": record.get("repeat", 1),
             "candidates": {name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
                            for name, r in record["ratios"].items() if r}}
 
 
 def _split_options(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The Inductor options the caller asked for; a ``mode`` becomes its options (torch.compile
+    """The Inductor options given; a ``mode`` becomes its options (torch.compile
     takes ``mode`` or ``options``, not both, and the plan's candidate needs ``options``)."""
     options = dict(compile_kwargs.get("options") or {})
     mode = compile_kwargs.get("mode")
@@ -237,8 +238,6 @@ def _reference(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
 def _check(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
            reference: Any, name: str) -> float:
     """Call ``module`` once (the compile) and compare with ``reference``; the seconds taken."""
-    from memlayout.plan.verify import TOLERANCE, compare
-
     start = time.perf_counter()
     with torch.no_grad():
         got = module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
@@ -292,8 +291,6 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
                plan: Any, compile_kwargs: Mapping[str, Any]) -> str:
     """The cost-cache key of one candidate comparison: device, torch version, dtype, and a hash
     of the model (structure, parameter shapes), the inputs, the plan and the settings."""
-    from memlayout.plan.costs import device_name
-
     h = hashlib.sha256()
     h.update(repr(model).encode())
     for pname, p in [*model.named_parameters(), *model.named_buffers()]:
@@ -318,10 +315,6 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
     defaults and eager NCHW, interleaved round by round, under the plan's autocast. Returns
     the ``Comparison`` and, per other mode, the per-round ratios ``other / compiled`` (> 1: the
     compiled plan is faster), their median and range."""
-
-    from memlayout.layout import Format
-    from memlayout.tensors import convert_batch, convert_module
-    from memlayout.timing import device_sync, interleaved
 
     inputs = example_inputs_of(example_inputs)
     dtype = compiled.autocast_dtype

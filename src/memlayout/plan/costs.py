@@ -25,6 +25,7 @@ import operator
 import os
 import platform
 import sqlite3
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from memlayout.plan.capture import (
     value_meta,
 )
 from memlayout.plan.label import Label
-from memlayout.tensors import convert_module, to_format
+from memlayout.tensors import convert_module, iter_tensors, to_format
 from memlayout.timing import device_sync, interleaved
 
 Progress = Callable[[int, int, str], None]
@@ -448,8 +449,6 @@ class _Measurer(fx.Interpreter):
         calls: dict[str, Callable[[], Any]] = {}
         first: dict[str, float] = {}
         for label in (0, 1):
-            import time
-
             try:
                 fn = self._call(n, label)
                 self.sync()
@@ -491,8 +490,6 @@ class _Measurer(fx.Interpreter):
                      first: dict[str, float]) -> dict[str, Callable[[], Any]] | None:
         """A training step of ``n`` per working label (``first`` updated with the step's
         first-call time), or ``None`` when one of them fails."""
-        import time
-
         steps: dict[str, Callable[[], Any]] = {}
         for label in calls:
             try:
@@ -527,8 +524,6 @@ class _Measurer(fx.Interpreter):
 
 
 def _iter_float_tensors(value: Any) -> list[torch.Tensor]:
-    from memlayout.tensors import iter_tensors
-
     return [t for t in iter_tensors(value) if t.is_floating_point()]
 
 

@@ -26,6 +26,7 @@ the note still names the op. The notes go into ``node.meta[DROPS_KEY]`` of the r
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -87,8 +88,8 @@ class _Explainer(fx.Interpreter):
         return result
 
     def _explain(self, n: fx.Node, result: Any) -> list[str]:
-        import copy
-
+        # the audit recorder (a sibling L2 package, with rich renderers) loads only when a
+        # node drops channels-last
         from memlayout.audit import AuditMode
         from memlayout.audit.recorder import coverage_notes
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -42,7 +43,9 @@ from torch import nn
 
 from memlayout.dtypes import autocast
 from memlayout.plan.capture import device_of
+from memlayout.plan.costs import device_name
 from memlayout.plan.result import UNPADDED, PadChoice
+from memlayout.timing import device_sync, interleaved
 
 Progress = Callable[[int, int, str], None]
 
@@ -198,8 +201,6 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
     ``memory.plan_signature``): the choices are cached under it, so a second plan of the same
     model pads from the cache without running it. Returns one :class:`PadChoice` per
     candidate convolution."""
-    from memlayout.plan.costs import device_name
-
     device = device_of(inputs, model)
     blocks = blocks or block_sizes(device, dtype)
     convs = {path: m for path, m in model.named_modules(remove_duplicate=True)
@@ -235,8 +236,6 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
                   dtype: torch.dtype | None, cache: Any, rounds: int, margin: float,
                   progress: Progress | None, blocks: tuple[int, ...], force: str | None,
                   apply: bool, context: list[str]) -> list[PadChoice]:
-    from memlayout.timing import device_sync, interleaved
-
     device = device_of(inputs, model)
     seen = _inputs_of(model, inputs, list(convs), dtype)
     sync = device_sync(str(device))
@@ -296,8 +295,6 @@ def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
     """Median of per-round ``unpadded / padded`` whole-model times (``memlayout.timing``,
     interleaved; modules swapped in before each call), or ``None`` when the padded model
     fails; cached under ``key``. ``model`` is left unpadded."""
-    from memlayout.timing import device_sync, interleaved
-
     record = cache.get(key) if cache is not None and key is not None else None
     if record is not None:
         return record["ratio"]
@@ -329,8 +326,6 @@ def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
 def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int]],
              dtype: torch.dtype | None, rounds: int, sync: Callable[[], None],
              interleaved: Callable[..., Any]) -> dict[str, Any]:
-    import time
-
     modules: dict[str, nn.Module] = {UNPADDED: conv}
     for name, (pin, pout) in options.items():
         modules[name] = PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout)

@@ -186,11 +186,11 @@ def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torc
         raise PlanError(f"max_plans must be an int >= 1 (the example's plan is always held), "
                         f"got {max_plans!r}; 1 plans every other shape at each call")
     auto_input = isinstance(input_format, str) and input_format.strip().lower() == AUTO
-    output_label = "keep" if output_format == "keep" else _label(output_format, "output_format")
+    output_label = "keep" if output_format == "keep" else format_label(output_format, "output_format")
     return PlanOptions(
         name=name or type(model).__name__, device=device_of(inputs, model), dtype=run_dtype,
         ranks=planned_ranks(model),
-        input_label=None if auto_input else _label(input_format, "input_format"),
+        input_label=None if auto_input else format_label(input_format, "input_format"),
         auto_input=auto_input, output_label=output_label, max_plans=max_plans,
         memory_budget=mem.budget_bytes(memory_budget), **rest)
 
@@ -681,7 +681,7 @@ def open_cache(cache: bool | str | Path, *, refresh: bool = False) -> CostCache 
         return None
 
 
-def _label(fmt: str | Format | None, what: str) -> Label | None:
+def format_label(fmt: str | Format | None, what: str) -> Label | None:
     """The label of a requested input or output format; ``PlanError`` for a format the
     planner does not take (channels_last_1d: 1-d models are planned from the costs only)."""
     if fmt is None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from memlayout.plan.capture import Region
 from memlayout.plan.costs import CostTable
-from memlayout.plan.problem import Formulation
+from memlayout.plan.problem import AUTO, Formulation
 from memlayout.plan.result import Conversion, GuardRecord, MemoryReport, NodeChoice
 from memlayout.plan.solve import Problem, solve_min_cut
 
@@ -60,8 +60,6 @@ class PlanOptions:
     def root_input_label(self) -> int | str | None:
         """What the top-level graph's inputs are formulated with: ``"auto"``, 0 / 1, or
         ``None`` (as captured)."""
-        from memlayout.plan.problem import AUTO
-
         return AUTO if self.auto_input else self.input_label
 
     @property

@@ -33,8 +33,9 @@ FLOAT64_RECHECK = "float64 re-check"
 
 
 class Record:
-    """Dict-style reads (``record["kept"]``, ``record.get("kept")``) of a record's fields, for
-    callers written against the plan's former dict records; new code reads the attributes."""
+    """Read-only mapping access to a record's fields (``record["kept"]``,
+    ``record.get("kept")``), for code that treats records as mappings (``memlayout.bench``
+    reads ``plan.compiled`` so); attributes are the typed way in."""
 
     def __getitem__(self, key: str) -> Any:
         if not isinstance(key, str) or key not in {f.name for f in dataclasses.fields(self)}:  # type: ignore[arg-type]

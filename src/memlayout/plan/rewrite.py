@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from memlayout import layout
 from memlayout.plan.capture import CONV1D_RANKS, META_KEY, graph_ranks
 from memlayout.plan.costs import convert_value, module_has_layout_params
 from memlayout.plan.problem import OUTPUT_PREFIX, Formulation
@@ -110,8 +111,6 @@ def _quiet_dynamo_about_layout_caches() -> None:
         from torch._dynamo.utils import allow_lru_cache_wrapper_trace_without_warning as allow
     except ImportError:  # older torch: no such registry, the warning stays (harmless)
         return
-    from memlayout import layout
-
     for value in vars(layout).values():
         if hasattr(value, "cache_info") and hasattr(value, "__wrapped__"):
             allow(value)
