@@ -75,14 +75,15 @@ def _ok(m: nn.Module) -> bool:
 
 def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
                     cache: Any = None, rounds: int = 5,
-                    signature: str | None = None) -> BlockedReport:
+                    signature: str | None = None,
+                    device: torch.device | None = None) -> BlockedReport:
     """Time each chain of ``model`` (as planned) against the same chain in mkldnn tensors;
     the plan's ``blocked`` record (cached whole under the plan's ``signature``, see
     ``memory.plan_signature``: a second plan of the same model runs nothing)."""
     ok, why = available()
     if not ok:
         return BlockedReport(False, why)
-    device = device_of(inputs, model)
+    device = device_of(inputs, model) if device is None else device
     if device.type != "cpu":
         return BlockedReport(False, f"mkldnn tensors are CPU-only; the model runs on "
                                     f"{device.type}")

@@ -155,26 +155,29 @@ def device_of(inputs: tuple[Any, ...], module: nn.Module) -> torch.device:
 
 
 def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
-            ranks: tuple[int, ...] | None = None) -> Captured:
+            ranks: tuple[int, ...] | None = None,
+            device: torch.device | None = None) -> Captured:
     """Trace ``model`` (whole, or its largest traceable submodules) and record layouts.
 
     ``model`` is not modified (tracing reads it; the run is under ``no_grad`` on the given
     module, so pass a copy when its forward mutates state). Raises ``CaptureError`` naming the
     node when the example inputs do not run, or when nothing at all can be captured. ``ranks``:
-    the layout ranks planned (default ``planned_ranks(model)``), recorded in every node's meta.
+    the layout ranks planned (default ``planned_ranks(model)``), recorded in every node's meta;
+    ``device``: where it runs (default: the inputs').
     """
     ranks = planned_ranks(model) if ranks is None else tuple(ranks)
+    device = device_of(inputs, model) if device is None else device
     try:
         gm = fx.symbolic_trace(model)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
     else:
-        output = propagate(gm, inputs, dtype=dtype, ranks=ranks)
+        output = propagate(gm, inputs, dtype=dtype, ranks=ranks, device=device)
         return Captured([Region("", gm, inputs, output)], [], output, ranks)
-    seen, output = _record_submodule_inputs(model, inputs, dtype)
+    seen, output = _record_submodule_inputs(model, inputs, dtype, device)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
-    _capture_children(model, "", seen, dtype, ranks, regions, uncaptured)
+    _capture_children(model, "", seen, dtype, ranks, device, regions, uncaptured)
     if not regions:
         raise CaptureError(
             f"no part of {type(model).__name__} could be traced by torch.fx "
@@ -185,7 +188,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
-              ranks: tuple[int, ...] = BASE_RANKS) -> Any:
+              ranks: tuple[int, ...] = BASE_RANKS, device: torch.device | None = None) -> Any:
     """Run ``gm`` once on copies of ``inputs`` (no grad, autocast for ``dtype``), storing a
     :class:`ValueMeta` (for layout ``ranks``) in every node's meta; returns the output (the
     reference the planned model is verified against)."""
@@ -197,7 +200,8 @@ def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype
             "pass example_inputs as one tensor or a tuple of forward's positional arguments"
         )
     copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-    with torch.no_grad(), autocast(device_of(inputs, gm), dtype):
+    device = device_of(inputs, gm) if device is None else device
+    with torch.no_grad(), autocast(device, dtype):
         return _MetaProp(gm, ranks).run(*copies)
 
 
@@ -235,7 +239,8 @@ def node_target_name(root: nn.Module, n: fx.Node) -> str:
 
 
 def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
-                             dtype: torch.dtype | None) -> tuple[dict[str, tuple[Any, ...]], Any]:
+                             dtype: torch.dtype | None,
+                             device: torch.device) -> tuple[dict[str, tuple[Any, ...]], Any]:
     """The inputs each submodule first received, and the model's output, from one run."""
     seen: dict[str, tuple[Any, ...]] = {}
     handles = []
@@ -247,7 +252,7 @@ def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
                                        for a in args)
             handles.append(sub.register_forward_pre_hook(hook))
     try:
-        with torch.no_grad(), autocast(device_of(inputs, model), dtype):
+        with torch.no_grad(), autocast(device, dtype):
             output = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     except Exception as exc:
         raise CaptureError(
@@ -261,8 +266,8 @@ def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
 
 
 def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any, ...]],
-                      dtype: torch.dtype | None, ranks: tuple[int, ...], regions: list[Region],
-                      uncaptured: list[tuple[str, str]]) -> None:
+                      dtype: torch.dtype | None, ranks: tuple[int, ...], device: torch.device,
+                      regions: list[Region], uncaptured: list[tuple[str, str]]) -> None:
     for name, child in module.named_children():
         path = f"{prefix}.{name}" if prefix else name
         if path not in seen:
@@ -271,11 +276,11 @@ def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any,
             continue  # a leaf without layout parameters (activation, flatten): left as is
         try:
             gm = fx.symbolic_trace(child)
-            output = propagate(gm, seen[path], dtype=dtype, ranks=ranks)
+            output = propagate(gm, seen[path], dtype=dtype, ranks=ranks, device=device)
         except Exception as exc:
             if _has_children(child):
                 uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
-                _capture_children(child, path, seen, dtype, ranks, regions, uncaptured)
+                _capture_children(child, path, seen, dtype, ranks, device, regions, uncaptured)
             else:
                 uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
             continue

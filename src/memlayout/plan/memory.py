@@ -108,9 +108,11 @@ def _storage(t: torch.Tensor) -> Any:
 
 
 def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...], *,
-                dtype: torch.dtype | None = None) -> MemoryPeak:
-    """Peak activation bytes of one ``module(*inputs)`` (no grad, autocast for ``dtype``)."""
-    device = device_of(inputs, module) if isinstance(module, nn.Module) else _device(inputs)
+                dtype: torch.dtype | None = None, device: torch.device | None = None) -> MemoryPeak:
+    """Peak activation bytes of one ``module(*inputs)`` (no grad, autocast for ``dtype``, on
+    ``device``: default the inputs')."""
+    if device is None:
+        device = device_of(inputs, module) if isinstance(module, nn.Module) else _device(inputs)
     args = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -252,8 +254,8 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
         original = MemoryPeak(*peaks["original"])
         planned = MemoryPeak(*peaks["planned"])
     else:
-        original = peak_memory(work, inputs, dtype=dtype)
-        planned = peak_memory(built.module, inputs, dtype=dtype)
+        original = peak_memory(work, inputs, dtype=dtype, device=device)
+        planned = peak_memory(built.module, inputs, dtype=dtype, device=device)
         if key is not None:
             cache.put(key, {"original": list(original.__dict__.values()),
                             "planned": list(planned.__dict__.values())})
@@ -289,7 +291,8 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
     candidates.sort(key=lambda c: c.predicted)
     try:
         best, chosen, tried = within_budget(
-            candidates, budget, lambda b: peak_memory(b.module, inputs, dtype=dtype))
+            candidates, budget, lambda b: peak_memory(b.module, inputs, dtype=dtype,
+                                                     device=device))
     except PlanError as exc:
         raise PlanError(f"{exc} (the fastest plan, {first}, peaks at "
                         f"{planned.peak_bytes} bytes)") from None

@@ -171,7 +171,7 @@ class PaddedConv2d(nn.Conv2d):
 
 
 def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
-               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+               dtype: torch.dtype | None, device: torch.device) -> dict[str, torch.Tensor]:
     """The input each module in ``paths`` first receives in one run of ``model``."""
     seen: dict[str, torch.Tensor] = {}
     handles = []
@@ -181,7 +181,7 @@ def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
                 seen[path] = args[0].detach().clone(memory_format=torch.preserve_format)
         handles.append(model.get_submodule(path).register_forward_pre_hook(hook))
     try:
-        with torch.no_grad(), autocast(device_of(inputs, model), dtype):
+        with torch.no_grad(), autocast(device, dtype):
             model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     finally:
         for h in handles:
@@ -193,15 +193,16 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
                  cache: Any = None, rounds: int = 5, margin: float = 0.02,
                  progress: Progress | None = None, blocks: tuple[int, ...] | None = None,
                  force: str | None = None, apply: bool = True,
-                 signature: str | None = None) -> list[PadChoice]:
+                 signature: str | None = None,
+                 device: torch.device | None = None) -> list[PadChoice]:
     """Measure every eligible convolution of ``model`` (a planned model, run as it will run)
     unpadded and padded; replace the ones where a padded variant is faster by ``margin`` with
     a :class:`PaddedConv2d` (in place, when ``apply``). ``force``: a variant name (``"both16"``)
     chosen wherever it exists, unmeasured (tests). ``signature``: the plan's (see
     ``memory.plan_signature``): the choices are cached under it, so a second plan of the same
     model pads from the cache without running it. Returns one :class:`PadChoice` per
-    candidate convolution."""
-    device = device_of(inputs, model)
+    candidate convolution. ``device``: where it runs (default: the inputs')."""
+    device = device_of(inputs, model) if device is None else device
     blocks = blocks or block_sizes(device, dtype)
     convs = {path: m for path, m in model.named_modules(remove_duplicate=True)
              if path and variants(m, blocks)}
@@ -216,7 +217,7 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
             return _reapply(model, [PadChoice.from_dict(c) for c in cached], blocks, apply)
     choices = _plan_padding(model, inputs, convs, dtype=dtype, cache=cache, rounds=rounds,
                             margin=margin, progress=progress, blocks=blocks, force=force,
-                            apply=apply, context=context)
+                            apply=apply, context=context, device=device)
     if whole_key is not None:
         cache.put(whole_key, [asdict(c) for c in choices])
     return choices
@@ -235,9 +236,8 @@ def _reapply(model: nn.Module, choices: list[PadChoice], blocks: tuple[int, ...]
 def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn.Module], *,
                   dtype: torch.dtype | None, cache: Any, rounds: int, margin: float,
                   progress: Progress | None, blocks: tuple[int, ...], force: str | None,
-                  apply: bool, context: list[str]) -> list[PadChoice]:
-    device = device_of(inputs, model)
-    seen = _inputs_of(model, inputs, list(convs), dtype)
+                  apply: bool, context: list[str], device: torch.device) -> list[PadChoice]:
+    seen = _inputs_of(model, inputs, list(convs), dtype, device)
     sync = device_sync(str(device))
     choices: list[PadChoice] = []
     replacements: dict[str, tuple[nn.Module, nn.Module]] = {}
@@ -276,7 +276,8 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
         # if the whole model runs faster with it than without.
         key = json.dumps(["pad-model", *context, [(c.module, c.chosen, c.input_shape)
                                                   for c in choices], rounds])
-        ratio = whole_model_ratio(model, inputs, replacements, dtype=dtype, rounds=rounds,
+        ratio = whole_model_ratio(model, inputs, replacements, dtype=dtype, device=device,
+                                  rounds=rounds,
                                   cache=cache, key=key)
         if ratio is None or ratio <= 1.0:
             return [dataclasses.replace(c, chosen=UNPADDED, reverted=c.chosen, whole_model=ratio)
@@ -291,14 +292,14 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
 def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
                       replacements: dict[str, tuple[nn.Module, nn.Module]], *,
                       dtype: torch.dtype | None, rounds: int, cache: Any = None,
-                      key: str | None = None) -> float | None:
+                      key: str | None = None, device: torch.device | None = None) -> float | None:
     """Median of per-round ``unpadded / padded`` whole-model times (``memlayout.timing``,
     interleaved; modules swapped in before each call), or ``None`` when the padded model
     fails; cached under ``key``. ``model`` is left unpadded."""
     record = cache.get(key) if cache is not None and key is not None else None
     if record is not None:
         return record["ratio"]
-    device = device_of(inputs, model)
+    device = device_of(inputs, model) if device is None else device
     plain = {p: m for p, (m, _) in replacements.items()}
     padded = {p: m for p, (_, m) in replacements.items()}
 

@@ -204,7 +204,8 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
     saved_state = {k: b.detach().clone() for k, b in work.named_buffers()}
     rng_state = _rng_state()
     try:
-        captured = capture(work, inputs, dtype=options.dtype, ranks=options.ranks)
+        captured = capture(work, inputs, dtype=options.dtype, ranks=options.ranks,
+                           device=options.device)
         costs = measure_regions(captured, options, store)
         solution = solve_regions(captured, costs, options)
         decision = guarded_build(work, captured, solution, inputs, options, store)
@@ -257,7 +258,8 @@ def measure_regions(captured: Captured, options: PlanOptions,
                               measure=options.measure, cache=store, rounds=options.rounds,
                               progress=options.progress, train=options.train,
                               device=options.device)
-        drop_notes(region.gm, region.inputs, table, dtype=options.dtype)  # into node.meta
+        drop_notes(region.gm, region.inputs, table, dtype=options.dtype,  # into node.meta
+                   device=options.device)
         tables.append(table)
     return Costs(tuple(tables), sum(t.measured for t in tables), sum(t.cached for t in tables))
 
@@ -367,7 +369,7 @@ def padding_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
         return ()
     return tuple(plan_padding(built.module, inputs, dtype=options.dtype, cache=store,
                                 rounds=options.rounds, progress=options.progress,
-                                signature=signature))
+                                signature=signature, device=options.device))
 
 
 def memory_step(work: nn.Module, captured: Captured, solution: Solution,
@@ -396,7 +398,7 @@ def blocked_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
     if not (options.blocked and options.measure):
         return None
     return measure_blocked(built.module, inputs, dtype=options.dtype, cache=store,
-                           rounds=options.rounds, signature=signature)
+                           rounds=options.rounds, signature=signature, device=options.device)
 
 
 def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple[Any, ...],
@@ -600,7 +602,7 @@ def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
     if len(checks) == 1 and checks[0].region.path == "":
         region, planned = checks[0].region, checks[0].planned
         v = verify(region.gm, planned, region.inputs, dtype=dtype, planned_graph=planned.graph,
-                   expected=region.output)
+                   expected=region.output, device=options.device)
         return Verification(True, DTYPE_TOLERANCE, v.max_error, v.tolerance, v.tensors)
     with torch.no_grad(), dtypes.autocast(options.device, dtype):
         got = built.module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
@@ -610,7 +612,7 @@ def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
             assert isinstance(check.planned, PlannedGraph)
             verify(check.region.gm, check.planned, check.region.inputs, dtype=dtype,
                    planned_graph=check.planned.graph, where=check.region.path,
-                   expected=check.region.output)
+                   expected=check.region.output, device=options.device)
         where = ("although every planned region matched" if checks else
                  "(the model run entirely in one format, as the guard chose)")
         raise LayoutVerificationError(
@@ -629,15 +631,16 @@ def _verify_training(work: nn.Module, built: Build, inputs: tuple[Any, ...],
     if len(checks) == 1 and checks[0].region.path == "":
         region, planned = checks[0].region, checks[0].planned
         v = verify_training(work, planned, inputs, dtype=dtype, reference_graph=region.gm,
-                            planned_graph=planned.graph)
+                            planned_graph=planned.graph, device=options.device)
     else:
         try:
-            v = verify_training(work, built.module, inputs, dtype=dtype)
+            v = verify_training(work, built.module, inputs, dtype=dtype, device=options.device)
         except LayoutVerificationError:
             for check in checks:  # raises naming the node where a region diverges
                 verify_training(check.region.gm, check.planned, check.region.inputs,
                                 dtype=dtype, reference_graph=check.region.gm,
-                                planned_graph=check.planned.graph, where=check.region.path)
+                                planned_graph=check.planned.graph, where=check.region.path,
+                                device=options.device)
             raise
     # verify_training runs the float64 re-check only when the dtype-tolerance compare failed
     check = DTYPE_TOLERANCE if v.float64_error is None else FLOAT64_RECHECK
