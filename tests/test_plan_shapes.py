@@ -83,7 +83,7 @@ def test_alternating_batch_sizes_plan_once_per_shape_and_train_as_the_original(
     assert all(taken > 0 for _, taken in measurements)  # a fresh cache: both were measured
     assert opt.plan is opt.plans[shape_signature((_x(8),))]  # .plan stays the example's
     new = opt.plans[shape_signature((_x(5),))]
-    assert new.train and new.weight_formats_kept and new.verification["train"]
+    assert new.train and new.weight_formats_kept and new.verification.train
     # the weights trained on both shapes are one set: equal to the reference's at the end
     params = dict(opt.named_parameters())
     for name, p in reference.named_parameters():

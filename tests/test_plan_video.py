@@ -40,7 +40,7 @@ def test_torchvision_video_models_plan_verify_and_match(name):
     extras = {} if name == "r3d_18" else {"memory": False, "padding": False, "blocked": False}
     opt = memlayout.optimize(model, x, measure=False, **extras)
     plan = opt.plan
-    assert plan.verification["ok"] and plan.regions == [""] and not plan.uncaptured
+    assert plan.verification.ok and plan.regions == [""] and not plan.uncaptured
     # nn.Conv3d leaves, and torchvision's Conv3d subclasses that fx traces to torch.conv3d
     convs = [n for n in plan.nodes if n.op in ("Conv3d", "torch.conv3d")]
     assert len(convs) == sum(isinstance(m, nn.Conv3d) for m in model.modules())
