@@ -134,9 +134,9 @@ def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inp
                     rounds=rounds, warmup=warmup, baseline="optimized",
                     sync=device_sync(str(device)))
     return ModelComparison.of(c, "optimized", ("eager_nchw", "eager_nhwc"),
-                              _worse(conditions, Conditions.now()))
+                              busier(conditions, Conditions.now()))
 
 
-def _worse(before: Conditions, after: Conditions) -> Conditions:
+def busier(before: Conditions, after: Conditions) -> Conditions:
     """The busier of the conditions before and after a measurement."""
     return after if after.busy or not before.busy else before

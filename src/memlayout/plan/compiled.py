@@ -48,9 +48,10 @@ from torch import nn
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import Format
+from memlayout.machine import Conditions
 from memlayout.plan import guard as g
 from memlayout.plan.capture import device_of
-from memlayout.plan.compare import ModelComparison
+from memlayout.plan.compare import ModelComparison, busier
 from memlayout.plan.costs import device_name
 from memlayout.plan.module import OptimizedModule
 from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
@@ -331,12 +332,14 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
                 return module(*xs)
         return run
 
+    before = Conditions.now()
     c = interleaved({"memlayout.compile": runner(compiled, None),
                      "torch.compile": runner(default, None),
                      "eager_nchw": runner(eager, Format.CONTIGUOUS)},
                     rounds=rounds, warmup=warmup, baseline="memlayout.compile",
                     sync=device_sync(str(device)))
-    return ModelComparison.of(c, "memlayout.compile", ("torch.compile", "eager_nchw"))
+    return ModelComparison.of(c, "memlayout.compile", ("torch.compile", "eager_nchw"),
+                              busier(before, Conditions.now()))
 
 
 __all__ = ["INDUCTOR", "PLANNED", "compare_compiled", "compile", "inductor_layout_decision"]

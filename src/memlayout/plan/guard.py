@@ -13,7 +13,9 @@ noisy machine five rounds cannot tell 2 % apart, and the bar is "never below 0.9
 
 The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
 autocast dtype and a signature of the captured graphs (every node, its shapes, strides and
-dtypes, and the plan's labels): a second plan of the same model times nothing.
+dtypes, and the plan's labels), with the conditions they were measured under
+(``memlayout.machine.Conditions``): a second plan of the same model times nothing, unless
+the cached ratios were measured on a busy machine; those are measured again.
 
 >>> record = {"ratios": {"all_contiguous": [0.8, 0.9, 0.85], "all_channels_last": [1.2, 1.3, 1.1]},
 ...           "rounds": 3}
@@ -130,7 +132,7 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
             for name in live:
                 if name != PLANNED and name not in errors:
                     ratios[name] = [r for c in runs for r in c.ratios(name)]
-        after = Conditions.now()
+        after = Conditions.now()  # the busier of the two: noise anywhere in the run counts
         conditions = after if after.busy or not before.busy else before
         return {"ratios": ratios, "rounds": sum(len(c[PLANNED].times) for c in runs),
                 "repeat": repeat, "errors": errors, "extended": extended,
