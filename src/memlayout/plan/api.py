@@ -1,10 +1,7 @@
-"""The planner's public names where ``memlayout.train`` imports them (``memlayout.plan.api``);
-the planner itself lives in ``pipeline`` (``optimize``), ``module`` (``OptimizedModule``) and
-``compare`` (``compare_with_eager``)."""
+"""``optimize`` where ``memlayout.train`` imports it (``memlayout.plan.api.optimize``); the
+planner lives in ``pipeline`` (``optimize``), ``module`` (``OptimizedModule``) and ``compare``
+(``compare_with_eager``)."""
 
-from memlayout.plan.compare import compare_with_eager
-from memlayout.plan.module import OptimizedModule, shape_signature
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.result import Plan
 
-__all__ = ["OptimizedModule", "Plan", "compare_with_eager", "optimize", "shape_signature"]
+__all__ = ["optimize"]

@@ -50,6 +50,7 @@ from memlayout.plan.label import Label
 from memlayout.tensors import convert_module, iter_tensors, to_format
 from memlayout.timing import device_sync, interleaved
 
+#: ``progress(done, total, what)``, called while measuring
 Progress = Callable[[int, int, str], None]
 
 # Ops whose kernel does the same work in either format: not timed, only run to see the format

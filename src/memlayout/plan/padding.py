@@ -43,11 +43,9 @@ from torch import nn
 
 from memlayout.dtypes import autocast
 from memlayout.plan.capture import device_of
-from memlayout.plan.costs import device_name
+from memlayout.plan.costs import Progress, device_name
 from memlayout.plan.result import UNPADDED, PadChoice
 from memlayout.timing import device_sync, interleaved
-
-Progress = Callable[[int, int, str], None]
 
 
 def block_sizes(device: torch.device | str, dtype: torch.dtype | None) -> tuple[int, ...]:

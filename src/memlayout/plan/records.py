@@ -10,7 +10,7 @@ step's (:class:`MemoryDecision`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,13 +19,10 @@ import torch
 from torch import nn
 
 from memlayout.plan.capture import Region
-from memlayout.plan.costs import CostTable
+from memlayout.plan.costs import CostTable, Progress
 from memlayout.plan.problem import AUTO, Formulation
 from memlayout.plan.result import Conversion, GuardRecord, MemoryReport, NodeChoice
 from memlayout.plan.solve import Problem, solve_min_cut
-
-#: ``progress(done, total, what)``, called while measuring
-Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
