@@ -74,6 +74,9 @@ def test_a_plan_json_of_another_schema_is_refused() -> None:
     data["schema"] = 2
     with pytest.raises(ValueError, match="schema 2"):
         Plan.from_json(json.dumps(data))
+    del data["schema"]  # a plan JSON written without the schema's records
+    with pytest.raises(ValueError, match="schema None"):
+        Plan.from_json(json.dumps(data))
 
 
 def test_verification_says_which_check_passed() -> None:

@@ -362,10 +362,10 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
-        schema = data.pop("schema", SCHEMA)
+        schema = data.pop("schema", None)
         if schema != SCHEMA:
-            raise ValueError(f"plan JSON schema {schema!r}: this memlayout reads schema {SCHEMA}; "
-                             "plan the model again")
+            raise ValueError(f"plan JSON schema {schema!r}: this memlayout reads schema {SCHEMA} "
+                             "only; plan the model again")
         return decode(cls, data)
 
     def summary(self) -> str:
