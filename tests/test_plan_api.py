@@ -89,7 +89,7 @@ def test_optimized_equals_original_and_leaves_it_unchanged(db) -> None:
     assert _same(snap, model)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
-    assert opt.plan.verification["ok"]
+    assert opt.plan.verification.ok
     assert opt.plan.measured > 0
 
 
@@ -203,9 +203,9 @@ def test_auto_input_format_is_the_better_of_the_two_pinned_ones(db, model_cls) -
 def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
     # after the guard, a memory budget's candidate plans are solved again (conversion bytes
     # weighed more): the inputs' format is settled by then and they must keep it
-    from memlayout.plan.api import _pin_inputs
     from memlayout.plan.memory import PENALTIES, _labels_weighing_bytes
     from memlayout.plan.problem import AUTO, formulate
+    from memlayout.plan.records import RegionSolution
     from memlayout.plan.solve import solve_min_cut
 
     x = _x()
@@ -215,7 +215,8 @@ def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
     labels = solve_min_cut(form.integer).labels
     assert labels["x"] == 1  # analytic costs: channels-last convolutions, the input with them
     for label in (0, 1):
-        [(_, _, pinned, relabelled)] = _pin_inputs([(region, table, form, labels)], label)
+        pinned_solution = RegionSolution(region, table, form, labels).pin_inputs(label)
+        pinned, relabelled = pinned_solution.form, pinned_solution.labels
         assert relabelled["x"] == label and pinned.integer.pins["x"] == label
         assert all(_labels_weighing_bytes(pinned, table, p)["x"] == label for p in PENALTIES)
         if label == 0:  # solved again: the labels of a plan whose input was pinned from the start
@@ -224,7 +225,7 @@ def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
 
 
 def test_inputs_already_in_the_plans_format_pass_untouched() -> None:
-    from memlayout.plan.api import _arrive, _call_signature, shape_signature
+    from memlayout.plan.module import _arrive, _call_signature, shape_signature
 
     cl = memlayout.to_format(torch.randn(2, 3, 8, 8), Format.CHANNELS_LAST)
     args = (cl, 3)
@@ -381,8 +382,8 @@ def test_permute_runs_where_its_output_has_a_format(db) -> None:
 def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
     import memlayout.plan.rewrite as rewrite
 
-    def corrupting(value, label):  # a conversion that changes values: a planner bug
-        return convert_value(value, label) * 1.5
+    def corrupting(value, label, ranks):  # a conversion that changes values: a planner bug
+        return convert_value(value, label, ranks) * 1.5
 
     monkeypatch.setattr(rewrite, "convert_value", corrupting)
     model, x = Features().eval(), _x()
@@ -396,7 +397,7 @@ def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
 def test_a_wrong_rewrite_of_a_submodule_is_named_and_never_returned(db, monkeypatch) -> None:
     import memlayout.plan.rewrite as rewrite
 
-    monkeypatch.setattr(rewrite, "convert_value", lambda v, label: convert_value(v, label) * 1.5)
+    monkeypatch.setattr(rewrite, "convert_value", lambda v, label, ranks: convert_value(v, label, ranks) * 1.5)
     model, x = Untraceable().eval(), _x().abs()
     model.net = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Conv2d(64, 64, 3))  # wide: worth NHWC
     snap = _snapshot(model)

@@ -18,7 +18,7 @@ def test_optimize_command_plans_verifies_and_times(tmp_path, monkeypatch) -> Non
     assert "verification: equal" in result.output
     assert "optimized vs eager_nchw" in result.output and "optimized vs eager_nhwc" in result.output
     plan = Plan.from_json(out.read_text())
-    assert plan.verification["ok"] and plan.nodes and plan.measured == 0
+    assert plan.verification.ok and plan.nodes and plan.measured == 0
 
 
 def test_optimize_command_rejects_an_unknown_dtype(tmp_path, monkeypatch) -> None:

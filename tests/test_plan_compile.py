@@ -1,4 +1,4 @@
-"""torch.compile and the planner (issue #6): ``torch.compile(optimize(...))``, ``memlayout.compile``.
+"""torch.compile and the planner: ``torch.compile(optimize(...))``, ``memlayout.compile``.
 
 Compiles are slow on this machine: tiny models only, and each test compiles at most twice.
 """
@@ -12,7 +12,7 @@ import memlayout
 from memlayout.plan import compiled as c
 from memlayout.plan.result import Plan
 
-# issue #10's memory / padding / blocked reports: slow here, not what these tests are about
+# the memory / padding / blocked reports: slow here, not what these tests are about
 QUICK = {"memory": False, "padding": False, "blocked": False}
 
 
@@ -61,11 +61,11 @@ def test_memlayout_compile_keeps_a_measured_candidate_equal_to_the_original(tmp_
     fast = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2,
                              plan_kwargs=QUICK)
     record = fast.plan.compiled
-    assert record["kept"] in (c.PLANNED, c.INDUCTOR)
-    assert record["source"] == "measured", record
-    assert set(record["candidates"]) == {c.INDUCTOR}
-    assert set(record["compile_seconds"]) == {c.PLANNED, c.INDUCTOR}
-    assert record["settings"][c.PLANNED] == {"layout_optimization": False}
+    assert record.kept in (c.PLANNED, c.INDUCTOR)
+    assert record.source == "measured", record
+    assert set(record.candidates) == {c.INDUCTOR}
+    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR}
+    assert record.settings[c.PLANNED] == {"layout_optimization": False}
     with torch.no_grad():
         torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
     # compiled in place: the original's state_dict keys, values untouched
@@ -78,16 +78,16 @@ def test_memlayout_compile_keeps_a_measured_candidate_equal_to_the_original(tmp_
     # a second compile of the same model reads the decision from the cache: one compile
     again = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2,
                              plan_kwargs=QUICK)
-    assert again.plan.compiled["source"] == "cache"
-    assert again.plan.compiled["kept"] == record["kept"]
-    assert list(again.plan.compiled["compile_seconds"]) == [record["kept"]]
+    assert again.plan.compiled.source == "cache"
+    assert again.plan.compiled.kept == record.kept
+    assert list(again.plan.compiled.compile_seconds) == [record.kept]
 
 
 def test_memlayout_compile_without_measuring_compiles_the_plan_only():
     net, x = _cnn(), torch.randn(1, 3, 12, 12)
     fast = memlayout.compile(net, x, measure=False, plan_kwargs=QUICK)
-    assert fast.plan.compiled["kept"] == c.PLANNED
-    assert list(fast.plan.compiled["compile_seconds"]) == [c.PLANNED]
+    assert fast.plan.compiled.kept == c.PLANNED
+    assert list(fast.plan.compiled.compile_seconds) == [c.PLANNED]
     with torch.no_grad():
         torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
 
@@ -95,8 +95,8 @@ def test_memlayout_compile_without_measuring_compiles_the_plan_only():
 def test_a_backend_other_than_inductor_compiles_the_plan_as_asked():
     net, x = _cnn(), torch.randn(1, 3, 12, 12)
     fast = memlayout.compile(net, x, measure=False, backend="eager", plan_kwargs=QUICK)
-    assert fast.plan.compiled["kept"] == c.PLANNED
-    assert fast.plan.compiled["backend"] == "eager"
+    assert fast.plan.compiled.kept == c.PLANNED
+    assert fast.plan.compiled.backend == "eager"
     with torch.no_grad():
         torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
 
@@ -107,4 +107,4 @@ def test_old_plan_json_without_the_new_fields_still_loads():
     data = __import__("json").loads(p.to_json())
     del data["compiled"], data["notes"]
     old = Plan.from_json(__import__("json").dumps(data))
-    assert old.compiled == {} and old.notes == []
+    assert old.compiled is None and old.notes == []

@@ -1,4 +1,4 @@
-"""Rank 3 (issue #6): 1-d convolution models planned NCL vs NLC (channels_last_1d)."""
+"""Rank 3: 1-d convolution models planned NCL vs NLC (channels_last_1d)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 
 import memlayout
 from memlayout.layout import Format
-from memlayout.plan import api, capture, rewrite
+from memlayout.plan import capture, records, rewrite
 from memlayout.plan.solve import Solution
 
 
@@ -18,8 +18,8 @@ def _net() -> nn.Module:
 
 def _plan_all_channels_last(monkeypatch) -> None:
     """Label every unpinned node channels-last (the rewrite is what is under test)."""
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+    real = records.solve_min_cut
+    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
 
 
@@ -72,10 +72,9 @@ def test_an_nlc_plan_converts_weights_once_feeds_nlc_and_matches(monkeypatch):
     assert any(n.target is rewrite.convert_value_1d for n in graph.nodes)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
-    # the planned model keeps running NLC after another (2-d) model was planned, which sets
-    # the planned ranks back to 4 and 5
+    # the planned model keeps running NLC after another (2-d) model, planned in ranks 4 and
+    # 5, was planned
     memlayout.optimize(nn.Sequential(nn.Conv2d(3, 4, 3)), torch.randn(1, 3, 8, 8), measure=False)
-    assert capture.layout_ranks() == (4, 5)
     seen = _conv_input_strides(opt)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
@@ -110,20 +109,3 @@ def test_a_2d_model_gets_no_rank_3_note():
     opt = memlayout.optimize(nn.Sequential(nn.Conv2d(3, 4, 3)), torch.randn(1, 3, 8, 8),
                              measure=False)
     assert not [n for n in opt.plan.notes if n.startswith("rank 3")]
-
-
-def test_planned_ranks_are_per_thread() -> None:
-    import threading
-
-    from memlayout.plan import capture
-
-    seen: list[tuple[int, ...]] = []
-    capture.set_layout_ranks(capture.CONV1D_RANKS)
-    try:
-        worker = threading.Thread(target=lambda: seen.append(capture.layout_ranks()))
-        worker.start()
-        worker.join()
-        assert capture.layout_ranks() == capture.CONV1D_RANKS
-    finally:
-        capture.set_layout_ranks(capture.BASE_RANKS)
-    assert seen == [capture.BASE_RANKS]  # another thread planning a 2-d model is unaffected

@@ -1,4 +1,4 @@
-"""The plan says why a node drops channels-last, in the coverage matrix's words (#8).
+"""The plan says why a node drops channels-last, in the coverage matrix's words.
 
 Which nodes drop is checked against torch directly (each op fed a channels-last tensor); the
 sentence is the coverage store's own ``explain`` for the aten op the audit recorder saw.

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 import memlayout
-import memlayout.plan.api as api
 import memlayout.plan.costs as costs
 import memlayout.plan.guard as guard
 from memlayout import timing
+from memlayout.machine import Conditions
+from memlayout.plan import records
 from memlayout.plan.capture import capture
+from memlayout.plan.label import Label
+from memlayout.plan.result import RatioRange
 from memlayout.plan.solve import Solution
 from tests.test_plan_api import Branchy, Features, _x
 
@@ -33,6 +36,13 @@ def _fake_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float],
                                   clock=lambda: now[0], **kwargs)
 
     monkeypatch.setattr(guard, "interleaved", fake_interleaved)
+    _machine(monkeypatch, load=0.0)  # the clock is fake: so is the machine's load
+
+
+def _machine(monkeypatch: pytest.MonkeyPatch, *, load: float) -> None:
+    """``Conditions.now()`` reports ``load`` on 2 CPUs (busy above 2)."""
+    monkeypatch.setattr(Conditions, "now",
+                        classmethod(lambda cls: cls(load, 2, 1, "PASSIVE", "now")))
 
 
 def _no_timing(*args, **kwargs):
@@ -41,8 +51,8 @@ def _no_timing(*args, **kwargs):
 
 def _plan_all_contiguous(monkeypatch) -> None:
     """Make the solver label every unpinned node contiguous (so the guard has work to do)."""
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+    real = records.solve_min_cut
+    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 0) for k in real(problem).labels}, 0))
 
 
@@ -54,34 +64,34 @@ def test_guard_replaces_the_plan_with_a_clearly_faster_uniform_one(db, monkeypat
     model, x = Branchy().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=3)
     g = opt.plan.guard
-    assert g["source"] == "measured"
-    if target in g["skipped"]:  # the min-cut plan already is that labelling
+    assert g.source == "measured"
+    if target in g.skipped:  # the min-cut plan already is that labelling
         # (the fake clock times the plan like the other candidate: a tie, timed twice as long)
-        assert g["kept"] == "planned" and g["extended"] and g["rounds"] == 6
+        assert g.kept == "planned" and g.extended and g.rounds == 6
     else:
-        assert g["kept"] == target and not g["extended"] and g["rounds"] == 3
-        assert g["candidates"][target] == {"median": 2.0, "min": 2.0, "max": 2.0}
+        assert g.kept == target and not g.extended and g.rounds == 3
+        assert g.candidates[target] == RatioRange(median=2.0, min=2.0, max=2.0)
     convs = [n.format for n in opt.plan.nodes if n.op == "Conv2d"]
     assert convs and set(convs) == {fmt}  # convolutions are never pinned: all follow the kept
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
-    assert opt.plan.verification["ok"]
+    assert opt.plan.verification.ok
 
 
 def test_an_eager_candidate_keeps_output_format_and_state_dict_keys(db, monkeypatch) -> None:
     # the kept candidate is the original run in channels-last: a feature map it returns comes
     # back in the format the original returns it in, and state dicts load both ways
     _fake_clock(monkeypatch, {"all_channels_last": 1.0})
-    real = api.solve_min_cut
+    real = records.solve_min_cut
 
     def all_contiguous(problem):  # a plan that is not channels-last, whatever was measured
         return Solution({k: problem.pins.get(k, 0) for k in real(problem).labels}, 0)
 
-    monkeypatch.setattr(api, "solve_min_cut", all_contiguous)
+    monkeypatch.setattr(records, "solve_min_cut", all_contiguous)
     model, x = Features().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
-    assert opt.plan.guard["skipped"] == ["all_contiguous"]  # that is the plan already
-    assert opt.plan.guard["kept"] == "all_channels_last"
+    assert opt.plan.guard.skipped == ("all_contiguous",)  # that is the plan already
+    assert opt.plan.guard.kept == "all_channels_last"
     assert [c.value for c in opt.plan.conversions] == ["x"]  # the input, on entry
     assert {n.format for n in opt.plan.nodes} == {"channels_last"}
     with torch.no_grad():
@@ -115,12 +125,12 @@ def test_auto_input_format_times_each_candidate_with_its_own_inputs(db, monkeypa
     g = opt.plan.guard
     for name, label in guard.UNIFORM.items():
         if name in seen:
-            assert seen[name] == {memlayout.Format.parse(api.FORMAT_NAMES[label])}
+            assert seen[name] == {Label(label).format(4)}
     assert seen["planned"] == {memlayout.Format.CONTIGUOUS}  # the plan: all contiguous
-    if target in g["skipped"]:
-        assert g["kept"] == "planned"
+    if target in g.skipped:
+        assert g.kept == "planned"
     else:
-        assert g["kept"] == target
+        assert g.kept == target
     assert opt.plan.input_format == fmt
     assert [c.value for c in opt.plan.conversions if c.value == "x"] == []
     with torch.no_grad():
@@ -143,7 +153,7 @@ def test_an_eager_candidate_keeps_dict_outputs_in_their_format(db, monkeypatch) 
     _plan_all_contiguous(monkeypatch)
     model, x = DictOut().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
-    assert opt.plan.guard["kept"] == "all_channels_last"
+    assert opt.plan.guard.kept == "all_channels_last"
     with torch.no_grad():
         want, got = model(x), opt(x)
     assert list(got) == ["out"]
@@ -158,7 +168,7 @@ def test_a_plan_uniform_end_to_end_runs_as_that_eager_model(db, monkeypatch) -> 
     _plan_all_contiguous(monkeypatch)
     model, x = Features().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
-    assert opt.plan.guard["kept"] == "planned" and opt.plan.guard["skipped"] == ["all_contiguous"]
+    assert opt.plan.guard.kept == "planned" and opt.plan.guard.skipped == ("all_contiguous",)
     assert not isinstance(opt.module, PlannedGraph)  # the original modules, no graph between
     assert type(opt.module) is type(model)
     with torch.no_grad():
@@ -171,8 +181,8 @@ def test_guard_keeps_the_plan_within_the_margin(db, monkeypatch) -> None:
     opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard_rounds=2,
                              guard_margin=0.02)
     g = opt.plan.guard
-    assert g["kept"] == "planned" and g["candidates"]
-    assert all(c["median"] == pytest.approx(1 / 0.99) for c in g["candidates"].values())
+    assert g.kept == "planned" and g.candidates
+    assert all(c.median == pytest.approx(1 / 0.99) for c in g.candidates.values())
 
 
 def test_by_default_the_fastest_is_kept_and_a_close_call_is_timed_twice_as_long(
@@ -182,38 +192,59 @@ def test_by_default_the_fastest_is_kept_and_a_close_call_is_timed_twice_as_long(
     _fake_clock(monkeypatch, {"planned": 1.0}, default=0.99)
     opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard_rounds=3)
     g = opt.plan.guard
-    assert g["margin"] == 0.0 and g["extended"] and g["rounds"] == 6
-    assert g["kept"] in g["candidates"] and g["kept"] != "planned"
+    assert g.margin == 0.0 and g.extended and g.rounds == 6
+    assert g.kept in g.candidates and g.kept != "planned"
     assert "twice the rounds" in opt.plan.summary()
-    assert opt.plan.verification["ok"]
+    assert opt.plan.verification.ok
 
 
 def test_a_clear_call_is_not_extended(db, monkeypatch) -> None:
     _fake_clock(monkeypatch, {"planned": 1.0}, default=1.5)
     opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard_rounds=3)
     g = opt.plan.guard
-    assert g["kept"] == "planned" and not g["extended"] and g["rounds"] == 3
+    assert g.kept == "planned" and not g.extended and g.rounds == 3
 
 
 def test_second_optimize_measures_nothing_not_even_the_guard(db, monkeypatch) -> None:
     _fake_clock(monkeypatch, {"all_contiguous": 1.0})
     model, x = Branchy().eval(), _x()
     first = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
-    assert first.plan.measured > 0 and first.plan.guard["source"] == "measured"
+    assert first.plan.measured > 0 and first.plan.guard.source == "measured"
     monkeypatch.setattr(guard, "interleaved", _no_timing)
     monkeypatch.setattr(costs, "interleaved", _no_timing)
     second = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
-    assert second.plan.measured == 0 and second.plan.guard["source"] == "cache"
-    assert second.plan.guard["kept"] == first.plan.guard["kept"]
-    assert second.plan.guard["candidates"] == first.plan.guard["candidates"]
+    assert second.plan.measured == 0 and second.plan.guard.source == "cache"
+    assert second.plan.guard.kept == first.plan.guard.kept
+    assert second.plan.guard.candidates == first.plan.guard.candidates
     assert [n.format for n in second.plan.nodes] == [n.format for n in first.plan.nodes]
-    assert second.plan.verification["ok"]  # verification still runs: never from the cache
+    assert second.plan.verification.ok  # verification still runs: never from the cache
+
+
+def test_a_decision_measured_on_a_busy_machine_is_measured_again_and_said(db,
+                                                                        monkeypatch) -> None:
+    _fake_clock(monkeypatch, {"all_contiguous": 1.0})
+    _machine(monkeypatch, load=5.0)
+    model, x = Branchy().eval(), _x()
+    first = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert first.plan.guard.conditions.busy
+    assert "measured on a busy machine" in first.plan.summary()
+    timed: list[int] = []
+    real = guard.interleaved
+    monkeypatch.setattr(guard, "interleaved", lambda *a, **k: timed.append(1) or real(*a, **k))
+    _machine(monkeypatch, load=0.0)
+    second = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert timed and second.plan.guard.source == "measured"  # not the busy cached record
+    assert not second.plan.guard.conditions.busy
+    assert "busy machine" not in second.plan.summary()
+    monkeypatch.setattr(guard, "interleaved", _no_timing)
+    third = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    assert third.plan.guard.source == "cache"  # a quiet machine's decision is reused
 
 
 def test_no_guard_without_measurement(db, monkeypatch) -> None:
     monkeypatch.setattr(guard, "interleaved", _no_timing)
     opt = memlayout.optimize(Branchy().eval(), _x(), measure=False)
-    assert opt.plan.guard == {} and opt.plan.measured == 0
+    assert opt.plan.guard is None and opt.plan.measured == 0
 
 
 def test_signature_follows_shapes_and_labels() -> None:
@@ -237,11 +268,11 @@ def test_refresh_measures_everything_again_and_overwrites_the_cache(db, monkeypa
     first = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
     again = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2, refresh=True)
     assert again.plan.measured == first.plan.measured and again.plan.cached == 0
-    assert again.plan.guard["source"] == "measured"
+    assert again.plan.guard.source == "measured"
     # what the refresh measured is what the cache now holds: a third plan reads it back
     monkeypatch.setattr(guard, "interleaved", _no_timing)
     monkeypatch.setattr(costs, "interleaved", _no_timing)
     third = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
-    assert third.plan.measured == 0 and third.plan.guard["source"] == "cache"
-    assert third.plan.guard["candidates"] == again.plan.guard["candidates"]
+    assert third.plan.measured == 0 and third.plan.guard.source == "cache"
+    assert third.plan.guard.candidates == again.plan.guard.candidates
     assert [n.seconds for n in third.plan.nodes] == [n.seconds for n in again.plan.nodes]

@@ -12,8 +12,8 @@ from torch import nn
 from memlayout.bench.unets import unet_small
 from memlayout.errors import PlanError
 from memlayout.plan import padding as padding_mod
-from memlayout.plan.api import optimize
 from memlayout.plan.memory import budget_bytes, peak_memory
+from memlayout.plan.pipeline import optimize
 from memlayout.plan.result import Plan
 
 
@@ -68,9 +68,9 @@ def test_the_plan_reports_peaks_a_second_measurement_reproduces() -> None:
     net, x = unet_small()
     opt = optimize(net, x, measure=False)
     m = opt.plan.memory
-    assert m["method"] == "tensor_lifetime"
-    assert m["original"] == peak_memory(net, (x,)).peak_bytes
-    assert m["planned"] == peak_memory(opt.module, (x,)).peak_bytes
+    assert m.method == "tensor_lifetime"
+    assert m.original == peak_memory(net, (x,)).peak_bytes
+    assert m.planned == peak_memory(opt.module, (x,)).peak_bytes
     assert "peak activation memory" in opt.plan.summary()
 
 
@@ -94,11 +94,11 @@ def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
 def _plan_all_channels_last(monkeypatch: pytest.MonkeyPatch) -> None:
     """The solver labels every unpinned node channels-last: the same plan whatever the noisy
     measurements say (which labels a plan gets decides where its peak falls)."""
-    from memlayout.plan import api
+    from memlayout.plan import records
     from memlayout.plan.solve import Solution
 
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+    real = records.solve_min_cut
+    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
 
 
@@ -106,20 +106,20 @@ def test_a_budget_below_the_fastest_plans_peak_is_respected(tmp_path, monkeypatc
     _plan_all_channels_last(monkeypatch)
     net, x = unet_small()
     options = dict(cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
-    plain = optimize(net, x, padding=False, **options).plan.memory["planned"]
+    plain = optimize(net, x, padding=False, **options).plan.memory.planned
     _pad_everything(monkeypatch)
     fastest = optimize(net, x, **options)
-    padded = fastest.plan.memory["planned"]
-    assert any(p["chosen"] != "unpadded" for p in fastest.plan.padding)
+    padded = fastest.plan.memory.planned
+    assert any(p.chosen != "unpadded" for p in fastest.plan.padding)
     assert padded > plain  # the padded copies are what makes it bigger
     budget = padded - 1
     within = optimize(net, x, memory_budget=budget, **options)
     m = within.plan.memory
-    assert m["budget"] == budget and m["planned"] <= budget
+    assert m.budget == budget and m.planned <= budget
     assert peak_memory(within.module, (x,)).peak_bytes <= budget  # measured again
-    assert m["chosen"] != fastest.plan.memory["chosen"]
-    assert padded in [c["peak"] for c in m["candidates"].values()]
-    assert within.plan.verification["ok"]
+    assert m.chosen != fastest.plan.memory.chosen
+    assert padded in [c.peak for c in m.candidates.values()]
+    assert within.plan.verification.ok
     torch.testing.assert_close(within(x), net(x), rtol=1e-4, atol=1e-5)
 
 
@@ -129,7 +129,7 @@ def test_a_budget_nothing_fits_names_the_smallest_peak(tmp_path) -> None:
         optimize(net, x, measure=False, memory_budget=1000)
     smallest = int(str(info.value).split("smallest peak found is ")[1].split()[0])
     plain = optimize(net, x, measure=False)
-    assert 1000 < smallest <= plain.plan.memory["planned"]
+    assert 1000 < smallest <= plain.plan.memory.planned
 
 
 @pytest.mark.parametrize("bad", [0, -5, "lots", "12XB", True])
@@ -152,7 +152,7 @@ def test_a_second_plan_reads_memory_padding_and_mkldnn_records_from_the_cache(
     from memlayout.plan import blocked, memory
 
     net, x = unet_small()
-    options = dict(cache=tmp_path / "c.sqlite", guard=False, rounds=1)
+    options = dict(cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=True)
     first = optimize(net, x, **options).plan
 
     def no_run(*args, **kwargs):
@@ -163,7 +163,7 @@ def test_a_second_plan_reads_memory_padding_and_mkldnn_records_from_the_cache(
         monkeypatch.setattr(module, name, no_run)
     second = optimize(net, x, **options).plan
     assert second.memory == first.memory
-    assert [(p["module"], p["chosen"]) for p in second.padding] == \
-        [(p["module"], p["chosen"]) for p in first.padding]
-    assert [c["ratio"] for c in second.blocked["chains"]] == \
-        [c["ratio"] for c in first.blocked["chains"]]
+    assert [(p.module, p.chosen) for p in second.padding] == \
+        [(p.module, p.chosen) for p in first.padding]
+    assert [c.ratio for c in second.blocked.chains] == \
+        [c.ratio for c in first.blocked.chains]

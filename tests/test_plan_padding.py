@@ -13,8 +13,8 @@ from torch import nn
 from memlayout.bench.unets import odd_channels_small
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan import padding as padding_mod
-from memlayout.plan.api import optimize
 from memlayout.plan.padding import UNPADDED, PaddedConv2d, block_sizes, decide, variants
+from memlayout.plan.pipeline import optimize
 
 CASES = [  # (C in, C out, kernel, stride, padding, dilation, bias)
     (3, 24, 3, 2, 1, 1, False),
@@ -69,23 +69,23 @@ def test_the_plan_reports_both_costs_and_pads_only_where_measured_faster(tmp_pat
     net, x = odd_channels_small()
     opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=2, blocked=False)
     plan = opt.plan
-    assert plan.verification["ok"]
+    assert plan.verification.ok
     blocks = block_sizes("cpu", None)
-    assert {p["module"] for p in plan.padding} == _eligible(net, blocks)
+    assert {p.module for p in plan.padding} == _eligible(net, blocks)
     for p in plan.padding:
-        seconds = p["seconds"]
+        seconds = p.seconds
         assert seconds[UNPADDED] is not None and seconds[UNPADDED] > 0
-        assert set(seconds) == {UNPADDED, *variants(net.get_submodule(p["module"]), blocks)}
+        assert set(seconds) == {UNPADDED, *variants(net.get_submodule(p.module), blocks)}
         assert all(v is not None and v > 0 for v in seconds.values())
-        alone = decide(seconds, p["ratios"], 0.02)  # its own measurements decide
-        if p["reverted"]:  # faster alone, but the whole model padded was not
-            assert p["reverted"] == alone and p["chosen"] == UNPADDED
-            assert p["whole_model"] is None or p["whole_model"] <= 1.0
+        alone = decide(seconds, p.ratios, 0.02)  # its own measurements decide
+        if p.reverted:  # faster alone, but the whole model padded was not
+            assert p.reverted == alone and p.chosen == UNPADDED
+            assert p.whole_model is None or p.whole_model <= 1.0
         else:
-            assert p["chosen"] == alone
-            assert p["chosen"] == UNPADDED or p["whole_model"] > 1.0
-        module = opt.module.get_submodule(p["module"])
-        assert isinstance(module, PaddedConv2d) == (p["chosen"] != UNPADDED)
+            assert p.chosen == alone
+            assert p.chosen == UNPADDED or p.whole_model > 1.0
+        module = opt.module.get_submodule(p.module)
+        assert isinstance(module, PaddedConv2d) == (p.chosen != UNPADDED)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
     assert "padded channels:" in plan.summary()
@@ -104,7 +104,7 @@ def test_padding_everything_verifies_equal(tmp_path, monkeypatch) -> None:
     opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
     padded = [p for p, m in opt.module.named_modules() if isinstance(m, PaddedConv2d)]
     assert set(padded) == _eligible(net, block_sizes("cpu", None))
-    assert opt.plan.verification["ok"]
+    assert opt.plan.verification.ok
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
     # state dicts load both ways, the padded copies following
@@ -120,7 +120,7 @@ def test_padding_the_whole_model_must_be_faster_too(tmp_path, monkeypatch) -> No
     net, x = odd_channels_small()
     opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
     assert not any(isinstance(m, PaddedConv2d) for m in opt.module.modules())
-    assert all(p["chosen"] == UNPADDED and p["reverted"] and p["whole_model"] == 0.9
+    assert all(p.chosen == UNPADDED and p.reverted and p.whole_model == 0.9
                for p in opt.plan.padding)
     assert "left unpadded" in opt.plan.summary()
 
@@ -152,20 +152,21 @@ def test_mkldnn_chains_are_measured_and_reported_with_their_values_checked() -> 
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                         nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
     record = blocked.measure_blocked(net, (torch.randn(1, 3, 16, 16),), rounds=2)
-    assert record["available"] and record["applied"] is False
-    assert [c["children"] for c in record["chains"]] == [["0", "1", "2"], ["4", "5"]]
-    for c in record["chains"]:
-        assert c["seconds"]["planned"] > 0 and c["seconds"]["mkldnn"] > 0 and c["ratio"] > 0
-        assert c["max_error"] < 1e-4  # the blocked run computes the same values
-    wins = sum(c["ratio"] > 1 for c in record["chains"])
-    assert record["note"].startswith(f"{wins} of 2 chains faster in mkldnn")
+    assert record.available and record.applied is False
+    assert [c.children for c in record.chains] == [["0", "1", "2"], ["4", "5"]]
+    for c in record.chains:
+        assert c.seconds["planned"] > 0 and c.seconds["mkldnn"] > 0 and c.ratio > 0
+        assert c.max_error < 1e-4  # the blocked run computes the same values
+    wins = sum(c.ratio > 1 for c in record.chains)
+    assert record.note.startswith(f"{wins} of 2 chains faster in mkldnn")
 
 
 def test_no_mkldnn_is_said_in_the_plan(monkeypatch) -> None:
     from memlayout.plan import blocked
     from memlayout.plan.describe import blocked_summary
+    from memlayout.plan.result import BlockedReport
 
     monkeypatch.setattr(blocked, "available", lambda: (False, "no mkldnn in this build"))
     record = blocked.measure_blocked(nn.Conv2d(3, 4, 1), (torch.randn(1, 3, 4, 4),))
-    assert record == {"available": False, "note": "no mkldnn in this build", "chains": []}
+    assert record == BlockedReport(available=False, note="no mkldnn in this build")
     assert "unavailable: no mkldnn in this build" in blocked_summary(record)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-import memlayout.plan.api as api
-from memlayout.plan.api import optimize, shape_signature
+import memlayout.plan.pipeline as pipeline
+from memlayout.plan.module import shape_signature
+from memlayout.plan.pipeline import optimize
 
 
 class Small(nn.Module):
@@ -42,14 +43,14 @@ def db(tmp_path):
 def measurements(monkeypatch):
     """Every ``measure_costs`` call the planner makes: (input shape, timings taken)."""
     calls: list[tuple[tuple[int, ...], int]] = []
-    real = api.measure_costs
+    real = pipeline.measure_costs
 
     def counting(gm, inputs, **kwargs):  # noqa: ANN001, ANN202
         table = real(gm, inputs, **kwargs)
         calls.append((tuple(inputs[0].shape), table.measured))
         return table
 
-    monkeypatch.setattr(api, "measure_costs", counting)
+    monkeypatch.setattr(pipeline, "measure_costs", counting)
     return calls
 
 
@@ -82,7 +83,7 @@ def test_alternating_batch_sizes_plan_once_per_shape_and_train_as_the_original(
     assert all(taken > 0 for _, taken in measurements)  # a fresh cache: both were measured
     assert opt.plan is opt.plans[shape_signature((_x(8),))]  # .plan stays the example's
     new = opt.plans[shape_signature((_x(5),))]
-    assert new.train and new.weight_formats_kept and new.verification["train"]
+    assert new.train and new.weight_formats_kept and new.verification.train
     # the weights trained on both shapes are one set: equal to the reference's at the end
     params = dict(opt.named_parameters())
     for name, p in reference.named_parameters():
@@ -143,7 +144,7 @@ def test_a_shape_whose_plan_fails_runs_the_original_computation(db, monkeypatch)
     def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise LayoutVerificationError("a planted mismatch")
 
-    monkeypatch.setattr(api, "_verify", failing)
+    monkeypatch.setattr(pipeline, "_verify", failing)
     x = _x(3)
     with pytest.warns(UserWarning, match="a planted mismatch"), torch.no_grad():
         got = opt(x)

@@ -17,8 +17,8 @@ from memlayout import Format, format_of
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan import guard as g
 from memlayout.plan import rewrite as rewrite_module
-from memlayout.plan.api import optimize
 from memlayout.plan.costs import convert_value
+from memlayout.plan.pipeline import optimize
 
 
 class Net(nn.Module):
@@ -57,7 +57,7 @@ def test_trains_like_the_original_step_by_step(db) -> None:
     model = Net()
     reference = copy.deepcopy(model).train()
     opt = optimize(model, _x(), train=True, measure=False, cache=db)
-    assert opt.training and opt.plan.train and opt.plan.verification["train"]
+    assert opt.training and opt.plan.train and opt.plan.verification.train
     # the analytical model puts dense convolutions channels-last: the test is not trivial
     assert format_of(opt.module.stem.weight) is Format.CHANNELS_LAST
     assert all(isinstance(p, nn.Parameter) for p in opt.parameters())
@@ -128,10 +128,10 @@ def test_guard_times_training_steps(db, monkeypatch) -> None:
 
     monkeypatch.setattr(g, "time_candidates", recording)
     opt = optimize(Net(), _x(), train=True, measure=True, cache=db, rounds=1, guard_rounds=1)
-    if opt.plan.guard.get("source") == "none":
+    if opt.plan.guard.source == "none":
         pytest.skip("the plan is one format end to end here: nothing for the guard to time")
     assert seen == [True]
-    assert opt.plan.guard["kept"] in ("planned", *g.UNIFORM)
+    assert opt.plan.guard.kept in ("planned", *g.UNIFORM)
     assert all(p.grad is None for p in opt.parameters())  # the timed steps left no gradients
     optimize(Net(), _x(), train=False, measure=True, cache=db, rounds=1, guard_rounds=1)
     assert seen == [True, False]  # an inference plan does not read the training measurement
@@ -149,8 +149,8 @@ class _DoubleGrad(torch.autograd.Function):
         return 2 * grad
 
 
-def _bad_convert(value, label):  # noqa: ANN001, ANN202
-    out = convert_value(value, label)
+def _bad_convert(value, label, ranks):  # noqa: ANN001, ANN202
+    out = convert_value(value, label, ranks)
     return _DoubleGrad.apply(out) if isinstance(out, torch.Tensor) else out
 
 
@@ -178,15 +178,16 @@ def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> No
     monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
     opt = optimize(Net(), _x(), train=True, measure=False, cache=db)
     record = opt.plan.verification
-    assert record["max_error"] > 1e-9  # float32 missed it ...
-    assert record["float64_error"] is not None and record["float64_error"] <= 1e-9  # ... float64 not
+    assert record.max_error > 1e-9  # float32 missed it ...
+    assert record.float64_error is not None and record.float64_error <= 1e-9  # ... float64 not
+    assert record.check == "float64 re-check" and "float64 re-check" in record.describe()
 
 
 def test_bf16_training_plan_is_verified_and_trains(db) -> None:
     model = Net()
     reference = copy.deepcopy(model).train()
     opt = optimize(model, _x(), train=True, dtype="bf16", measure=False, cache=db)
-    assert opt.plan.dtype == "bfloat16" and opt.plan.verification["train"]
+    assert opt.plan.dtype == "bfloat16" and opt.plan.verification.train
     x = _x()
     torch.manual_seed(0)
     got = opt(x)
@@ -249,7 +250,7 @@ def test_optimize_command_train_verifies_a_step_and_times_training_steps(tmp_pat
     assert "equal to the original over one training step" in result.output
     assert "per training step" in result.output and "optimized vs eager_nhwc" in result.output
     plan = Plan.from_json(out.read_text())
-    assert plan.train and plan.verification["train"] and plan.input_shapes == [[2, 3, 32, 32]]
+    assert plan.train and plan.verification.train and plan.input_shapes == [[2, 3, 32, 32]]
 
 
 class _DropoutHead(nn.Module):
@@ -318,7 +319,7 @@ def test_a_functional_dropout_model_plans_and_verifies_for_training(db) -> None:
     model = _FunctionalDropout().train()
     # the original runs NCHW, the plan channels-last (analytic costs): the masks must agree
     opt = optimize(model, torch.randn(4, 3, 12, 12), train=True, measure=False, cache=db)
-    assert opt.plan.verification["ok"]
+    assert opt.plan.verification.ok
     assert {n.format for n in opt.plan.nodes if n.op == "Conv2d"} == {"channels_last"}
 
 
@@ -330,7 +331,7 @@ def test_dropout_on_channels_last_and_ambiguous_1x1_weights_verify(db, dtype) ->
     model = _DropoutHead().train()
     x = torch.randn(4, 3, 12, 12)
     opt = optimize(model, x, train=True, measure=False, cache=db, dtype=dtype)
-    assert opt.plan.verification["ok"] and opt.plan.counts["channels_last"] > 0
+    assert opt.plan.verification.ok and opt.plan.counts["channels_last"] > 0
     assert model.drop.training and all(m.training for m in opt.modules())
     torch.manual_seed(0)
     a = opt(x)

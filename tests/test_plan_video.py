@@ -1,4 +1,4 @@
-"""Rank 5 (issue #6): video models planned NCDHW vs NDHWC (channels_last_3d), end to end."""
+"""Rank 5: video models planned NCDHW vs NDHWC (channels_last_3d), end to end."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 import memlayout
 from memlayout.layout import Format
-from memlayout.plan import api
+from memlayout.plan import records
 from memlayout.plan.solve import Solution
 
 VIDEO_MODELS = ("r3d_18", "mc3_18", "r2plus1d_18")
@@ -36,11 +36,11 @@ def test_torchvision_video_models_plan_verify_and_match(name):
     # plan models that drop; batch 2 is the case worth planning)
     x = torch.randn(2, 3, 4, 16, 16)
     # r3d_18 with every planning step; the other two without the memory, padding and blocked
-    # reports (issue #10's, slow here and not about rank 5)
+    # reports (memory, padding, mkldnn: slow here and not about rank 5)
     extras = {} if name == "r3d_18" else {"memory": False, "padding": False, "blocked": False}
     opt = memlayout.optimize(model, x, measure=False, **extras)
     plan = opt.plan
-    assert plan.verification["ok"] and plan.regions == [""] and not plan.uncaptured
+    assert plan.verification.ok and plan.regions == [""] and not plan.uncaptured
     # nn.Conv3d leaves, and torchvision's Conv3d subclasses that fx traces to torch.conv3d
     convs = [n for n in plan.nodes if n.op in ("Conv3d", "torch.conv3d")]
     assert len(convs) == sum(isinstance(m, nn.Conv3d) for m in model.modules())
@@ -56,8 +56,8 @@ def test_torchvision_video_models_plan_verify_and_match(name):
 
 
 def test_an_ndhwc_plan_feeds_ndhwc_and_keeps_the_output_format(monkeypatch):
-    real = api.solve_min_cut
-    monkeypatch.setattr(api, "solve_min_cut", lambda problem: Solution(
+    real = records.solve_min_cut
+    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
     net = nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.BatchNorm3d(8), nn.ReLU(),
                         nn.MaxPool3d(2), nn.Conv3d(8, 4, 3, padding=1)).eval()

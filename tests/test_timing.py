@@ -60,6 +60,18 @@ def test_medians_spread_and_per_round_ratios_from_known_times():
     assert c.speedup("base") == 1.0
 
 
+def test_a_ratio_gives_the_ratio_of_the_medians_beside_the_per_round_ones():
+    clock = FakeClock()
+    c = interleaved({"base": clock.work("base", BASE), "fast": clock.work("fast", FAST)},
+                    rounds=5, warmup=0, clock=clock)
+    r = c.ratio("base", "fast")  # base time / fast time: > 1, fast is faster
+    assert r.of_medians == pytest.approx(statistics.median(BASE) / statistics.median(FAST))
+    assert r.per_round == pytest.approx(c.ratios("fast"))
+    assert r.median == pytest.approx(c.speedup("fast")) and r.median != pytest.approx(r.of_medians)
+    assert (r.min, r.max) == pytest.approx(c.speedup_range("fast"))
+    assert c.per_round("fast", "base") == pytest.approx([f / b for b, f in zip(BASE, FAST, strict=True)])
+
+
 def test_repeat_records_seconds_per_call_and_warmup_is_untimed():
     clock = FakeClock()
     # warm-up call takes 100 s (compile); then 2 rounds x 3 calls of 1 s, 2 s, 3 s / 4 s, 5 s, 6 s

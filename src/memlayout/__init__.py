@@ -40,9 +40,10 @@ def __getattr__(name: str):
 
         return compiled.compile
     if name in _PLANNER:
-        from memlayout.plan import api
+        from memlayout.plan import module, pipeline, result
 
-        return getattr(api, name)
+        return {"optimize": pipeline.optimize, "OptimizedModule": module.OptimizedModule,
+                "Plan": result.Plan}[name]
     raise AttributeError(f"module 'memlayout' has no attribute {name!r}")
 
 __all__ = [

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import torch
 import typer
@@ -33,6 +34,9 @@ from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
 from memlayout.models import load_model
+
+if TYPE_CHECKING:
+    from memlayout.plan.compare import ModelComparison
 
 app = typer.Typer(
     help="Tensor memory layout (NCHW / channels-last) for PyTorch models.",
@@ -98,6 +102,17 @@ def _device(value: str) -> str:
         raise UsageError(f"--device {value}: this machine has {count} CUDA device(s), "
                          f"cuda:0 to cuda:{count - 1}")
     return text
+
+
+def _writable_file(flag: str, path: Path) -> None:
+    """``path`` can be written: its folder exists and is writable, and it is not a folder."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def _print_conditions(conditions: Conditions) -> None:
@@ -357,33 +372,47 @@ def optimize(
     dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
     image_size: Annotated[int | None, typer.Option(help="Image size. Default: the model's own (224; inception_v3 299; video 112).")] = None,
+    device: Annotated[str, typer.Option(help="Where to plan and run: cpu, cuda or cuda:N (when CUDA is available). Default: cpu.")] = "cpu",
     save: Annotated[str | None, typer.Option(help="Write the plan as JSON here. Default: none.")] = None,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="Time each layout node here (cached), or use the analytical model. Default: measure.")] = True,
     explain: Annotated[bool, typer.Option("--explain", help="Print every node's choice and costs. Default: off.")] = False,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds of the speed comparison (0: skip it). Default: 7.")] = 7,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Use the cost cache ($MEMLAYOUT_CACHE_DIR or $XDG_CACHE_HOME/memlayout). Default: on.")] = True,
-    guard: Annotated[bool, typer.Option("--guard/--no-guard", help="Time the whole planned model against all-NCHW and all-NHWC (cached) and keep the fastest of the three in the median of per-round ratios (a close call gets twice the rounds); needs --measure. Default: on.")] = True,
+    guard: Annotated[bool, typer.Option("--guard/--no-guard", help="Time the whole planned model against all-NCHW and all-NHWC (cached; a decision measured on a busy machine is measured again) and keep the fastest of the three in the median of per-round ratios (a close call gets twice the rounds); needs --measure. Default: on.")] = True,
     refresh: Annotated[bool, typer.Option("--refresh", help="Measure every cost and whole-model decision again and overwrite the cached ones (e.g. numbers taken on a busy machine). Default: off.")] = False,
     memory_budget: Annotated[str | None, typer.Option(help="Peak activation memory the plan may use, in bytes or with a unit (300MB, 1.5GiB): the fastest plan within it, or an error naming the smallest peak found. Default: none.")] = None,
     padding: Annotated[bool, typer.Option("--padding/--no-padding", help="Time convolutions with channels padded to the vector width and pad where faster; needs --measure. Default: on.")] = True,
     compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide (kept unless the plan measures >2% faster; cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
-    input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous, channels_last, or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example (contiguous).")] = None,
+    input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous (also nchw / ncdhw), channels_last (also nhwc; channels_last_3d / ndhwc for video), or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example is built (contiguous).")] = None,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC (with
     --compile: against torch.compile's default and eager NCHW)."""
-    from rich.progress import Progress
+    from memlayout.plan.compare import compare_with_eager
+    from memlayout.plan.pipeline import format_label
+    from memlayout.plan.pipeline import optimize as plan_model
+    from memlayout.tensors import format_name, format_of
 
-    from memlayout.models import load_model
-    from memlayout.plan.api import compare_with_eager
-    from memlayout.plan.api import optimize as plan_model
-
+    try:  # the options first: a bad one is reported before any model is built
+        run_dtype = parse_dtype(dtype)
+        if input_format is not None and input_format.strip().lower() != "auto":
+            format_label(input_format, "input_format")
+        run_device = _device(device)
+        _at_least(1, batch=batch, image_size=image_size)
+        _at_least(0, rounds=rounds)
+        if save:
+            _writable_file("--save", Path(save))
+    except MemlayoutError as exc:
+        _fail(exc)
     try:
         spec = load_model(model, batch=batch, image_size=image_size)
-        shape = tuple(spec.example_input.shape)
+        module = spec.module.to(run_device)
+        example = spec.example_input.to(run_device)
         task_name = "training step" if train else "inference"
-        console.print(f"{model}: input {shape}, {dtype}, {task_name}, torch threads {__import__('torch').get_num_threads()}")
+        console.print(f"{model}: input {tuple(example.shape)} ({format_name(format_of(example))}"
+                      f" as built), {dtype_name(run_dtype)}, {task_name}, device {run_device}, "
+                      f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("measuring", total=None)
 
@@ -393,12 +422,12 @@ def optimize(
             if compile:
                 from memlayout.plan.compiled import compile as plan_and_compile
 
-                opt = plan_and_compile(spec.module, spec.example_input, dtype=dtype,
+                opt = plan_and_compile(module, example, dtype=dtype,
                                        measure=measure, cache=cache, progress=progress,
                                        name=model, guard=guard, input_format=input_format,
                                        plan_kwargs={"refresh": refresh})
             else:
-                opt = plan_model(spec.module, spec.example_input, dtype=dtype, measure=measure,
+                opt = plan_model(module, example, dtype=dtype, measure=measure,
                                  cache=cache, progress=progress, name=model, guard=guard,
                                  memory_budget=memory_budget, padding=padding, train=train,
                                  refresh=refresh, input_format=input_format)
@@ -408,51 +437,40 @@ def optimize(
     if explain:
         plan.explain(console)  # ends with the summary
     else:
-        console.print(plan.summary())
-    v = plan.verification
-    if v.get("train"):
-        exact = v.get("float64_error")
-        within = (f"; beyond it only by rounding: in float64 the same models differ by {exact:.2g}"
-                  if exact is not None else "")
-        console.print(f"verification: [green]equal[/green] to the original over one training step "
-                      f"on the example input: outputs, gradients, buffers ({v['tensors']} tensors, "
-                      f"worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}{within})")
+        console.print(plan.summary(), markup=False, highlight=False)
+    if plan.input_format is None:
+        arrives = f"{format_name(format_of(example))}, as built"
     else:
-        console.print(f"verification: [green]equal[/green] to the original on the example input "
-                      f"(worst relative error {v['max_error']:.2g}, tolerance {v['rtol']:g}, {v['tensors']} output tensors)")
+        how = ("chosen by the plan (--input-format auto)" if input_format.strip().lower() == "auto"
+               else f"--input-format {input_format}")
+        arrives = (f"{plan.input_format} ({how}; the speed comparison hands every model its "
+                   "input so, and the planned model converts an input that arrives otherwise)")
+    console.print(f"input arrives {arrives}", markup=False, highlight=False)
+    if plan.verification is not None:
+        console.print(plan.verification.describe(), markup=False, highlight=False)
     if save:
-        from pathlib import Path
-
-        Path(save).write_text(plan.to_json())
+        try:
+            Path(save).write_text(plan.to_json())
+        except OSError as exc:
+            _fail(UsageError(f"--save {save}: the plan could not be written ({exc.strerror}); "
+                             "it is printed above"))
         console.print(f"plan written to {save}")
     if rounds > 0 and compile:
         from memlayout.plan.compiled import compare_compiled
 
-        result = compare_compiled(spec.module, opt, spec.example_input, rounds=rounds)
-        _print_comparison(result, "memlayout.compile", ("torch.compile", "eager_nchw"), "batch")
+        result = compare_compiled(module, opt, example, rounds=rounds)
+        _print_comparison(result, "batch")
     elif rounds > 0:
-        result = compare_with_eager(spec.module, opt, spec.example_input, rounds=rounds,
-                                    train=train)
+        result = compare_with_eager(module, opt, example, rounds=rounds, train=train)
         unit = "training step (forward, backward, SGD)" if train else "batch"
-        _print_comparison(result, "optimized", ("eager_nchw", "eager_nhwc"), unit)
+        _print_comparison(result, unit)
 
 
-def _print_comparison(result: dict, base: str, others: tuple[str, ...], unit: str) -> None:
-    """Each mode's median time, then ``base`` against each other mode (median of per-round
-    ratios other / base: > 1, ``base`` is faster)."""
-    c = result["comparison"]
-    width = max(len(n) for n in (base, *others))
-    for name in (base, *others):
-        t = c[name]
-        if not t.ok:
-            console.print(f"{name}: failed: {t.error}")
-            continue
-        console.print(f"{name:>{width}}: median {t.median * 1e3:8.1f} ms per {unit} (spread {100 * t.spread:.0f} %)")
-    for name in others:
-        if name in result:
-            r = result[name]
-            console.print(f"{base} vs {name}: {r['median']:.3f}x (median of {len(r['ratios'])} "
-                          f"per-round ratios {name} / {base}, range {r['min']:.3f}-{r['max']:.3f})")
+def _print_comparison(result: ModelComparison, unit: str) -> None:
+    """Each mode's median time, then the base mode against each other one (the ratio of the
+    medians shown, with the per-round ratios' median and range), and a warning when noisy."""
+    for line in result.lines(unit):
+        console.print(line, markup=False, highlight=False)
 
 
 @app.command()

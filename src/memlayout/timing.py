@@ -16,6 +16,7 @@ A fake clock can be injected, so tests know exactly what goes in and what must c
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -82,8 +83,29 @@ class Comparison:
 
         Only rounds in which both ran count (a mode that failed mid-run stops contributing).
         """
-        base, mode = self.modes[self.baseline], self.modes[name]
-        return tuple(b / m for b, m in zip(base.times, mode.times, strict=False) if m > 0)
+        return self.per_round(self.baseline, name)
+
+    def per_round(self, numerator: str, denominator: str) -> tuple[float, ...]:
+        """Per-round time ratios ``numerator / denominator``, over the rounds both ran."""
+        top, bottom = self.modes[numerator], self.modes[denominator]
+        return tuple(t / b for t, b in zip(top.times, bottom.times, strict=False) if b > 0)
+
+    def ratio(self, numerator: str, denominator: str) -> Ratio | None:
+        """``numerator``'s time over ``denominator``'s (> 1: ``denominator`` is faster), as
+        the ratio of the medians and per round; ``None`` when either has no round.
+
+        >>> ticks = iter([0.0, 1.0, 1.0, 3.0, 3.0, 5.0, 5.0, 6.0])
+        >>> c = interleaved({"a": lambda: None, "b": lambda: None}, rounds=2, warmup=0,
+        ...                 clock=lambda: next(ticks))
+        >>> r = c.ratio("b", "a")
+        >>> r.of_medians, r.per_round, r.median
+        (2.0, (2.0, 2.0), 2.0)
+        """
+        top, bottom = self.modes[numerator], self.modes[denominator]
+        rounds = self.per_round(numerator, denominator)
+        if not (top.times and bottom.times and rounds) or bottom.median <= 0:
+            return None
+        return Ratio(numerator, denominator, top.median / bottom.median, rounds)
 
     def speedup(self, name: str) -> float | None:
         """Median of the per-round speedups (> 1: faster than the baseline); ``None`` if the
@@ -97,6 +119,30 @@ class Comparison:
         """(min, max) of the per-round speedups."""
         r = self.ratios(name) if self.modes[self.baseline].ok else ()
         return (min(r), max(r)) if r else None
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``numerator``'s time over ``denominator``'s: the ratio of the two medians (what agrees
+    with the medians shown beside it) and the per-round ratios with their median and range."""
+
+    numerator: str
+    denominator: str
+    of_medians: float
+    per_round: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        """The median of the per-round ratios (drift between rounds cancels in it)."""
+        return statistics.median(self.per_round)
+
+    @property
+    def min(self) -> float:
+        return min(self.per_round)
+
+    @property
+    def max(self) -> float:
+        return max(self.per_round)
 
 
 def interleaved(
@@ -185,8 +231,6 @@ def round_order(names: Sequence[str], r: int) -> list[str]:
 
 def geomean(values: Sequence[float]) -> float:
     """Geometric mean of positive values (the mean to use for speedup ratios)."""
-    import math
-
     if not values:
         raise ValueError("geomean of no values")
     return math.exp(sum(math.log(v) for v in values) / len(values))

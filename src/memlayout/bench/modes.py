@@ -161,7 +161,7 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
         # optimization off), or Inductor's own layout unless the plan measured >2 % faster
         model = plan_and_compile(model, (x,), dtype=_autocast_dtype(dtype), measure=plan_measure,
                                  backend=compile_backend)
-        kept = model.plan.compiled.get("kept")  # type: ignore[union-attr]
+        kept = model.plan.compiled.kept  # type: ignore[union-attr]
         note = (f"memlayout.compile(backend={compile_backend!r}): kept {kept}; compile time = "
                 "its candidates' compiles + the first call")
     elif mode in ("planned", "planned+compile"):
@@ -188,7 +188,7 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
     sync()
     first_call_s = time.perf_counter() - start
     if mode == "planned+compile" and task == "infer":  # compiled inside memlayout.compile
-        first_call_s += sum(model.plan.compiled.get("compile_seconds", {}).values())  # type: ignore[union-attr]
+        first_call_s += sum(model.plan.compiled.compile_seconds.values())  # type: ignore[union-attr]
     peak = None
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -21,6 +21,10 @@ import torch
 from torch import nn
 
 from memlayout.plan.capture import device_of
+from memlayout.plan.costs import device_name
+from memlayout.plan.result import BlockedReport
+from memlayout.plan.verify import worst_error
+from memlayout.timing import interleaved
 
 _SUPPORTED: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d)
 MAX_CHAINS = 12
@@ -71,26 +75,24 @@ def _ok(m: nn.Module) -> bool:
 
 def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
                     cache: Any = None, rounds: int = 5,
-                    signature: str | None = None) -> dict[str, Any]:
+                    signature: str | None = None,
+                    device: torch.device | None = None) -> BlockedReport:
     """Time each chain of ``model`` (as planned) against the same chain in mkldnn tensors;
     the plan's ``blocked`` record (cached whole under the plan's ``signature``, see
     ``memory.plan_signature``: a second plan of the same model runs nothing)."""
     ok, why = available()
     if not ok:
-        return {"available": False, "note": why, "chains": []}
-    device = device_of(inputs, model)
+        return BlockedReport(False, why)
+    device = device_of(inputs, model) if device is None else device
     if device.type != "cpu":
-        return {"available": False, "note": f"mkldnn tensors are CPU-only; the model runs on "
-                f"{device.type}", "chains": []}
+        return BlockedReport(False, f"mkldnn tensors are CPU-only; the model runs on "
+                                    f"{device.type}")
     if dtype is not None:
-        return {"available": True, "note": f"not measured under autocast ({dtype}): mkldnn "
-                "modules are measured in fp32 only", "chains": []}
+        return BlockedReport(True, f"not measured under autocast ({dtype}): mkldnn modules are "
+                                   "measured in fp32 only")
     found = chains(model)
     if not found:
-        return {"available": True, "note": "no chain of supported ops (Conv2d, BatchNorm2d, "
-                "ReLU, MaxPool2d in an nn.Sequential) found", "chains": [], "applied": False}
-    from memlayout.plan.costs import device_name
-
+        return BlockedReport(True, _NO_CHAIN)
     whole_key = None
     if cache is not None and signature is not None:
         whole_key = json.dumps(["mkldnn-plan", device_name(device), torch.__version__,
@@ -98,11 +100,8 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
         cached = cache.get(whole_key)
         if cached is not None:
             cached["chains"] = [{**c, "source": "cache"} for c in cached["chains"]]
-            return cached
+            return BlockedReport.from_dict(cached)
     seen = _first_inputs(model, inputs, found)
-    from memlayout.plan.verify import worst_error
-    from memlayout.timing import interleaved
-
     out: list[dict[str, Any]] = []
     done: set[str] = set()
     for path, names in found:
@@ -122,7 +121,7 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
                                  "ops": [type(m).__name__ for m in mods]}
         record = cache.get(key) if cache is not None else None
         if record is None:
-            record = _measure(mods, x, rounds, interleaved, worst_error)
+            record = _measure(mods, x, rounds)
             if cache is not None and "error" not in record:
                 cache.put(key, record)
             entry["source"] = "measured"
@@ -133,12 +132,15 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
     wins = [c for c in out if c.get("ratio", 0.0) > 1.0]
     note = (f"{len(wins)} of {len(out)} chains faster in mkldnn tensors; measured only, not "
             "applied (opaque tensors would need every consumer rewritten)" if out
-            else "no chain of supported ops (Conv2d, BatchNorm2d, ReLU, MaxPool2d in an "
-            "nn.Sequential) found")
+            else _NO_CHAIN)
     record = {"available": True, "note": note, "chains": out, "applied": False}
     if whole_key is not None and not any("error" in c for c in out):
         cache.put(whole_key, record)
-    return record
+    return BlockedReport.from_dict(record)
+
+
+_NO_CHAIN = ("no chain of supported ops (Conv2d, BatchNorm2d, ReLU, MaxPool2d in an "
+             "nn.Sequential) found")
 
 
 def _first_inputs(model: nn.Module, inputs: tuple[Any, ...],
@@ -162,8 +164,7 @@ def _first_inputs(model: nn.Module, inputs: tuple[Any, ...],
     return seen
 
 
-def _measure(mods: list[nn.Module], x: torch.Tensor, rounds: int, interleaved: Any,
-             worst_error: Any) -> dict[str, Any]:
+def _measure(mods: list[nn.Module], x: torch.Tensor, rounds: int) -> dict[str, Any]:
     import warnings
 
     from torch.utils import mkldnn as mkldnn_utils

@@ -9,14 +9,12 @@ one eager run, and the parts left eager are listed with the reason.
 
 >>> from torch import nn
 >>> cap = capture(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), (torch.randn(2, 3, 8, 8),))
->>> [(r.path, [n.meta["memlayout"].label for n in r.gm.graph.nodes]) for r in cap.regions]
-[('', [0, 0, None, None])]
+>>> [(r.path, [str(n.meta["memlayout"].label) for n in r.gm.graph.nodes]) for r in cap.regions]
+[('', ['0', '0', 'None', 'None'])]
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,20 +23,19 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError
-from memlayout.layout import Format, channels_last_for_rank, formats_of
+from memlayout.layout import Format, formats_of
+from memlayout.plan.label import Label
 from memlayout.tensors import iter_tensors
 
 # The ranks planned (a value's format is a choice): 4 and 5 always (channels_last(_3d)); 3
-# (N L C in memory, channels_last_1d) only while planning a model with 1-d convolutions, whose
-# NLC input makes torch's Conv1d run an NLC kernel (rank-3 values elsewhere, such as a
-# transformer's tokens, are not convolution layouts). ``capture`` sets them per model in a
-# context variable (``layout_ranks()``): each thread (and asyncio task) sees the ranks of the
-# model it plans, never another thread's.
+# (N L C in memory, channels_last_1d) only for a model with 1-d convolutions, whose NLC input
+# makes torch's Conv1d run an NLC kernel (rank-3 values elsewhere, such as a transformer's
+# tokens, are not convolution layouts). ``capture`` records them in every node's meta
+# (``ValueMeta.ranks``, read back by ``graph_ranks``); every step takes them from there.
 BASE_RANKS = (4, 5)
 CONV1D_RANKS = (3, 4, 5)
-_LAYOUT_RANKS: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar(
-    "memlayout_layout_ranks", default=BASE_RANKS)
 CONV1D_MODULES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 META_KEY = "memlayout"
 FREE = "free"  # every layout tensor is in both formats (C == 1, H == W == 1): no copy needed
@@ -63,14 +60,16 @@ class TensorMeta:
 @dataclass(frozen=True)
 class ValueMeta:
     """One node's output: every tensor inside it and the two-format label of the whole value:
-    0 (contiguous), 1 (channels-last), ``FREE``, ``NONE``, or ``None`` (no rank-4/5 tensor)."""
+    a ``Label``, ``FREE``, ``NONE``, or ``None`` (no tensor of a
+    layout rank); ``ranks``: the layout ranks of the model it was captured in."""
 
     tensors: tuple[TensorMeta, ...]
-    label: int | str | None
+    label: Label | str | None
+    ranks: tuple[int, ...] = BASE_RANKS
 
     @property
     def layout_tensors(self) -> tuple[TensorMeta, ...]:
-        return tuple(t for t in self.tensors if len(t.shape) in layout_ranks())
+        return tuple(t for t in self.tensors if len(t.shape) in self.ranks)
 
     @property
     def nbytes(self) -> int:
@@ -93,7 +92,7 @@ class Captured:
     regions: list[Region]
     uncaptured: list[tuple[str, str]]  # (module path, why it stays eager)
     output: Any = None  # what the whole original model computes on the example inputs
-    ranks: tuple[int, ...] = BASE_RANKS  # the layout ranks planned (see layout_ranks)
+    ranks: tuple[int, ...] = BASE_RANKS  # the layout ranks planned (see planned_ranks)
 
 
 def planned_ranks(model: nn.Module) -> tuple[int, ...]:
@@ -107,51 +106,44 @@ def planned_ranks(model: nn.Module) -> tuple[int, ...]:
     return CONV1D_RANKS if has_1d else BASE_RANKS
 
 
-def layout_ranks() -> tuple[int, ...]:
-    """The layout ranks being planned in this context: ``BASE_RANKS`` unless ``capture`` is
-    planning a model with 1-d convolutions.
+def graph_ranks(gm: fx.GraphModule) -> tuple[int, ...]:
+    """The layout ranks ``gm`` was captured with (from its nodes' meta).
 
-    >>> layout_ranks()
-    (4, 5)
+    >>> cap = capture(nn.Sequential(nn.Conv1d(2, 4, 3)), (torch.randn(1, 2, 8),))
+    >>> graph_ranks(cap.regions[0].gm)
+    (3, 4, 5)
     """
-    return _LAYOUT_RANKS.get()
+    for n in gm.graph.nodes:
+        meta = n.meta.get(META_KEY)
+        if meta is not None:
+            return meta.ranks
+    return BASE_RANKS
 
 
-def set_layout_ranks(ranks: tuple[int, ...]) -> None:
-    """Make ``ranks`` the planned layout ranks of this context (thread)."""
-    _LAYOUT_RANKS.set(tuple(ranks))
-
-
-def label_of(tensors: tuple[TensorMeta, ...]) -> int | str | None:
+def label_of(tensors: tuple[TensorMeta, ...], ranks: tuple[int, ...]) -> Label | str | None:
     """The two-format label of a value made of ``tensors`` (see :class:`ValueMeta`)."""
-    layout = [t for t in tensors if len(t.shape) in layout_ranks()]
+    layout = [t for t in tensors if len(t.shape) in ranks]
     if not layout:
         return None
     in0 = all(Format.CONTIGUOUS.value in t.formats for t in layout)
-    in1 = all(_cl(len(t.shape)).value in t.formats for t in layout)
+    in1 = all(Label.CHANNELS_LAST.format(len(t.shape)).value in t.formats for t in layout)
     if in0 and in1:
         return FREE
     if in0:
-        return 0
+        return Label.CONTIGUOUS
     if in1:
-        return 1
+        return Label.CHANNELS_LAST
     return NONE
 
 
-def value_meta(value: Any) -> ValueMeta:
+def value_meta(value: Any, ranks: tuple[int, ...]) -> ValueMeta:
+    """The layout facts of ``value`` (every tensor in it) for a model planned in ``ranks``."""
     tensors = tuple(
         TensorMeta(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
                    tuple(sorted(f.value for f in formats_of(tuple(t.shape), tuple(t.stride())))))
         for t in iter_tensors(value)
     )
-    return ValueMeta(tensors, label_of(tensors))
-
-
-def autocast_context(device: torch.device | str, dtype: torch.dtype | None):
-    """``torch.autocast`` for ``dtype`` on ``device``, or a no-op context for ``None``."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+    return ValueMeta(tensors, label_of(tensors, ranks), ranks)
 
 
 def device_of(inputs: tuple[Any, ...], module: nn.Module) -> torch.device:
@@ -162,28 +154,30 @@ def device_of(inputs: tuple[Any, ...], module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def capture(model: nn.Module, inputs: tuple[Any, ...], *,
-            dtype: torch.dtype | None = None) -> Captured:
+def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
+            ranks: tuple[int, ...] | None = None,
+            device: torch.device | None = None) -> Captured:
     """Trace ``model`` (whole, or its largest traceable submodules) and record layouts.
 
     ``model`` is not modified (tracing reads it; the run is under ``no_grad`` on the given
     module, so pass a copy when its forward mutates state). Raises ``CaptureError`` naming the
-    node when the example inputs do not run, or when nothing at all can be captured. Sets the
-    planned layout ranks for ``model`` (``planned_ranks``).
+    node when the example inputs do not run, or when nothing at all can be captured. ``ranks``:
+    the layout ranks planned (default ``planned_ranks(model)``), recorded in every node's meta;
+    ``device``: where it runs (default: the inputs').
     """
-    ranks = planned_ranks(model)
-    set_layout_ranks(ranks)
+    ranks = planned_ranks(model) if ranks is None else tuple(ranks)
+    device = device_of(inputs, model) if device is None else device
     try:
         gm = fx.symbolic_trace(model)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
     else:
-        output = propagate(gm, inputs, dtype=dtype)
+        output = propagate(gm, inputs, dtype=dtype, ranks=ranks, device=device)
         return Captured([Region("", gm, inputs, output)], [], output, ranks)
-    seen, output = _record_submodule_inputs(model, inputs, dtype)
+    seen, output = _record_submodule_inputs(model, inputs, dtype, device)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
-    _capture_children(model, "", seen, dtype, regions, uncaptured)
+    _capture_children(model, "", seen, dtype, ranks, device, regions, uncaptured)
     if not regions:
         raise CaptureError(
             f"no part of {type(model).__name__} could be traced by torch.fx "
@@ -193,11 +187,11 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *,
     return Captured(regions, uncaptured, output, ranks)
 
 
-def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
-              dtype: torch.dtype | None = None) -> Any:
+def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
+              ranks: tuple[int, ...] = BASE_RANKS, device: torch.device | None = None) -> Any:
     """Run ``gm`` once on copies of ``inputs`` (no grad, autocast for ``dtype``), storing a
-    :class:`ValueMeta` in every node's meta; returns the output (the reference the planned
-    model is verified against)."""
+    :class:`ValueMeta` (for layout ``ranks``) in every node's meta; returns the output (the
+    reference the planned model is verified against)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(inputs) > len(placeholders) or len(inputs) < sum(not n.args for n in placeholders):
         raise CaptureError(
@@ -206,11 +200,16 @@ def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
             "pass example_inputs as one tensor or a tuple of forward's positional arguments"
         )
     copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-    with torch.no_grad(), autocast_context(device_of(inputs, gm), dtype):
-        return _MetaProp(gm).run(*copies)
+    device = device_of(inputs, gm) if device is None else device
+    with torch.no_grad(), autocast(device, dtype):
+        return _MetaProp(gm, ranks).run(*copies)
 
 
 class _MetaProp(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, ranks: tuple[int, ...]) -> None:
+        super().__init__(gm)
+        self.ranks = ranks
+
     def run_node(self, n: fx.Node) -> Any:
         try:
             result = super().run_node(n)
@@ -222,7 +221,7 @@ class _MetaProp(fx.Interpreter):
                 f"inputs: {type(exc).__name__}: {_first_line(exc)}; check the example input's "
                 "shape and dtype"
             ) from exc
-        n.meta[META_KEY] = value_meta(result)
+        n.meta[META_KEY] = value_meta(result, self.ranks)
         return result
 
 
@@ -240,7 +239,8 @@ def node_target_name(root: nn.Module, n: fx.Node) -> str:
 
 
 def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
-                             dtype: torch.dtype | None) -> tuple[dict[str, tuple[Any, ...]], Any]:
+                             dtype: torch.dtype | None,
+                             device: torch.device) -> tuple[dict[str, tuple[Any, ...]], Any]:
     """The inputs each submodule first received, and the model's output, from one run."""
     seen: dict[str, tuple[Any, ...]] = {}
     handles = []
@@ -252,7 +252,7 @@ def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
                                        for a in args)
             handles.append(sub.register_forward_pre_hook(hook))
     try:
-        with torch.no_grad(), autocast_context(device_of(inputs, model), dtype):
+        with torch.no_grad(), autocast(device, dtype):
             output = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     except Exception as exc:
         raise CaptureError(
@@ -266,21 +266,21 @@ def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
 
 
 def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any, ...]],
-                      dtype: torch.dtype | None, regions: list[Region],
-                      uncaptured: list[tuple[str, str]]) -> None:
+                      dtype: torch.dtype | None, ranks: tuple[int, ...], device: torch.device,
+                      regions: list[Region], uncaptured: list[tuple[str, str]]) -> None:
     for name, child in module.named_children():
         path = f"{prefix}.{name}" if prefix else name
         if path not in seen:
             continue  # not called by forward: nothing runs, nothing to plan
-        if not any(len(p.shape) in layout_ranks() for p in child.parameters()) and not _has_children(child):
+        if not any(len(p.shape) in ranks for p in child.parameters()) and not _has_children(child):
             continue  # a leaf without layout parameters (activation, flatten): left as is
         try:
             gm = fx.symbolic_trace(child)
-            output = propagate(gm, seen[path], dtype=dtype)
+            output = propagate(gm, seen[path], dtype=dtype, ranks=ranks, device=device)
         except Exception as exc:
             if _has_children(child):
                 uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
-                _capture_children(child, path, seen, dtype, regions, uncaptured)
+                _capture_children(child, path, seen, dtype, ranks, device, regions, uncaptured)
             else:
                 uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
             continue
@@ -289,17 +289,6 @@ def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any,
 
 def _has_children(m: nn.Module) -> bool:
     return next(iter(m.children()), None) is not None
-
-
-def _cl(rank: int) -> Format:
-    fmt = channels_last_for_rank(rank)
-    assert fmt is not None
-    return fmt
-
-
-def label_format(label: int, rank: int) -> Format:
-    """The ``Format`` a two-format label means for a tensor of ``rank`` dims."""
-    return _cl(rank) if label == 1 and rank in layout_ranks() else Format.CONTIGUOUS
 
 
 def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:

@@ -28,7 +28,7 @@ Inductor's own decision for the graph.
 >>> from torch import nn
 >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
 >>> fast = compile(net, torch.randn(1, 3, 16, 16))  # doctest: +SKIP
->>> fast.plan.compiled["kept"] in ("planned", "inductor")  # doctest: +SKIP
+>>> fast.plan.compiled.kept in ("planned", "inductor")  # doctest: +SKIP
 True
 """
 
@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -44,19 +45,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
-from memlayout.plan.api import (
-    OptimizedModule,
-    Progress,
-    _inputs,
-    _open_cache,
-    optimize,
-    parse_dtype,
-)
-from memlayout.plan.capture import autocast_context, device_of
+from memlayout.layout import Format
+from memlayout.machine import Conditions
+from memlayout.plan import guard as g
+from memlayout.plan.capture import device_of
+from memlayout.plan.compare import ModelComparison, busier
+from memlayout.plan.costs import device_name
+from memlayout.plan.module import OptimizedModule
+from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
+from memlayout.plan.records import Progress
+from memlayout.plan.result import CompiledRecord
+from memlayout.plan.verify import TOLERANCE, compare
+from memlayout.tensors import convert_batch, convert_module
+from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
-INDUCTOR = "inductor"  # the original model compiled as the caller asked: Inductor decides
+INDUCTOR = "inductor"  # the original model compiled with the settings given: Inductor decides
 PLAN_STANDS = {"layout_optimization": False}
 
 
@@ -70,14 +76,14 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     kernels (Inductor's ``layout_optimization`` off for that compile), or compile the original
     and let Inductor decide; ``plan.compiled`` says which. The plan is kept when it is faster
     than Inductor's own layout by more than ``margin`` (median of ``rounds`` interleaved
-    per-round ratios), else the original compiled as asked: when in doubt, exactly what
+    per-round ratios), else the original compiled with the settings given: when in doubt, exactly what
     ``torch.compile`` gives.
 
     ``plan_kwargs`` go to ``memlayout.optimize`` as well (``memory=False``, ...;
     ``refresh=True`` also measures this planned-vs-Inductor decision again);
     ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``options``, ``dynamic``,
     ...). With a backend other than Inductor there is no layout decision to override: the
-    planned model is compiled as asked and nothing is timed. The returned module is compiled in
+    planned model is compiled with those settings and nothing is timed. The returned module is compiled in
     place (``nn.Module.compile``), so its ``state_dict`` keys are still the original model's.
     Its outputs are compared with the original's (dtype-aware); a candidate that differs is
     dropped, and ``LayoutVerificationError`` is raised when none is left.
@@ -86,17 +92,18 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     optimized = optimize(model, example_inputs, dtype=dtype, input_format=input_format,
                          output_format=output_format, measure=measure, cache=cache,
                          progress=progress, name=name, guard=guard, **(plan_kwargs or {}))
-    run_dtype = parse_dtype(dtype)
+    run_dtype = optimized.autocast_dtype
     plan = optimized.plan
-    inputs = optimized.prepare_inputs(*_inputs(example_inputs))
+    inputs = optimized.prepare_inputs(*example_inputs_of(example_inputs))
     options = _split_options(compile_kwargs)
     backend = compile_kwargs.get("backend", "inductor")
     record: dict[str, Any] = {"backend": backend if isinstance(backend, str) else repr(backend),
                               "settings": {PLANNED: dict(PLAN_STANDS), INDUCTOR: {}}}
     if backend != "inductor":
         optimized.compile(**compile_kwargs)
-        plan.compiled = {**record, "kept": PLANNED, "source": "none", "candidates": {},
-                         "reason": "not Inductor: no layout decision of its own to override"}
+        plan.compiled = CompiledRecord.from_dict({
+            **record, "kept": PLANNED, "source": "none",
+            "reason": "not Inductor: no layout decision of its own to override"})
         return optimized
 
     reference = _reference(model, inputs, run_dtype)
@@ -108,8 +115,9 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     decision = inductor_layout_decision(model, inputs, run_dtype)
     record["inductor_layout_opt"] = decision
     refresh = bool((plan_kwargs or {}).get("refresh", False))  # re-measure this decision too
-    store = _open_cache(cache, refresh=refresh) if measure else None
+    store = open_cache(cache, refresh=refresh) if measure else None
     key = _cache_key(model, inputs, run_dtype, plan, compile_kwargs)
+    compiled: dict[str, Any] = {}
     try:
         cached = store.get(key) if store is not None else None
         module = None
@@ -121,22 +129,21 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
             except Exception:  # compiled differently this time: measure both again
                 module = None
             else:
-                plan.compiled = {**record, **_describe(cached), "kept": kept, "source": "cache",
-                                 "errors": {}, "compile_seconds": {kept: compile_s},
-                                 "margin": margin}
+                compiled = {**record, **_describe(cached), "kept": kept, "source": "cache",
+                            "errors": {}, "compile_seconds": {kept: compile_s},
+                            "margin": margin}
         if module is None:
-            module, plan.compiled = _measure(candidates, inputs, run_dtype, reference,
-                                             rounds=rounds, margin=margin, record=record,
-                                             timed=measure)
-            if store is not None and plan.compiled.get("ratios") is not None:
-                store.put(key, {"ratios": plan.compiled.pop("ratios"),
-                                "rounds": plan.compiled["rounds"],
-                                "repeat": plan.compiled.get("repeat", 1)})
-            plan.compiled.pop("ratios", None)
+            module, compiled = _measure(candidates, inputs, run_dtype, reference,
+                                        rounds=rounds, margin=margin, record=record,
+                                        timed=measure)
+            if store is not None and compiled.get("ratios") is not None:
+                store.put(key, {"ratios": compiled["ratios"], "rounds": compiled["rounds"],
+                                "repeat": compiled.get("repeat", 1)})
     finally:
         if store is not None:
             store.close()
-    plan.compiled["seconds"] = time.perf_counter() - start
+    plan.compiled = CompiledRecord.from_dict({**compiled,
+                                              "seconds": time.perf_counter() - start})
     assert isinstance(module, OptimizedModule)
     return module
 
@@ -146,8 +153,6 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
              record: dict[str, Any], timed: bool) -> tuple[nn.Module, dict[str, Any]]:
     """Compile every candidate (first call), drop those that fail or compute something else,
     time the rest interleaved and keep the fastest."""
-    from memlayout.plan import guard as g
-
     built: dict[str, nn.Module] = {}
     errors: dict[str, str] = {}
     compile_s: dict[str, float] = {}
@@ -176,7 +181,7 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
         return built[kept], {**out, "kept": kept, "source": "none", "candidates": {},
                              "rounds": 0}
     times = g.time_candidates({g.PLANNED: built[PLANNED], INDUCTOR: built[INDUCTOR]}, inputs,
-                              dtype, rounds=rounds)
+                              dtype, device=device_of(inputs, built[PLANNED]), rounds=rounds)
     errors.update(times["errors"])
     kept = _decide(times, margin)
     return built[kept], {**out, **_describe(times), "kept": kept, "source": "measured",
@@ -191,8 +196,6 @@ def _decide(record: Mapping[str, Any], margin: float) -> str:
     >>> _decide({"ratios": {"inductor": [0.95, 0.97, 0.96]}}, 0.02), _decide({"ratios": {"inductor": [0.99, 1.0, 0.985]}}, 0.02)
     ('planned', 'inductor')
     """
-    import statistics
-
     ratios = record["ratios"].get(INDUCTOR)
     if not ratios:
         return PLANNED
@@ -201,15 +204,13 @@ def _decide(record: Mapping[str, Any], margin: float) -> str:
 
 def _describe(record: Mapping[str, Any]) -> dict[str, Any]:
     """Per candidate other than the plan: median, min, max of ``planned / candidate`` time."""
-    import statistics
-
     return {"rounds": record["rounds"], "repeat": record.get("repeat", 1),
             "candidates": {name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
                            for name, r in record["ratios"].items() if r}}
 
 
 def _split_options(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The Inductor options the caller asked for; a ``mode`` becomes its options (torch.compile
+    """The Inductor options given; a ``mode`` becomes its options (torch.compile
     takes ``mode`` or ``options``, not both, and the plan's candidate needs ``options``)."""
     options = dict(compile_kwargs.get("options") or {})
     mode = compile_kwargs.get("mode")
@@ -231,15 +232,13 @@ def _compiled(module: nn.Module, compile_kwargs: Mapping[str, Any]) -> nn.Module
 
 def _reference(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> Any:
     work = copy.deepcopy(model).eval()
-    with torch.no_grad(), autocast_context(device_of(inputs, work), dtype):
+    with torch.no_grad(), autocast(device_of(inputs, work), dtype):
         return work(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
 
 
 def _check(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
            reference: Any, name: str) -> float:
     """Call ``module`` once (the compile) and compare with ``reference``; the seconds taken."""
-    from memlayout.plan.verify import TOLERANCE, compare
-
     start = time.perf_counter()
     with torch.no_grad():
         got = module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
@@ -278,7 +277,7 @@ def inductor_layout_decision(model: nn.Module, inputs: tuple[Any, ...],
     state = {**dict(work.named_parameters()), **dict(work.named_buffers())}
 
     def run(weights: dict[str, torch.Tensor], *xs: Any) -> Any:
-        with autocast_context(device, dtype):
+        with autocast(device, dtype):
             return functional_call(work, weights, xs)
 
     try:
@@ -293,8 +292,6 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
                plan: Any, compile_kwargs: Mapping[str, Any]) -> str:
     """The cost-cache key of one candidate comparison: device, torch version, dtype, and a hash
     of the model (structure, parameter shapes), the inputs, the plan and the settings."""
-    from memlayout.plan.costs import device_name
-
     h = hashlib.sha256()
     h.update(repr(model).encode())
     for pname, p in [*model.named_parameters(), *model.named_buffers()]:
@@ -304,7 +301,8 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
             h.update(f"{list(x.shape)}{list(x.stride())}{x.dtype}".encode())
     h.update(json.dumps([[n.region, n.name, n.op, n.format] for n in plan.nodes]).encode())
     h.update(json.dumps([[c.region, c.value, c.to] for c in plan.conversions]).encode())
-    h.update(json.dumps([plan.guard.get("kept"), plan.input_format, plan.output_format]).encode())
+    kept = plan.guard.kept if plan.guard is not None else None
+    h.update(json.dumps([kept, plan.input_format, plan.output_format]).encode())
     h.update(json.dumps(compile_kwargs, sort_keys=True, default=repr).encode())
     device = device_of(inputs, model)
     return json.dumps(["compile", device_name(device), torch.__version__, str(dtype),
@@ -312,17 +310,14 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
 
 
 def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs: Any, *,
-                     rounds: int = 7, warmup: int = 1, **compile_kwargs: Any) -> dict[str, Any]:
+                     rounds: int = 7, warmup: int = 1,
+                     **compile_kwargs: Any) -> ModelComparison:
     """Time ``compiled`` (from :func:`compile`) against ``torch.compile(model)`` with Inductor's
     defaults and eager NCHW, interleaved round by round, under the plan's autocast. Returns
     the ``Comparison`` and, per other mode, the per-round ratios ``other / compiled`` (> 1: the
     compiled plan is faster), their median and range."""
 
-    from memlayout.layout import Format
-    from memlayout.tensors import convert_batch, convert_module
-    from memlayout.timing import device_sync, interleaved
-
-    inputs = _inputs(example_inputs)
+    inputs = example_inputs_of(example_inputs)
     dtype = compiled.autocast_dtype
     device = device_of(inputs, model)
     eager = convert_module(copy.deepcopy(model).eval(), Format.CONTIGUOUS)
@@ -333,19 +328,18 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
     def runner(module: nn.Module, fmt: Format | None) -> Callable[[], Any]:
         def run() -> Any:
             xs = inputs if fmt is None else convert_batch(inputs, fmt)
-            with torch.no_grad(), autocast_context(device, dtype):
+            with torch.no_grad(), autocast(device, dtype):
                 return module(*xs)
         return run
 
+    before = Conditions.now()
     c = interleaved({"memlayout.compile": runner(compiled, None),
                      "torch.compile": runner(default, None),
                      "eager_nchw": runner(eager, Format.CONTIGUOUS)},
                     rounds=rounds, warmup=warmup, baseline="memlayout.compile",
                     sync=device_sync(str(device)))
-    from memlayout.plan.api import ratios_against
-
-    return {"comparison": c,
-            **ratios_against(c, "memlayout.compile", ("torch.compile", "eager_nchw"))}
+    return ModelComparison.of(c, "memlayout.compile", ("torch.compile", "eager_nchw"),
+                              busier(before, Conditions.now()))
 
 
 __all__ = ["INDUCTOR", "PLANNED", "compare_compiled", "compile", "inductor_layout_decision"]

@@ -25,6 +25,7 @@ import operator
 import os
 import platform
 import sqlite3
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,20 +34,23 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memlayout.layout import Format, channels_last_for_rank, strides_for
+from memlayout.dtypes import autocast
+from memlayout.layout import Format, strides_for
 from memlayout.plan.capture import (
     FREE,
     META_KEY,
     NONE,
     ValueMeta,
-    autocast_context,
-    label_format,
-    layout_ranks,
+    device_of,
+    graph_ranks,
     node_target_name,
+    value_meta,
 )
-from memlayout.tensors import convert_module
+from memlayout.plan.label import Label
+from memlayout.tensors import convert_module, iter_tensors, to_format
 from memlayout.timing import device_sync, interleaved
 
+#: ``progress(done, total, what)``, called while measuring
 Progress = Callable[[int, int, str], None]
 
 # Ops whose kernel does the same work in either format: not timed, only run to see the format
@@ -120,7 +124,8 @@ def module_has_layout_params(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op != "call_module":
         return False
     sub = gm.get_submodule(n.target)
-    return any(t.dim() in layout_ranks() for t in [*sub.parameters(), *sub.buffers()])
+    ranks = graph_ranks(gm)
+    return any(t.dim() in ranks for t in [*sub.parameters(), *sub.buffers()])
 
 
 def is_layout_node(gm: fx.GraphModule, n: fx.Node) -> bool:
@@ -145,16 +150,17 @@ def is_agnostic(gm: fx.GraphModule, n: fx.Node) -> bool:
 # ---------------------------------------------------------------- converting values
 
 
-def convert_value(value: Any, label: int, ranks: tuple[int, ...] | None = None) -> Any:
-    """Every tensor inside ``value`` whose rank is in ``ranks`` (default: the planned model's
-    ``layout_ranks()``) in the format ``label`` means for its rank (canonical strides:
-    ``to_format``); other tensors and objects unchanged."""
-    from memlayout.tensors import to_format
+def convert_value(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
+    """Every tensor inside ``value`` whose rank is in ``ranks`` (the planned model's layout
+    ranks) in the format ``label`` means for its rank (canonical strides: ``to_format``);
+    other tensors and objects unchanged.
 
+    >>> convert_value((torch.empty(2, 3, 4, 4), 7), 1, (4, 5))[0].stride()
+    (48, 1, 12, 3)
+    """
     if isinstance(value, torch.Tensor):
-        if value.dim() in (layout_ranks() if ranks is None else ranks):
-            fmt = channels_last_for_rank(value.dim()) if label == 1 else Format.CONTIGUOUS
-            return to_format(value, fmt)
+        if value.dim() in ranks:
+            return to_format(value, Label(label).format(value.dim()))
         return value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(convert_value(v, label, ranks) for v in value)
@@ -163,31 +169,32 @@ def convert_value(value: Any, label: int, ranks: tuple[int, ...] | None = None) 
     return value
 
 
-def fresh_value(value: Any, label: int | None) -> Any:
-    """A copy of ``value`` (``label``: in that format; ``None``: same strides), so a timed op
-    that works in place never touches the real activations."""
+def fresh_value(value: Any, label: int | None, ranks: tuple[int, ...]) -> Any:
+    """A copy of ``value`` (``label``: in that format for the layout ``ranks``; ``None``: same
+    strides), so a timed op that works in place never touches the real activations."""
     if isinstance(value, torch.Tensor):
-        if label is not None and value.dim() in layout_ranks():
-            strides = strides_for(tuple(value.shape), label_format(label, value.dim()))
+        if label is not None and value.dim() in ranks:
+            strides = strides_for(tuple(value.shape), Label(label).format(value.dim()))
         else:
             strides = value.stride()
         return torch.empty_strided(value.shape, strides, dtype=value.dtype,
                                    device=value.device).copy_(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(fresh_value(v, label) for v in value)
+        return tuple(fresh_value(v, label, ranks) for v in value)
     if isinstance(value, list):
-        return [fresh_value(v, label) for v in value]
+        return [fresh_value(v, label, ranks) for v in value]
     return value
 
 
-def convert_module_to(module: nn.Module, label: int) -> nn.Module:
-    """``module``'s rank-4/5 weights in label's format, in place (returns ``module``)."""
+def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...]) -> nn.Module:
+    """``module``'s weights of the layout ``ranks`` in label's format, in place (returns
+    ``module``)."""
     if label == 1:
-        if 3 in layout_ranks():  # a 1-d convolution model (#6): Conv1d weights N L C too
+        if 3 in ranks:  # a 1-d convolution model: Conv1d weights N L C too
             convert_module(module, Format.CHANNELS_LAST_1D)
         convert_module(module, Format.CHANNELS_LAST)
         return convert_module(module, Format.CHANNELS_LAST_3D)
-    module._apply(lambda t: t.contiguous() if t.dim() in layout_ranks() else t)
+    module._apply(lambda t: t.contiguous() if t.dim() in ranks else t)
     return module
 
 
@@ -257,16 +264,15 @@ def device_name(device: torch.device) -> str:
 def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                   dtype: torch.dtype | None = None, measure: bool = True,
                   cache: CostCache | None = None, rounds: int = 5,
-                  progress: Progress | None = None, train: bool = False) -> CostTable:
+                  progress: Progress | None = None, train: bool = False,
+                  device: torch.device | None = None) -> CostTable:
     """The cost table of every layout node and definite-format value of a captured graph.
 
     ``train``: a node's cost is its forward plus its backward (gradients of its inputs and
     parameters for a gradient of its output's strides), cached under keys that say so; a
     conversion costs its forward copy plus the reverse copy of its gradient in the backward
-    (``to_1 + to_0`` either way)."""
-    from memlayout.plan.capture import device_of
-
-    device = device_of(inputs, gm)
+    (``to_1 + to_0`` either way). ``device``: where it runs (default: the inputs')."""
+    device = device_of(inputs, gm) if device is None else device
     context = [device_name(device), torch.__version__, str(dtype)]
     node_context = [*context, "train"] if train else context
     layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
@@ -304,7 +310,7 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
         runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
                            rounds=rounds, sync=device_sync(str(device)), progress=progress,
                            total=total, train=train)
-        with torch.no_grad(), autocast_context(device, dtype):
+        with torch.no_grad(), autocast(device, dtype):
             runner.run(*inputs)
     if train:  # the gradient of a converted value is converted back in the backward
         table.conversions = {
@@ -339,6 +345,8 @@ def _describe(gm: fx.GraphModule, n: fx.Node, label: int) -> str:
     else:
         op = f"method:{n.target}"
 
+    ranks = graph_ranks(gm)
+
     def arg(m: fx.Node) -> str:
         kind = input_kind(gm, m)
         meta: ValueMeta | None = m.meta.get(META_KEY)
@@ -347,19 +355,13 @@ def _describe(gm: fx.GraphModule, n: fx.Node, label: int) -> str:
         parts = []
         for t in meta.tensors:
             strides = t.strides
-            if kind in ("term", "param") and len(t.shape) in layout_ranks():
-                strides = strides_for(t.shape, label_format(label, len(t.shape)))
+            if kind in ("term", "param") and len(t.shape) in ranks:
+                strides = strides_for(t.shape, Label(label).format(len(t.shape)))
             parts.append(f"{t.dtype}{list(t.shape)}{list(strides)}")
         return "T(" + ",".join(parts) + ")"
 
     args = fx.node.map_arg((n.args, n.kwargs), arg)
     return f"{op}{args!r}"
-
-
-def _label_of_result(value: Any) -> int | str | None:
-    from memlayout.plan.capture import value_meta
-
-    return value_meta(value).label
 
 
 class _Measurer(fx.Interpreter):
@@ -368,6 +370,7 @@ class _Measurer(fx.Interpreter):
                  cache: CostCache | None, rounds: int, sync: Callable[[], None],
                  progress: Progress | None, total: int, train: bool = False) -> None:
         super().__init__(gm)
+        self.ranks = graph_ranks(gm)
         self.train = train
         self.todo_nodes, self.todo_values, self.table = todo_nodes, todo_values, table
         self.measure, self.cache, self.rounds, self.sync = measure, cache, rounds, sync
@@ -411,7 +414,7 @@ class _Measurer(fx.Interpreter):
             if module_has_layout_params(gm, n) or grad:  # a copy: training must not touch it
                 target = copy.deepcopy(target)
             if module_has_layout_params(gm, n):
-                target = convert_module_to(target, label)
+                target = convert_module_to(target, label, self.ranks)
             wrt.extend(p for p in target.parameters() if p.requires_grad)
             fn: Callable[[], Any] = lambda: target(*args, **kwargs)  # noqa: E731
         elif n.op == "call_function":
@@ -423,7 +426,8 @@ class _Measurer(fx.Interpreter):
 
     def _input(self, m: fx.Node, label: int, wrt: list[torch.Tensor] | None = None) -> Any:
         kind = input_kind(self.module, m)
-        value = fresh_value(self.env[m], label if kind in ("term", "param") else None)
+        value = fresh_value(self.env[m], label if kind in ("term", "param") else None,
+                            self.ranks)
         if wrt is not None and m.op != "placeholder":
             # in training every activation (and parameter) needs its gradient; a model input
             # does not. ``value`` is a fresh copy: a leaf of its own.
@@ -446,8 +450,6 @@ class _Measurer(fx.Interpreter):
         calls: dict[str, Callable[[], Any]] = {}
         first: dict[str, float] = {}
         for label in (0, 1):
-            import time
-
             try:
                 fn = self._call(n, label)
                 self.sync()
@@ -455,7 +457,7 @@ class _Measurer(fx.Interpreter):
                 out = fn()
                 self.sync()
                 first[str(label)] = time.perf_counter() - start
-                records.append({"s": 0.0, "out": _label_of_result(out)})
+                records.append({"s": 0.0, "out": value_meta(out, self.ranks).label})
                 calls[str(label)] = fn
             except Exception as exc:  # this format does not work for this op: a fact
                 records.append({"s": None, "out": None, "error": f"{type(exc).__name__}"})
@@ -489,8 +491,6 @@ class _Measurer(fx.Interpreter):
                      first: dict[str, float]) -> dict[str, Callable[[], Any]] | None:
         """A training step of ``n`` per working label (``first`` updated with the step's
         first-call time), or ``None`` when one of them fails."""
-        import time
-
         steps: dict[str, Callable[[], Any]] = {}
         for label in calls:
             try:
@@ -507,8 +507,10 @@ class _Measurer(fx.Interpreter):
 
     def _measure_conversion(self, n: fx.Node, value: Any) -> None:
         meta: ValueMeta = n.meta[META_KEY]
-        v0, v1 = fresh_value(value, 0), fresh_value(value, 1)
-        calls = {"to_1": lambda: convert_value(v0, 1), "to_0": lambda: convert_value(v1, 0)}
+        ranks = self.ranks
+        v0, v1 = fresh_value(value, 0, ranks), fresh_value(value, 1, ranks)
+        calls = {"to_1": lambda: convert_value(v0, 1, ranks),
+                 "to_0": lambda: convert_value(v1, 0, ranks)}
         probe = interleaved(calls, rounds=1, warmup=1, sync=self.sync)
         quick = min(t.median for t in probe.modes.values())
         repeat = max(1, min(50, int(0.004 / max(quick, 1e-6))))
@@ -523,8 +525,6 @@ class _Measurer(fx.Interpreter):
 
 
 def _iter_float_tensors(value: Any) -> list[torch.Tensor]:
-    from memlayout.tensors import iter_tensors
-
     return [t for t in iter_tensors(value) if t.is_floating_point()]
 
 

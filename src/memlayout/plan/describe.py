@@ -1,14 +1,29 @@
-"""Plain-text lines and rich tables for the plan's issue-#10 records (padding, memory, blocked).
+"""What a plan says on screen (L2 plan): plain-text lines and rich tables, read from the plan's
+records (``memlayout.plan.result``) and nothing else.
 
->>> memory_summary({"method": "tensor_lifetime", "original": 2_000_000, "planned": 3_000_000,
-...                 "parameters": {"original": 10, "planned": 10}, "budget": None,
-...                 "chosen": "planned", "candidates": {}})
+>>> memory_summary(MemoryReport("tensor_lifetime", 2_000_000, 3_000_000, 0, 0, 10, 10, None,
+...                             "planned"))
 'peak activation memory (tensor-lifetime count, one inference forward): planned 3.00 MB vs original 2.00 MB (1.50x)'
+>>> drop_lines([NodeChoice("", f"norm{i}", "GroupNorm", "contiguous", {}, True,
+...                        ["native_group_norm returns contiguous"]) for i in range(5)])
+['drops channels-last: 5 GroupNorm nodes (norm0, norm1, norm2, ...): native_group_norm returns contiguous']
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from memlayout.plan.result import (
+    UNPADDED,
+    BlockedReport,
+    CompiledRecord,
+    GuardRecord,
+    MemoryReport,
+    NodeChoice,
+    PadChoice,
+    Plan,
+)
 
 _METHODS = {"tensor_lifetime": "tensor-lifetime count", "cuda_allocator": "CUDA allocator"}
 
@@ -17,47 +32,148 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def memory_summary(memory: dict[str, Any]) -> str:
-    """One or two lines: planned vs original peak; weights when they differ; the budget."""
-    if not memory:
-        return ""
-    o, p = memory["original"], memory["planned"]
-    ratio = f" ({p / o:.2f}x)" if o else ""
-    line = (f"peak activation memory ({_METHODS.get(memory['method'], memory['method'])}, "
-            "one inference forward): "
-            f"planned {_mb(p)} vs original {_mb(o)}{ratio}")
-    params = memory.get("parameters", {})
-    if params and params.get("planned") != params.get("original"):
-        line += f"; weights {_mb(params['planned'])} vs {_mb(params['original'])}"
-    budget = memory.get("budget")
-    if budget is not None:
-        tried = memory.get("candidates", {})
-        if tried:
-            others = ", ".join(f"{n} {_mb(r['peak'])}" for n, r in tried.items())
-            line += (f"\nmemory budget {_mb(budget)}: chose {memory['chosen']} (fastest predicted "
-                     f"that fits; measured peaks: {others})")
-        else:
-            line += f"\nmemory budget {_mb(budget)}: the fastest plan fits"
+def summary(plan: Plan) -> str:
+    """Plain text: counts, conversions, predictions, and one line per check."""
+    counts = plan.counts
+    lines = [
+        f"{plan.model}: {len(plan.nodes)} layout nodes "
+        f"({counts.get('channels_last', 0)} channels_last, {counts.get('contiguous', 0)} "
+        f"contiguous); {len(plan.conversions)} conversions, {plan.conversion_bytes / 1e6:.1f} MB",
+    ]
+    if plan.predicted:
+        parts = [f"{k} {v * 1e3:.2f} ms" for k, v in plan.predicted.items()]
+        step = " (training step: forward + backward)" if plan.train else ""
+        lines.append(f"predicted{step}: " + ", ".join(parts))
+    of_which = (f" (of which verification {plan.verification.seconds:.1f} s)"
+                if plan.verification is not None else "")
+    lines.append(f"measured {plan.measured}, from cache {plan.cached}, "
+                 f"planning took {plan.planning_seconds:.1f} s{of_which}")
+    if plan.guard is not None:
+        lines.append(guard_summary(plan.guard))
+    lines += [line for line in (memory_summary(plan.memory, train=plan.train),
+                                padding_summary(plan.padding),
+                                blocked_summary(plan.blocked)) if line]
+    for path, reason in plan.uncaptured:
+        lines.append(f"left eager: {path or '(whole model)'}: {reason}")
+    lines += drop_lines(plan.nodes)
+    if plan.compiled is not None:
+        lines.append(compiled_summary(plan.compiled))
+    lines += [f"note: {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def drop_lines(nodes: Sequence[NodeChoice], *, shown: int = 3) -> list[str]:
+    """One line per (op, reason) a node drops channels-last for, with the count and the first
+    ``shown`` node names: a model with dozens of GroupNorms gets one line, not dozens."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for n in nodes:
+        for note in n.drops:
+            groups.setdefault((n.op, note), []).append(n.name)
+    lines = []
+    for (op, note), names in groups.items():
+        listed = ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+        what = f"{op} ({listed})" if len(names) == 1 else f"{len(names)} {op} nodes ({listed})"
+        lines.append(f"drops channels-last: {what}: {note}")
+    return lines
+
+
+def headline(plan: Plan) -> str:
+    """One short line: what runs in which format and what the guard kept."""
+    counts = plan.counts
+    line = (f"plan: {counts.get('channels_last', 0)}/{len(plan.nodes)} layout nodes "
+            f"channels_last, {len(plan.conversions)} conversions "
+            f"({plan.conversion_bytes / 1e6:.1f} MB)")
+    if plan.input_format is not None:
+        line += f", input {plan.input_format}"
+    g = plan.guard
+    if g is not None and g.candidates:
+        ratios = ", ".join(f"planned/{name} {c.median:.3f}" for name, c in g.candidates.items())
+        line += f"; guard kept {g.kept} ({ratios})"
+    elif g is not None and g.skipped:
+        line += f"; the plan is {' and '.join(g.skipped)}"
     return line
 
 
-def padding_summary(padding: list[dict[str, Any]]) -> str:
+def guard_summary(g: GuardRecord) -> str:
+    """The whole-model check of the plan in one line (two when its figures are suspect)."""
+    if g.source == "none":
+        return f"guard: the plan equals {' and '.join(g.skipped)}; nothing to compare"
+    parts = [f"{name} {c.median:.3f} ({c.min:.3f}-{c.max:.3f})"
+             for name, c in g.candidates.items()]
+    parts += [f"{name}: the plan itself, run as that eager model" for name in g.skipped]
+    parts += [f"{name} failed: {err}" for name, err in g.errors.items()]
+    source = ("from the cache" if g.source == "cache"
+              else f"measured now, {g.seconds or 0.0:.1f} s")
+    if g.extended:
+        source += "; a close call, so timed for twice the rounds"
+    line = (f"guard: kept {g.kept}; planned / candidate time, whole model, median of "
+            f"{g.rounds} interleaved rounds ({source}; a candidate replaces the plan "
+            f"above {1 + g.margin:.2f}): " + "; ".join(parts))
+    if g.conditions is not None and g.conditions.busy:
+        line += (f"\nwarning: the guard's ratios were measured on a busy machine "
+                 f"({g.conditions.describe()}): its choice is noisy")
+    return line
+
+
+def compiled_summary(c: CompiledRecord) -> str:
+    """What ``memlayout.compile`` kept in one line."""
+    decision = {True: "channels-last for every 2-d convolution", False: "off",
+                None: "unknown"}[c.inductor_layout_opt]
+    kept = {"planned": "the plan, compiled with Inductor's layout_optimization off "
+                       "(the plan's strides stand)",
+            "inductor": "torch.compile of the original model with the compile settings "
+                        "given (Inductor chooses the layouts; the plan above is not applied)"}
+    parts = [f"compile: kept {kept.get(c.kept, c.kept)}; Inductor's own layout "
+             f"decision for this graph: {decision}"]
+    for name, r in c.candidates.items():
+        source = "from the cache" if c.source == "cache" else "measured now"
+        parts.append(f"planned / {name} time {r.median:.3f} ({r.min:.3f}-{r.max:.3f}), "
+                     f"median of {c.rounds} interleaved rounds ({source})")
+    parts += [f"{name} failed: {err}" for name, err in c.errors.items()]
+    if c.reason:
+        parts.append(c.reason)
+    return "; ".join(parts)
+
+
+def memory_summary(memory: MemoryReport | None, *, train: bool = False) -> str:
+    """One or two lines: planned vs original peak; weights when they differ; the budget. The
+    peak is of one forward without gradients, also for a plan made for training."""
+    if memory is None:
+        return ""
+    o, p = memory.original, memory.planned
+    ratio = f" ({p / o:.2f}x)" if o else ""
+    run = ("one forward without gradients, not the training step planned: a training step "
+           "also keeps activations for the backward" if train else "one inference forward")
+    line = (f"peak activation memory ({_METHODS.get(memory.method, memory.method)}, {run}): "
+            f"planned {_mb(p)} vs original {_mb(o)}{ratio}")
+    if memory.parameters_planned != memory.parameters_original:
+        line += f"; weights {_mb(memory.parameters_planned)} vs {_mb(memory.parameters_original)}"
+    if memory.budget is not None:
+        if memory.candidates:
+            others = ", ".join(f"{n} {_mb(r.peak)}" for n, r in memory.candidates.items())
+            line += (f"\nmemory budget {_mb(memory.budget)}: chose {memory.chosen} (fastest "
+                     f"predicted that fits; measured peaks: {others})")
+        else:
+            line += f"\nmemory budget {_mb(memory.budget)}: the fastest plan fits"
+    return line
+
+
+def padding_summary(padding: Sequence[PadChoice]) -> str:
     """One line: how many candidate convolutions were padded, and the time saved."""
     if not padding:
         return ""
-    padded = [p for p in padding if p["chosen"] != "unpadded"]
-    reverted = [p for p in padding if p.get("reverted")]
+    padded = [p for p in padding if p.chosen != UNPADDED]
+    reverted = [p for p in padding if p.reverted]
     if reverted:
-        ratio = reverted[0].get("whole_model")
+        ratio = reverted[0].whole_model
         measured = "failed" if ratio is None else f"unpadded / padded time {ratio:.3f}"
         return (f"padded channels: {len(reverted)} of {len(padding)} candidate convolutions "
                 f"measured faster padded alone, but not the whole model with them padded "
                 f"({measured}, median of interleaved rounds): left unpadded")
     if padded:
-        saved = sum((p["seconds"]["unpadded"] or 0) - (p["seconds"][p["chosen"]] or 0)
-                    for p in padded if p["seconds"].get(p["chosen"]) is not None)
-        names = ", ".join(f"{p['module']} {p['chosen']}" for p in padded)
-        whole = padded[0].get("whole_model")
+        saved = sum(p.saved for p in padded)
+        names = ", ".join(f"{p.module} {p.chosen}" for p in padded)
+        whole = padded[0].whole_model
         model = "" if whole is None else f"; whole model unpadded / padded {whole:.3f}"
         return (f"padded channels: {len(padded)} of {len(padding)} candidate convolutions "
                 f"padded ({names}; measured {saved * 1e3:.3f} ms saved per call{model})")
@@ -65,24 +181,24 @@ def padding_summary(padding: list[dict[str, Any]]) -> str:
             "variants measured slower, pad and crop included)")
 
 
-def blocked_summary(blocked: dict[str, Any]) -> str:
+def blocked_summary(blocked: BlockedReport | None) -> str:
     """One line: mkldnn unavailable, or how its chains compared."""
-    if not blocked:
+    if blocked is None:
         return ""
-    if not blocked.get("available"):
-        return f"blocked formats (mkldnn): unavailable: {blocked.get('note', '')}"
-    ratios = [c["ratio"] for c in blocked.get("chains", []) if c.get("ratio")]
-    errors = [c for c in blocked.get("chains", []) if "error" in c]
-    text = f"blocked formats (mkldnn): {blocked.get('note', '')}"
+    if not blocked.available:
+        return f"blocked formats (mkldnn): unavailable: {blocked.note}"
+    ratios = [c.ratio for c in blocked.chains if c.ratio]
+    errors = [c for c in blocked.chains if c.error is not None]
+    text = f"blocked formats (mkldnn): {blocked.note}"
     if ratios:
         text += (f"; planned / mkldnn time per chain {min(ratios):.2f}-{max(ratios):.2f}x "
                  "(> 1: mkldnn faster)")
     if errors:
-        text += f"; {len(errors)} chains failed in mkldnn ({errors[0]['error']})"
+        text += f"; {len(errors)} chains failed in mkldnn ({errors[0].error})"
     return text
 
 
-def padding_table(padding: list[dict[str, Any]]) -> Any:
+def padding_table(padding: Sequence[PadChoice]) -> Any:
     """A rich table: per candidate convolution the measured microseconds of each variant."""
     from rich.table import Table
 
@@ -90,12 +206,44 @@ def padding_table(padding: list[dict[str, Any]]) -> Any:
     for col in ("module", "C in -> out", "input", "unpadded us", "padded variants us", "chosen"):
         table.add_column(col)
     for p in padding:
-        s = p["seconds"]
-
         def us(v: float | None) -> str:
             return "-" if v is None else f"{v * 1e6:.1f}"
-        table.add_row(p["module"], f"{p['in_channels']} -> {p['out_channels']}",
-                      f"{tuple(p['input_shape'])} {p['input_format']}", us(s.get("unpadded")),
-                      " ".join(f"{n} {us(v)}" for n, v in s.items() if n != "unpadded"),
-                      p["chosen"])
+        table.add_row(p.module, f"{p.in_channels} -> {p.out_channels}",
+                      f"{tuple(p.input_shape)} {p.input_format}", us(p.seconds.get(UNPADDED)),
+                      " ".join(f"{n} {us(v)}" for n, v in p.seconds.items() if n != UNPADDED),
+                      p.chosen)
     return table
+
+
+def explain(plan: Plan, console: Any = None) -> None:
+    """Render the plan with rich: per node the choice and both costs, then conversions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"plan for {plan.model} ({plan.dtype or 'fp32'}, {plan.device})")
+    for col in ("region", "node", "op", "format", "contiguous ms", "channels_last ms"):
+        table.add_column(col, justify="right" if col.endswith("ms") else "left")
+    for n in plan.nodes:
+        def ms(v: float | None, timed: bool = n.timed) -> str:
+            if v is None:
+                return "fails"
+            if timed:
+                return f"{v * 1e3:.3f}"
+            return "-" if plan.measure else f"~{v * 1e3:.3f}"  # ~: the analytical model
+        table.add_row(n.region or "-", n.name, n.op, n.format,
+                      ms(n.seconds.get("contiguous")), ms(n.seconds.get("channels_last")))
+    console.print(table)
+    if plan.conversions:
+        conv = Table(title="conversions")
+        for col in ("value", "to", "shapes", "MB", "ms", "serves"):
+            conv.add_column(col)
+        for c in plan.conversions:
+            conv.add_row(c.value, c.to, " ".join(str(tuple(s)) for s in c.shapes),
+                         f"{c.nbytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}", ", ".join(c.consumers))
+        console.print(conv)
+    if plan.padding:
+        console.print(padding_table(plan.padding))
+    console.print(summary(plan), markup=False, highlight=False)
+
+

@@ -26,13 +26,15 @@ the note still names the op. The notes go into ``node.meta[DROPS_KEY]`` of the r
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import fx
 
+from memlayout.dtypes import autocast
 from memlayout.layout import Format
-from memlayout.plan.capture import FREE, autocast_context, device_of
+from memlayout.plan.capture import FREE, device_of, graph_ranks
 from memlayout.plan.costs import CostTable, convert_module_to, convert_value
 
 #: ``node.meta`` key of a dropping node's notes (a list of sentences)
@@ -46,16 +48,17 @@ def dropping_nodes(table: CostTable) -> list[str]:
 
 
 def drop_notes(gm: fx.GraphModule, inputs: tuple[Any, ...], table: CostTable, *,
-               dtype: torch.dtype | None = None) -> dict[str, list[str]]:
+               dtype: torch.dtype | None = None,
+               device: torch.device | None = None) -> dict[str, list[str]]:
     """For each node of ``dropping_nodes(table)``, one sentence per aten op that dropped
     channels-last (from the coverage matrix when it is cached); also stored in
     ``node.meta[DROPS_KEY]``. Runs the region's graph once (no timing) when any node drops."""
     todo = set(dropping_nodes(table))
     if not todo:
         return {}
-    runner = _Explainer(gm, todo, dtype)
-    device = device_of(inputs, gm)
-    with torch.no_grad(), autocast_context(device, dtype):
+    device = device_of(inputs, gm) if device is None else device
+    runner = _Explainer(gm, todo, dtype, device)
+    with torch.no_grad(), autocast(device, dtype):
         runner.run(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     for n in gm.graph.nodes:
         if n.name in runner.notes:
@@ -72,8 +75,11 @@ class _Explainer(fx.Interpreter):
     """Runs the graph as captured; a dropping node is run once more, fed channels-last (its
     weights too), under the audit recorder."""
 
-    def __init__(self, gm: fx.GraphModule, todo: set[str], dtype: torch.dtype | None) -> None:
+    def __init__(self, gm: fx.GraphModule, todo: set[str], dtype: torch.dtype | None,
+                 device: torch.device) -> None:
         super().__init__(gm)
+        self.device = device
+        self.ranks = graph_ranks(gm)
         self.todo = todo
         self.dtype = dtype
         self.notes: dict[str, list[str]] = {}
@@ -85,15 +91,16 @@ class _Explainer(fx.Interpreter):
         return result
 
     def _explain(self, n: fx.Node, result: Any) -> list[str]:
-        import copy
-
+        # the audit recorder (a sibling L2 package, with rich renderers) loads only when a
+        # node drops channels-last
         from memlayout.audit import AuditMode
         from memlayout.audit.recorder import coverage_notes
 
         args, kwargs = fx.node.map_arg((n.args, n.kwargs),
-                                       lambda m: convert_value(self.env[m], 1))
+                                       lambda m: convert_value(self.env[m], 1, self.ranks))
         if n.op == "call_module":
-            target = convert_module_to(copy.deepcopy(self.module.get_submodule(n.target)), 1)
+            target = convert_module_to(copy.deepcopy(self.module.get_submodule(n.target)), 1,
+                                       self.ranks)
             fn = lambda: target(*args, **kwargs)  # noqa: E731
         elif n.op == "call_function":
             fn = lambda: n.target(*args, **kwargs)  # noqa: E731
@@ -101,8 +108,7 @@ class _Explainer(fx.Interpreter):
             self_arg, *rest = args
             fn = lambda: getattr(self_arg, n.target)(*rest, **kwargs)  # noqa: E731
         dtype = _first_float_dtype(result)
-        device = str(device_of((result,), self.module)).split(":")[0]
-        meta = {"device": device, "dtype": str(dtype).removeprefix("torch.")}
+        meta = {"device": self.device.type, "dtype": str(dtype).removeprefix("torch.")}
         with AuditMode(fmt=Format.CHANNELS_LAST, meta=meta) as rec:
             fn()
         records = [r for r in rec.report.records if r.dropped]
@@ -118,7 +124,7 @@ class _Explainer(fx.Interpreter):
         for op in dict.fromkeys(r.op for r in records):
             notes.append(known.get(op) or
                          f"{op} drops {fmt.value} here (no cached coverage matrix for "
-                         f"{device} {meta['dtype']}: `memlayout coverage` explains it)")
+                         f"{self.device.type} {meta['dtype']}: `memlayout coverage` explains it)")
         return notes or ["returns another format when fed channels-last (no aten op flagged)"]
 
 

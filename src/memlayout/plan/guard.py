@@ -13,7 +13,9 @@ noisy machine five rounds cannot tell 2 % apart, and the bar is "never below 0.9
 
 The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
 autocast dtype and a signature of the captured graphs (every node, its shapes, strides and
-dtypes, and the plan's labels): a second plan of the same model times nothing.
+dtypes, and the plan's labels), with the conditions they were measured under
+(``memlayout.machine.Conditions``): a second plan of the same model times nothing, unless
+the cached ratios were measured on a busy machine; those are measured again.
 
 >>> record = {"ratios": {"all_contiguous": [0.8, 0.9, 0.85], "all_channels_last": [1.2, 1.3, 1.1]},
 ...           "rounds": 3}
@@ -27,6 +29,7 @@ dtypes, and the plan's labels): a second plan of the same model times nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -36,7 +39,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memlayout.plan.capture import META_KEY, autocast_context, device_of
+from memlayout.dtypes import autocast
+from memlayout.machine import Conditions
+from memlayout.plan.capture import META_KEY
+from memlayout.plan.result import GuardRecord, RatioRange, decode
+from memlayout.tensors import mean_square_loss
 from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"
@@ -82,25 +89,26 @@ def cache_key(device: str, dtype: torch.dtype | None, graph_signature: str) -> s
 
 
 def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
-                    dtype: torch.dtype | None, *, rounds: int,
+                    dtype: torch.dtype | None, *, device: torch.device, rounds: int,
                     on_step: Callable[[int, str], None] | None = None,
                     train: bool = False, margin: float | None = None,
                     inputs_of: Mapping[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
     """Time whole models (``models[PLANNED]`` and the others) interleaved, as they will run
-    (no grad, autocast for ``dtype``; ``train``: a training step's forward and backward, the
-    loss ``sum(0.5 * mean(y ** 2))`` over the floating outputs, backward outside autocast,
+    (no grad, autocast for ``dtype`` on ``device``; ``train``: a training step's forward and
+    backward, the loss ``memlayout.tensors.mean_square_loss``, backward outside autocast,
     gradients into ``.grad`` as an optimizer reads them; the caller restores buffers).
     With ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more.
     ``inputs_of``: a candidate's own inputs (e.g. in its format), instead of ``inputs``.
     Returns ``{"ratios": {name: per-round planned / candidate time}, "rounds": n,
-    "errors": {name: message}, "extended": bool}``."""
-    device = device_of(inputs, models[PLANNED])
+    "errors": {name: message}, "extended": bool, "conditions": the busier of the machine's
+    conditions before and after (``Conditions`` as a dict)}`` (JSON: the cache stores it)."""
+    before = Conditions.now()
 
     def runner(module: nn.Module, xs: tuple[Any, ...]) -> Callable[[], Any]:
         def run() -> Any:
-            with torch.no_grad(), autocast_context(device, dtype):
+            with torch.no_grad(), autocast(device, dtype):
                 return module(*xs)
-        return train_step(module, xs, dtype) if train else run
+        return train_step(module, xs, dtype, device) if train else run
 
     own = inputs_of or {}
     fns = {name: runner(m, own.get(name, inputs)) for name, m in models.items()}
@@ -124,8 +132,11 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
             for name in live:
                 if name != PLANNED and name not in errors:
                     ratios[name] = [r for c in runs for r in c.ratios(name)]
+        after = Conditions.now()  # the busier of the two: noise anywhere in the run counts
+        conditions = after if after.busy or not before.busy else before
         return {"ratios": ratios, "rounds": sum(len(c[PLANNED].times) for c in runs),
-                "repeat": repeat, "errors": errors, "extended": extended}
+                "repeat": repeat, "errors": errors, "extended": extended,
+                "conditions": dataclasses.asdict(conditions)}
 
     first = record()
     if margin is None or first["errors"] or not is_close(first, margin=margin):
@@ -149,25 +160,21 @@ def is_close(record: Mapping[str, Any], *, margin: float) -> bool:
     return bool(medians) and abs(max(medians) - (1.0 + margin)) < CLOSE
 
 
-def train_step(module: nn.Module, inputs: tuple[Any, ...],
-               dtype: torch.dtype | None) -> Callable[[], Any]:
+def train_step(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
+               device: torch.device) -> Callable[[], Any]:
     """One training step of ``module`` without the optimizer: gradients set to ``None``,
-    forward under autocast, ``sum(0.5 * mean(y ** 2))``, backward (into ``.grad``)."""
-    from memlayout.tensors import iter_tensors
-
-    device = device_of(inputs, module)
+    forward under autocast, ``memlayout.tensors.mean_square_loss``, backward (into ``.grad``)."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> Any:
         for p in params:
             p.grad = None
         with torch.enable_grad():
-            with autocast_context(device, dtype):
+            with autocast(device, dtype):
                 out = module(*inputs)
-            terms = [0.5 * t.float().square().mean() for t in iter_tensors(out)
-                     if t.is_floating_point() and t.requires_grad]
-            if terms:
-                torch.stack(terms).sum().backward()
+            loss = mean_square_loss(out)
+            if loss is not None:
+                loss.backward()
         return out
     return step
 
@@ -180,14 +187,24 @@ def decide(record: Mapping[str, Any], *, margin: float) -> str:
     return best if best is not None and medians[best] > 1.0 + margin else PLANNED
 
 
+def measured_busy(record: Mapping[str, Any]) -> bool:
+    """A (cached) measurement record taken while the machine was busy: not to be reused.
+
+    >>> measured_busy({"conditions": {"load_average": 5.0, "cpu_count": 2, "threads": 2,
+    ...                               "omp_wait_policy": ""}}), measured_busy({})
+    (True, False)
+    """
+    conditions = decode(Conditions, record.get("conditions"))
+    return conditions is not None and conditions.busy
+
+
 def describe(record: Mapping[str, Any], *, kept: str, margin: float, source: str,
-             skipped: list[str]) -> dict[str, Any]:
-    """The guard's entry in ``Plan.guard`` (plain data)."""
-    return {
-        "kept": kept, "margin": margin, "source": source, "rounds": record["rounds"],
-        "extended": record.get("extended", False),
-        "repeat": record.get("repeat", 1),
-        "candidates": {name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
-                       for name, r in record["ratios"].items() if r},
-        "skipped": skipped, "errors": dict(record.get("errors", {})),
-    }
+             skipped: list[str], seconds: float | None = None) -> GuardRecord:
+    """The guard's entry in ``Plan.guard``."""
+    return GuardRecord(
+        kept=kept, margin=margin, source=source, rounds=record["rounds"],
+        candidates={name: RatioRange(statistics.median(r), min(r), max(r))
+                    for name, r in record["ratios"].items() if r},
+        skipped=tuple(skipped), errors=dict(record.get("errors", {})),
+        extended=record.get("extended", False), repeat=record.get("repeat", 1),
+        seconds=seconds, conditions=decode(Conditions, record.get("conditions")))

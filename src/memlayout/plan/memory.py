@@ -27,8 +27,10 @@ measured peak fits a budget; ``PlanError`` says the smallest peak found when non
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +39,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memlayout.dispatch import ObservingMode
+from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
-from memlayout.plan.capture import autocast_context, device_of
+from memlayout.plan.capture import device_of
+from memlayout.plan.costs import device_name
+from memlayout.plan.guard import signature as graph_signature
+from memlayout.plan.records import Build, Solution
+from memlayout.plan.result import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
+from memlayout.plan.solve import Problem, Tensor, objective, solve_min_cut
 
 CUDA_ALLOCATOR = "cuda_allocator"
 TENSOR_LIFETIME = "tensor_lifetime"
@@ -100,15 +108,17 @@ def _storage(t: torch.Tensor) -> Any:
 
 
 def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...], *,
-                dtype: torch.dtype | None = None) -> MemoryPeak:
-    """Peak activation bytes of one ``module(*inputs)`` (no grad, autocast for ``dtype``)."""
-    device = device_of(inputs, module) if isinstance(module, nn.Module) else _device(inputs)
+                dtype: torch.dtype | None = None, device: torch.device | None = None) -> MemoryPeak:
+    """Peak activation bytes of one ``module(*inputs)`` (no grad, autocast for ``dtype``, on
+    ``device``: default the inputs')."""
+    if device is None:
+        device = device_of(inputs, module) if isinstance(module, nn.Module) else _device(inputs)
     args = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with torch.no_grad(), autocast_context(device, dtype):
+        with torch.no_grad(), autocast(device, dtype):
             out = module(*args)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
@@ -116,7 +126,7 @@ def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...],
         del out
         return MemoryPeak(int(peak), int(end), CUDA_ALLOCATOR)
     counter = _LiveBytes()
-    with torch.no_grad(), autocast_context(device, dtype), counter:
+    with torch.no_grad(), autocast(device, dtype), counter:
         out = module(*args)
     end = counter.live
     del out
@@ -144,7 +154,7 @@ def parameter_bytes(module: nn.Module) -> int:
 @dataclass
 class Candidate:
     """A plan to consider under a memory budget: a name, its predicted seconds, and a function
-    that builds it (returns whatever the caller needs; its first element is the module)."""
+    that builds it (returns whatever the caller's ``measure`` takes)."""
 
     name: str
     predicted: float
@@ -152,13 +162,13 @@ class Candidate:
 
 
 def within_budget(candidates: Sequence[Candidate], budget: int,
-                  measure: Callable[[nn.Module], MemoryPeak]) -> tuple[Candidate, Any, dict[str, Any]]:
+                  measure: Callable[[Any], MemoryPeak]) -> tuple[Candidate, Any, dict[str, Any]]:
     """The fastest candidate (lowest ``predicted``; ties in the given order) whose peak fits
     ``budget``: returns it, its build, and the record of every candidate measured. Candidates
     are built and measured fastest first, stopping at the first that fits.
 
     >>> fake = {"fast": 300, "lean": 100, "mid": 200}
-    >>> cs = [Candidate(n, p, lambda n=n: (n,)) for n, p in [("fast", 1.0), ("lean", 3.0), ("mid", 2.0)]]
+    >>> cs = [Candidate(n, p, lambda n=n: n) for n, p in [("fast", 1.0), ("lean", 3.0), ("mid", 2.0)]]
     >>> best, built, record = within_budget(cs, 250, lambda m: MemoryPeak(fake[m], 0, "test"))
     >>> best.name, sorted(record)
     ('mid', ['fast', 'mid'])
@@ -168,7 +178,7 @@ def within_budget(candidates: Sequence[Candidate], budget: int,
     for i in order:
         c = candidates[i]
         built = c.build()
-        peak = measure(built[0])
+        peak = measure(built)
         record[c.name] = {"peak": peak.peak_bytes, "predicted": c.predicted}
         if peak.peak_bytes <= budget:
             return c, built, record
@@ -209,11 +219,6 @@ def budget_bytes(budget: int | float | str | None) -> int | None:
                     "or a string such as '300MB' or '1.5GiB'")
 
 
-def describe_bytes(n: int) -> str:
-    """``12.3 MB`` (decimal megabytes, as the plan summary prints them)."""
-    return f"{n / 1e6:.2f} MB"
-
-
 # ---------------------------------------------------------------- the planner's memory step
 
 #: conversion bytes are weighted by these multiples of the model's mean conversion cost per
@@ -221,101 +226,89 @@ def describe_bytes(n: int) -> str:
 PENALTIES = (1.0, 4.0, 16.0, 256.0)
 
 
-def plan_signature(solved: list, extra: Any) -> str:
-    """A hash of the solved regions (graphs, shapes, strides, labels) and ``extra``: the key
-    under which this plan's padding, mkldnn and memory records are cached."""
-    from memlayout.plan.guard import signature
-
-    return signature([(r.path, r.gm, labels) for (r, _, _, labels) in solved], extra)
+def plan_signature(graphs: list[tuple[str, Any, Mapping[str, int]]], extra: Any) -> str:
+    """A hash of the solved regions (``(path, graph, labels)``: shapes, strides, labels) and
+    ``extra``: the key under which this plan's padding, mkldnn and memory records are cached."""
+    return graph_signature(graphs, extra)
 
 
 def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
-                built: tuple, *, solved: list, kept: str, predicted: dict[str, float],
-                budget: int | None, padding: list[dict[str, Any]],
-                build: Callable[[list], tuple],
-                build_uniform: Callable[[int], tuple], cache: Any = None,
-                signature: str | None = None) -> tuple[tuple, dict[str, Any]]:
+                built: Build, *, solution: Solution, kept: str, predicted: dict[str, float],
+                budget: int | None, padding: Sequence[PadChoice],
+                build: Callable[[Solution], Build],
+                build_uniform: Callable[[int], Build], device: torch.device,
+                cache: Any = None, signature: str | None = None) -> tuple[Build, MemoryReport]:
     """Measure the peak of the original (``work``) and of the plan ``built``; with a
     ``budget`` the plan is over, consider other plans (the min-cut plan unpadded, plans that
     weigh conversion bytes more, all-NCHW, all-NHWC), fastest predicted first, and return the
     first that fits (``PlanError`` when none does). Returns the build kept and the plan's
     ``memory`` record. With a ``cache`` and the plan's ``signature`` the two peaks are
     cached (they follow from the graph, shapes and plan), so a second plan runs no forward."""
-    import json
-
-    from memlayout.plan.costs import device_name
-
-    padded = [p["module"] for p in padding if p["chosen"] != "unpadded"]
+    padded = [p.module for p in padding if p.chosen != UNPADDED]
     key = None
     if cache is not None and signature is not None:
-        key = json.dumps(["memory", device_name(device_of(inputs, work)), torch.__version__,
-                          str(dtype), signature, [(p["module"], p["chosen"]) for p in padding]])
+        key = json.dumps(["memory", device_name(device), torch.__version__,
+                          str(dtype), signature, [(p.module, p.chosen) for p in padding]])
     peaks = cache.get(key) if key is not None else None
     if peaks is not None:
         original = MemoryPeak(*peaks["original"])
         planned = MemoryPeak(*peaks["planned"])
     else:
-        original = peak_memory(work, inputs, dtype=dtype)
-        planned = peak_memory(built[0], inputs, dtype=dtype)
+        original = peak_memory(work, inputs, dtype=dtype, device=device)
+        planned = peak_memory(built.module, inputs, dtype=dtype, device=device)
         if key is not None:
             cache.put(key, {"original": list(original.__dict__.values()),
                             "planned": list(planned.__dict__.values())})
-    record: dict[str, Any] = {
-        "method": planned.method, "original": original.peak_bytes, "planned": planned.peak_bytes,
-        "original_end": original.end_bytes, "planned_end": planned.end_bytes,
-        "parameters": {"original": parameter_bytes(work), "planned": parameter_bytes(built[0])},
-        "budget": budget, "chosen": kept + (" (padded)" if padded else ""), "candidates": {},
-    }
+    record = MemoryReport(
+        method=planned.method, original=original.peak_bytes, planned=planned.peak_bytes,
+        original_end=original.end_bytes, planned_end=planned.end_bytes,
+        parameters_original=parameter_bytes(work), parameters_planned=parameter_bytes(built.module),
+        budget=budget, chosen=kept + (" (padded)" if padded else ""))
     if budget is None or planned.peak_bytes <= budget:
         return built, record
-    saved = sum(p["seconds"]["unpadded"] - p["seconds"][p["chosen"]] for p in padding
-                if p["chosen"] != "unpadded" and p["seconds"].get(p["chosen"]) is not None)
-    first = record["chosen"]
-    record["candidates"][first] = {"peak": planned.peak_bytes,
-                                   "predicted": predicted.get(kept, 0.0) - saved}
+    saved = sum(p.saved for p in padding if p.chosen != UNPADDED)
+    first = record.chosen
+    measured = {first: MemoryCandidate(planned.peak_bytes, predicted.get(kept, 0.0) - saved)}
     candidates: list[Candidate] = []
     if kept != "planned" or padded:
-        candidates.append(Candidate("planned", predicted["planned"], lambda: build(solved)))
+        candidates.append(Candidate("planned", predicted["planned"], lambda: build(solution)))
     for label, name in ((0, "all_contiguous"), (1, "all_channels_last")):
         if name != kept or padded:
             candidates.append(Candidate(name, predicted[name],
                                         lambda label=label: build_uniform(label)))
-    seen = [tuple(sorted(labels.items())) for *_, labels in solved]
+    seen = [tuple(sorted(s.labels.items())) for s in solution.regions]
     for penalty in PENALTIES:
-        relabelled = [(r, t, f, _labels_weighing_bytes(f, t, penalty)) for r, t, f, _ in solved]
-        key = [tuple(sorted(labels.items())) for *_, labels in relabelled]
+        relabelled = dataclasses.replace(solution, regions=tuple(
+            dataclasses.replace(s, labels=_labels_weighing_bytes(s.form, s.table, penalty))
+            for s in solution.regions))
+        key = [tuple(sorted(s.labels.items())) for s in relabelled.regions]
         if key == seen:
             continue
         seen = key
-        cost = sum(_seconds(f, labels) for _, _, f, labels in relabelled)
+        cost = sum(_seconds(s.form, s.labels) for s in relabelled.regions)
         candidates.append(Candidate(f"fewer_conversion_bytes_x{penalty:g}", cost,
                                     lambda s=relabelled: build(s)))
     candidates.sort(key=lambda c: c.predicted)
     try:
         best, chosen, tried = within_budget(
-            candidates, budget, lambda m: peak_memory(m, inputs, dtype=dtype))
+            candidates, budget, lambda b: peak_memory(b.module, inputs, dtype=dtype,
+                                                     device=device))
     except PlanError as exc:
         raise PlanError(f"{exc} (the fastest plan, {first}, peaks at "
                         f"{planned.peak_bytes} bytes)") from None
-    record["candidates"].update(tried)
-    record["chosen"] = best.name
-    record["planned"] = tried[best.name]["peak"]
-    record["parameters"]["planned"] = parameter_bytes(chosen[0])
-    record["padding_dropped"] = bool(padded)
-    return chosen, record
+    measured.update((name, MemoryCandidate(r["peak"], r["predicted"])) for name, r in tried.items())
+    return chosen, dataclasses.replace(
+        record, candidates=measured, chosen=best.name, planned=tried[best.name]["peak"],
+        parameters_planned=parameter_bytes(chosen.module), padding_dropped=bool(padded))
 
 
-def _seconds(form: Any, labels: dict[str, int]) -> float:
-    from memlayout.plan.solve import Problem, objective
-
+def _seconds(form: Any, labels: Mapping[str, int]) -> float:
     return objective(Problem(form.seconds.unary, form.seconds.tensors), labels) or 0.0
 
 
 def _labels_weighing_bytes(form: Any, table: Any, penalty: float) -> dict[str, int]:
     """The min-cut labels when every conversion also costs ``penalty`` times the region's
     mean conversion seconds per byte, per byte it copies."""
-    from memlayout.plan.solve import Problem, Tensor, solve_min_cut
-
     values = list(form.consumers)  # formulate appends one tensor term per consumed value
     tensors = form.integer.tensors
     assert len(values) == len(tensors)

@@ -33,17 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 
-from memlayout.plan.capture import autocast_context, device_of
-
-Progress = Callable[[int, int, str], None]
-UNPADDED = "unpadded"
+from memlayout.dtypes import autocast
+from memlayout.plan.capture import device_of
+from memlayout.plan.costs import Progress, device_name
+from memlayout.plan.result import UNPADDED, PadChoice
+from memlayout.timing import device_sync, interleaved
 
 
 def block_sizes(device: torch.device | str, dtype: torch.dtype | None) -> tuple[int, ...]:
@@ -166,36 +168,8 @@ class PaddedConv2d(nn.Conv2d):
         return super().extra_repr() + f", padded=({self.in_padded}, {self.out_padded})"
 
 
-@dataclass(frozen=True)
-class PadChoice:
-    """One candidate convolution: its module path, true channels, measured seconds per variant
-    (``unpadded`` and each padded one; ``None`` where it failed), and the variant chosen."""
-
-    module: str
-    in_channels: int
-    out_channels: int
-    input_shape: list[int]
-    input_format: str
-    seconds: dict[str, float | None]
-    chosen: str
-    source: str  # "measured", "cache" or "forced"
-    ratios: dict[str, float] | None = None  # median per-round unpadded / variant time
-    #: the whole model with every chosen padding vs without: median per-round unpadded /
-    #: padded time (``None``: not checked); ``reverted``: the variant chosen alone, dropped
-    #: because the padded model was not faster as a whole
-    whole_model: float | None = None
-    reverted: str | None = None
-
-    @property
-    def saved(self) -> float:
-        """Seconds per call the chosen variant saves (0 when unpadded)."""
-        base = self.seconds.get(UNPADDED)
-        got = self.seconds.get(self.chosen)
-        return 0.0 if base is None or got is None else base - got
-
-
 def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
-               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+               dtype: torch.dtype | None, device: torch.device) -> dict[str, torch.Tensor]:
     """The input each module in ``paths`` first receives in one run of ``model``."""
     seen: dict[str, torch.Tensor] = {}
     handles = []
@@ -205,7 +179,7 @@ def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
                 seen[path] = args[0].detach().clone(memory_format=torch.preserve_format)
         handles.append(model.get_submodule(path).register_forward_pre_hook(hook))
     try:
-        with torch.no_grad(), autocast_context(device_of(inputs, model), dtype):
+        with torch.no_grad(), autocast(device, dtype):
             model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     finally:
         for h in handles:
@@ -217,17 +191,16 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
                  cache: Any = None, rounds: int = 5, margin: float = 0.02,
                  progress: Progress | None = None, blocks: tuple[int, ...] | None = None,
                  force: str | None = None, apply: bool = True,
-                 signature: str | None = None) -> list[PadChoice]:
+                 signature: str | None = None,
+                 device: torch.device | None = None) -> list[PadChoice]:
     """Measure every eligible convolution of ``model`` (a planned model, run as it will run)
     unpadded and padded; replace the ones where a padded variant is faster by ``margin`` with
     a :class:`PaddedConv2d` (in place, when ``apply``). ``force``: a variant name (``"both16"``)
     chosen wherever it exists, unmeasured (tests). ``signature``: the plan's (see
     ``memory.plan_signature``): the choices are cached under it, so a second plan of the same
     model pads from the cache without running it. Returns one :class:`PadChoice` per
-    candidate convolution."""
-    from memlayout.plan.costs import device_name
-
-    device = device_of(inputs, model)
+    candidate convolution. ``device``: where it runs (default: the inputs')."""
+    device = device_of(inputs, model) if device is None else device
     blocks = blocks or block_sizes(device, dtype)
     convs = {path: m for path, m in model.named_modules(remove_duplicate=True)
              if path and variants(m, blocks)}
@@ -239,12 +212,12 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
         whole_key = json.dumps(["pad-plan", *context, signature, blocks, rounds, margin])
         cached = cache.get(whole_key)
         if cached is not None:
-            return _reapply(model, [PadChoice(**c) for c in cached], blocks, apply)
+            return _reapply(model, [PadChoice.from_dict(c) for c in cached], blocks, apply)
     choices = _plan_padding(model, inputs, convs, dtype=dtype, cache=cache, rounds=rounds,
                             margin=margin, progress=progress, blocks=blocks, force=force,
-                            apply=apply, context=context)
+                            apply=apply, context=context, device=device)
     if whole_key is not None:
-        cache.put(whole_key, records(choices))
+        cache.put(whole_key, [asdict(c) for c in choices])
     return choices
 
 
@@ -261,11 +234,8 @@ def _reapply(model: nn.Module, choices: list[PadChoice], blocks: tuple[int, ...]
 def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn.Module], *,
                   dtype: torch.dtype | None, cache: Any, rounds: int, margin: float,
                   progress: Progress | None, blocks: tuple[int, ...], force: str | None,
-                  apply: bool, context: list[str]) -> list[PadChoice]:
-    from memlayout.timing import device_sync, interleaved
-
-    device = device_of(inputs, model)
-    seen = _inputs_of(model, inputs, list(convs), dtype)
+                  apply: bool, context: list[str], device: torch.device) -> list[PadChoice]:
+    seen = _inputs_of(model, inputs, list(convs), dtype, device)
     sync = device_sync(str(device))
     choices: list[PadChoice] = []
     replacements: dict[str, tuple[nn.Module, nn.Module]] = {}
@@ -304,7 +274,8 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
         # if the whole model runs faster with it than without.
         key = json.dumps(["pad-model", *context, [(c.module, c.chosen, c.input_shape)
                                                   for c in choices], rounds])
-        ratio = whole_model_ratio(model, inputs, replacements, dtype=dtype, rounds=rounds,
+        ratio = whole_model_ratio(model, inputs, replacements, dtype=dtype, device=device,
+                                  rounds=rounds,
                                   cache=cache, key=key)
         if ratio is None or ratio <= 1.0:
             return [dataclasses.replace(c, chosen=UNPADDED, reverted=c.chosen, whole_model=ratio)
@@ -319,16 +290,14 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
 def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
                       replacements: dict[str, tuple[nn.Module, nn.Module]], *,
                       dtype: torch.dtype | None, rounds: int, cache: Any = None,
-                      key: str | None = None) -> float | None:
+                      key: str | None = None, device: torch.device | None = None) -> float | None:
     """Median of per-round ``unpadded / padded`` whole-model times (``memlayout.timing``,
     interleaved; modules swapped in before each call), or ``None`` when the padded model
     fails; cached under ``key``. ``model`` is left unpadded."""
-    from memlayout.timing import device_sync, interleaved
-
     record = cache.get(key) if cache is not None and key is not None else None
     if record is not None:
         return record["ratio"]
-    device = device_of(inputs, model)
+    device = device_of(inputs, model) if device is None else device
     plain = {p: m for p, (m, _) in replacements.items()}
     padded = {p: m for p, (_, m) in replacements.items()}
 
@@ -336,7 +305,7 @@ def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
         def run() -> Any:
             for p, m in modules.items():
                 _replace(model, p, m)
-            with torch.no_grad(), autocast_context(device, dtype):
+            with torch.no_grad(), autocast(device, dtype):
                 return model(*inputs)
         return run
 
@@ -356,15 +325,13 @@ def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
 def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int]],
              dtype: torch.dtype | None, rounds: int, sync: Callable[[], None],
              interleaved: Callable[..., Any]) -> dict[str, Any]:
-    import time
-
     modules: dict[str, nn.Module] = {UNPADDED: conv}
     for name, (pin, pout) in options.items():
         modules[name] = PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout)
 
     def call(m: nn.Module) -> Callable[[], Any]:
         def run() -> Any:
-            with torch.no_grad(), autocast_context(x.device, dtype):
+            with torch.no_grad(), autocast(x.device, dtype):
                 return m(x)
         return run
 
@@ -405,8 +372,3 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, new)
-
-
-def records(choices: list[PadChoice]) -> list[dict[str, Any]]:
-    """The plan's ``padding`` entry: plain dicts."""
-    return [asdict(c) for c in choices]

@@ -1,18 +1,234 @@
-"""The plan as plain data (L2 plan): what each node runs in, what is converted, and why.
+"""The plan as plain data (L2 plan): what each node runs in, what is converted, why, and the
+records of the checks around it (verification, guard, memory, padding, mkldnn, compile).
+
+Every record is a frozen dataclass; ``Plan.to_json`` writes them (with ``"schema": 1``) and
+``Plan.from_json`` reads them back into the same types.
 
 >>> p = Plan(model="m", device="cpu", torch_version="2", dtype=None, input_format="contiguous",
-...          output_format="keep", nodes=[], conversions=[], predicted={"planned": 0.0})
+...          output_format="keep", nodes=[], conversions=[], predicted={"planned": 0.0},
+...          verification=Verification(True, DTYPE_TOLERANCE, 0.0, 1e-3, 1))
 >>> Plan.from_json(p.to_json()) == p
 True
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_NAMES = ("contiguous", "channels_last")  # label 0, label 1
+from memlayout.machine import Conditions
+from memlayout.plan.label import LABELS
+
+SCHEMA = 1  # the version of the plan's JSON
+UNPADDED = "unpadded"  # a padding candidate's variant name when left as is
+
+#: how a verification passed: every value within the dtype's tolerance, or (a training step)
+#: beyond it only by rounding, which the same two models run in float64 agree on
+DTYPE_TOLERANCE = "dtype tolerance"
+FLOAT64_RECHECK = "float64 re-check"
+
+
+class Record:
+    """A plan record: a frozen dataclass that JSON stores as its ``dataclasses.asdict`` form."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        """The record from its ``dataclasses.asdict`` form (as JSON stores it)."""
+        return decode(cls, data)
+
+
+def decode(tp: Any, value: Any) -> Any:
+    """``value`` (parsed JSON) as the type ``tp`` says: dataclasses, tuples, dicts and lists
+    rebuilt field by field; unknown keys ignored, so older records with extra fields load.
+
+    >>> decode(tuple[int, ...], [1, 2]), decode(dict[str, Conditions], {})
+    ((1, 2), {})
+    """
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        for a in args:
+            if dataclasses.is_dataclass(a) and isinstance(value, dict):
+                return decode(a, value)
+        return decode(args[0], value) if len(args) == 1 else value
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        hints = typing.get_type_hints(tp)
+        return tp(**{f.name: decode(hints[f.name], value[f.name])
+                     for f in dataclasses.fields(tp) if f.name in value})
+    if origin is dict:
+        _, v = typing.get_args(tp)
+        return {k: decode(v, x) for k, x in value.items()}
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(decode(args[0], x) for x in value)
+        return tuple(decode(a, x) for a, x in zip(args, value, strict=True))
+    if origin is list:
+        return [decode(typing.get_args(tp)[0], x) for x in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Verification(Record):
+    """How the planned model was checked against the original: which check passed
+    (``DTYPE_TOLERANCE`` or, for a training step, ``FLOAT64_RECHECK``), the worst relative
+    error in the run dtype against the tolerance, how many tensors were compared."""
+
+    ok: bool
+    check: str
+    max_error: float  # worst error relative to the reference's scale, in the run's dtype
+    tolerance: float  # the dtype's relative tolerance
+    tensors: int
+    train: bool = False  # one training step (outputs, gradients, buffers), else one forward
+    float64_error: float | None = None  # the float64 re-check's worst error, when it ran
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        """One line: what was compared and which check passed, with its figures."""
+        what = ("over one training step on the example input: outputs, gradients, buffers "
+                f"({self.tensors} tensors" if self.train else
+                f"on the example input ({self.tensors} output tensors")
+        if self.check == FLOAT64_RECHECK:
+            return (f"verification: equal to the original {what}) by the float64 re-check: in "
+                    f"float64 the two models differ by {self.float64_error:.2g}; in the run "
+                    f"dtype the worst relative error is {self.max_error:.2g}, above the "
+                    f"tolerance {self.tolerance:g} (rounding: channels-last kernels accumulate "
+                    "in another order)")
+        return (f"verification: equal to the original {what}) within the dtype tolerance: "
+                f"worst relative error {self.max_error:.2g}, tolerance {self.tolerance:g}")
+
+
+@dataclass(frozen=True)
+class RatioRange(Record):
+    """Per-round time ratios ``planned / candidate`` of a whole-model comparison: median, range."""
+
+    median: float
+    min: float
+    max: float
+
+
+@dataclass(frozen=True)
+class GuardRecord(Record):
+    """The whole-model check of the plan (``memlayout.plan.guard``): the candidate kept, the
+    per-round ratios against each candidate, and the conditions they were measured under."""
+
+    kept: str
+    margin: float
+    source: str  # "measured", "cache" or "none" (the plan is the only candidate)
+    rounds: int
+    candidates: dict[str, RatioRange] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()  # eager formats the plan already is end to end
+    errors: dict[str, str] = field(default_factory=dict)
+    extended: bool = False  # a close call, timed for twice the rounds
+    repeat: int = 1
+    seconds: float | None = None  # measuring took (``None``: read from the cache)
+    #: the machine while the ratios were measured (the busier of before and after); a cached
+    #: decision measured on a busy machine is measured again, not reused
+    conditions: Conditions | None = None
+
+
+@dataclass(frozen=True)
+class MemoryCandidate(Record):
+    peak: int  # bytes
+    predicted: float  # seconds
+
+
+@dataclass(frozen=True)
+class MemoryReport(Record):
+    """Peak activation memory of the planned model against the original's
+    (``memlayout.plan.memory``), weights, and the choice under a budget."""
+
+    method: str  # "tensor_lifetime" or "cuda_allocator"
+    original: int  # peak bytes
+    planned: int
+    original_end: int  # bytes still held at the end (the outputs)
+    planned_end: int
+    parameters_original: int  # bytes of parameters and buffers
+    parameters_planned: int
+    budget: int | None
+    chosen: str
+    candidates: dict[str, MemoryCandidate] = field(default_factory=dict)
+    padding_dropped: bool = False
+
+
+@dataclass(frozen=True)
+class PadChoice(Record):
+    """One candidate convolution for padded channels: its module path, true channels,
+    measured seconds per variant (``unpadded`` and each padded one; ``None`` where it failed),
+    and the variant chosen."""
+
+    module: str
+    in_channels: int
+    out_channels: int
+    input_shape: list[int]
+    input_format: str
+    seconds: dict[str, float | None]
+    chosen: str
+    source: str  # "measured", "cache" or "forced"
+    ratios: dict[str, float] | None = None  # median per-round unpadded / variant time
+    #: the whole model with every chosen padding vs without: median per-round unpadded /
+    #: padded time (``None``: not checked); ``reverted``: the variant chosen alone, dropped
+    #: because the padded model was not faster as a whole
+    whole_model: float | None = None
+    reverted: str | None = None
+
+    @property
+    def saved(self) -> float:
+        """Seconds per call the chosen variant saves (0 when unpadded)."""
+        base = self.seconds.get(UNPADDED)
+        got = self.seconds.get(self.chosen)
+        return 0.0 if base is None or got is None else base - got
+
+
+@dataclass(frozen=True)
+class BlockedChain(Record):
+    """One chain of mkldnn-capable ops timed as planned and in mkldnn tensors."""
+
+    module: str
+    children: list[str]
+    input_shape: list[int]
+    ops: list[str]
+    source: str  # "measured" or "cache"
+    seconds: dict[str, float] | None = None  # planned, mkldnn
+    ratio: float | None = None  # median per-round planned / mkldnn time (> 1: mkldnn faster)
+    max_error: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockedReport(Record):
+    """The mkldnn (blocked format) report: measured only, never applied."""
+
+    available: bool
+    note: str
+    chains: tuple[BlockedChain, ...] = ()
+    applied: bool = False
+
+
+@dataclass(frozen=True)
+class CompiledRecord(Record):
+    """What ``memlayout.compile`` kept (``memlayout.plan.compiled``): the plan compiled with
+    Inductor's layout optimization off, or the original compiled with Inductor's own layout."""
+
+    backend: str
+    kept: str
+    source: str  # "measured", "cache" or "none"
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    inductor_layout_opt: bool | None = None
+    candidates: dict[str, RatioRange] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+    margin: float = 0.0
+    rounds: int = 0
+    repeat: int = 1
+    reason: str = ""
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +295,9 @@ def conv1d_notes(nodes: list[NodeChoice]) -> list[str]:
 
 @dataclass
 class Plan:
+    """The plan of one model for one input signature: every layout node's format, the
+    conversions inserted, the predicted costs and the records of the checks around it."""
+
     model: str
     device: str
     torch_version: str
@@ -94,24 +313,23 @@ class Plan:
     cached: int = 0
     measure: bool = True
     planning_seconds: float = 0.0
-    verification: dict[str, Any] = field(default_factory=dict)
-    guard: dict[str, Any] = field(default_factory=dict)  # see memlayout.plan.guard
-    # issue #10 (defaults keep older plan JSON loading):
-    padding: list[dict[str, Any]] = field(default_factory=list)  # memlayout.plan.padding
-    memory: dict[str, Any] = field(default_factory=dict)  # memlayout.plan.memory
-    blocked: dict[str, Any] = field(default_factory=dict)  # memlayout.plan.blocked
-    # issue #6 (defaults keep older plan JSON loading):
-    compiled: dict[str, Any] = field(default_factory=dict)  # memlayout.plan.compiled
+    # the checks around the plan (``None``: not run)
+    verification: Verification | None = None
+    guard: GuardRecord | None = None  # memlayout.plan.guard
+    padding: tuple[PadChoice, ...] = ()  # memlayout.plan.padding
+    memory: MemoryReport | None = None  # memlayout.plan.memory
+    blocked: BlockedReport | None = None  # memlayout.plan.blocked
+    compiled: CompiledRecord | None = None  # memlayout.plan.compiled
     notes: list[str] = field(default_factory=list)  # e.g. why rank 3 is not planned here
-    # issue #6, training and changing shapes (defaults keep older plan JSON loading):
+    # what it was planned for
     train: bool = False  # planned (costs, guard, verification) for a training step
-    input_shapes: list[list[int]] = field(default_factory=list)  # the shapes planned for
+    input_shapes: list[list[int]] = field(default_factory=list)
     weight_formats_kept: bool = False  # nodes owning weights ran in the weights' formats
 
     @property
     def counts(self) -> dict[str, int]:
         """Layout nodes per chosen format."""
-        out = {name: 0 for name in FORMAT_NAMES}
+        out = {label.text: 0 for label in LABELS}
         for n in self.nodes:
             out[n.format] = out.get(n.format, 0) + 1
         return out
@@ -126,131 +344,44 @@ class Plan:
         return not self.conversions and all(n.format == "contiguous" for n in self.nodes)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        return json.dumps({"schema": SCHEMA, **dataclasses.asdict(self)}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
-        data["nodes"] = [NodeChoice(**n) for n in data["nodes"]]
-        data["conversions"] = [Conversion(**c) for c in data["conversions"]]
-        return cls(**data)
+        schema = data.pop("schema", None)
+        if schema != SCHEMA:
+            raise ValueError(f"plan JSON schema {schema!r}: this memlayout reads schema {SCHEMA} "
+                             "only; plan the model again")
+        return decode(cls, data)
 
     def summary(self) -> str:
-        """One paragraph of plain text: counts, conversions, predictions."""
-        counts = self.counts
-        pred = self.predicted
-        lines = [
-            f"{self.model}: {len(self.nodes)} layout nodes "
-            f"({counts.get('channels_last', 0)} channels_last, {counts.get('contiguous', 0)} contiguous); "
-            f"{len(self.conversions)} conversions, {self.conversion_bytes / 1e6:.1f} MB",
-        ]
-        if pred:
-            parts = [f"{k} {v * 1e3:.2f} ms" for k, v in pred.items()]
-            step = " (training step: forward + backward)" if self.train else ""
-            lines.append(f"predicted{step}: " + ", ".join(parts))
-        verify = self.verification.get("seconds")
-        of_which = f" (of which verification {verify:.1f} s)" if verify is not None else ""
-        lines.append(f"measured {self.measured}, from cache {self.cached}, "
-                     f"planning took {self.planning_seconds:.1f} s{of_which}")
-        if self.guard:
-            lines.append(self.guard_summary())
-        from memlayout.plan.describe import blocked_summary, memory_summary, padding_summary
+        """Plain text: counts, conversions, predictions, and one line per check."""
+        from memlayout.plan import describe
 
-        lines += [line for line in (memory_summary(self.memory), padding_summary(self.padding),
-                                    blocked_summary(self.blocked)) if line]
-        for path, reason in self.uncaptured:
-            lines.append(f"left eager: {path or '(whole model)'}: {reason}")
-        lines += [f"drops channels-last: {n.name} ({n.op}): {note}"
-                  for n in self.nodes for note in n.drops]
-        if self.compiled:
-            lines.append(self.compiled_summary())
-        lines += [f"note: {note}" for note in self.notes]
-        return "\n".join(lines)
+        return describe.summary(self)
 
     def headline(self) -> str:
         """One short line: what runs in which format and what the guard kept (for a bench
         record's note, a log line)."""
-        counts = self.counts
-        line = (f"plan: {counts.get('channels_last', 0)}/{len(self.nodes)} layout nodes "
-                f"channels_last, {len(self.conversions)} conversions "
-                f"({self.conversion_bytes / 1e6:.1f} MB)")
-        if self.input_format is not None:
-            line += f", input {self.input_format}"
-        g = self.guard
-        if g.get("candidates"):
-            ratios = ", ".join(f"planned/{name} {c['median']:.3f}"
-                               for name, c in g["candidates"].items())
-            line += f"; guard kept {g['kept']} ({ratios})"
-        elif g.get("skipped"):
-            line += f"; the plan is {' and '.join(g['skipped'])}"
-        return line
+        from memlayout.plan import describe
 
-    def compiled_summary(self) -> str:
-        """What ``memlayout.compile`` kept (``memlayout.plan.compiled``) in one line."""
-        c = self.compiled
-        decision = {True: "channels-last for every 2-d convolution", False: "off",
-                    None: "unknown"}[c.get("inductor_layout_opt")]
-        kept = {"planned": "the plan, compiled with Inductor's layout_optimization off "
-                           "(the plan's strides stand)",
-                "inductor": "torch.compile of the original model as asked "
-                            "(Inductor's own layout; the plan above is not applied)"}
-        parts = [f"compile: kept {kept.get(c['kept'], c['kept'])}; Inductor's own layout "
-                 f"decision for this graph: {decision}"]
-        for name, r in c.get("candidates", {}).items():
-            source = "from the cache" if c.get("source") == "cache" else "measured now"
-            parts.append(f"planned / {name} time {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}), "
-                         f"median of {c['rounds']} interleaved rounds ({source})")
-        parts += [f"{name} failed: {err}" for name, err in c.get("errors", {}).items()]
-        if c.get("reason"):
-            parts.append(c["reason"])
-        return "; ".join(parts)
+        return describe.headline(self)
 
     def guard_summary(self) -> str:
         """The whole-model check of the plan (``memlayout.plan.guard``) in one line."""
-        g = self.guard
-        if g.get("source") == "none":
-            return f"guard: the plan equals {' and '.join(g['skipped'])}; nothing to compare"
-        parts = [f"{name} {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})"
-                 for name, c in g["candidates"].items()]
-        parts += [f"{name}: the plan itself, run as that eager model" for name in g["skipped"]]
-        parts += [f"{name} failed: {err}" for name, err in g["errors"].items()]
-        source = ("from the cache" if g["source"] == "cache"
-                  else f"measured now, {g.get('seconds', 0.0):.1f} s")
-        if g.get("extended"):
-            source += "; a close call, so timed for twice the rounds"
-        return (f"guard: kept {g['kept']}; planned / candidate time, whole model, median of "
-                f"{g['rounds']} interleaved rounds ({source}; a candidate replaces the plan "
-                f"above {1 + g['margin']:.2f}): " + "; ".join(parts))
+        from memlayout.plan import describe
+
+        return describe.guard_summary(self.guard) if self.guard else ""
+
+    def compiled_summary(self) -> str:
+        """What ``memlayout.compile`` kept (``memlayout.plan.compiled``) in one line."""
+        from memlayout.plan import describe
+
+        return describe.compiled_summary(self.compiled) if self.compiled else ""
 
     def explain(self, console: Any = None) -> None:
         """Render the plan with rich: per node the choice and both costs, then conversions."""
-        from rich.console import Console
-        from rich.table import Table
+        from memlayout.plan import describe
 
-        console = console or Console()
-        table = Table(title=f"plan for {self.model} ({self.dtype or 'fp32'}, {self.device})")
-        for col in ("region", "node", "op", "format", "contiguous ms", "channels_last ms"):
-            table.add_column(col, justify="right" if col.endswith("ms") else "left")
-        for n in self.nodes:
-            def ms(v: float | None, timed: bool = n.timed) -> str:
-                if v is None:
-                    return "fails"
-                if timed:
-                    return f"{v * 1e3:.3f}"
-                return "-" if self.measure else f"~{v * 1e3:.3f}"  # ~: the analytical model
-            table.add_row(n.region or "-", n.name, n.op, n.format,
-                          ms(n.seconds.get("contiguous")), ms(n.seconds.get("channels_last")))
-        console.print(table)
-        if self.conversions:
-            conv = Table(title="conversions")
-            for col in ("value", "to", "shapes", "MB", "ms", "serves"):
-                conv.add_column(col)
-            for c in self.conversions:
-                conv.add_row(c.value, c.to, " ".join(str(tuple(s)) for s in c.shapes),
-                             f"{c.nbytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}", ", ".join(c.consumers))
-            console.print(conv)
-        if self.padding:
-            from memlayout.plan.describe import padding_table
-
-            console.print(padding_table(self.padding))
-        console.print(self.summary())
+        describe.explain(self, console)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memlayout.plan.capture import CONV1D_RANKS, META_KEY, layout_ranks
+from memlayout import layout
+from memlayout.plan.capture import CONV1D_RANKS, META_KEY, graph_ranks
 from memlayout.plan.costs import convert_value, module_has_layout_params
 from memlayout.plan.problem import OUTPUT_PREFIX, Formulation
 
@@ -54,7 +55,9 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
             labels: dict[str, int]) -> tuple[PlannedGraph, list[tuple[str, int, tuple[str, ...]]]]:
     """Insert conversions into ``gm`` (traced from ``root``; both are modified: pass copies)
     and convert weights. Returns the planned module and the conversions made
-    ``(value, to label, consumers served)``."""
+    ``(value, to label, consumers served)``. The layout ranks are the captured graph's; the
+    conversions inserted carry them, so the planned forward depends on nothing else."""
+    ranks = graph_ranks(gm)
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -70,9 +73,10 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
                 continue
             user_nodes = [output if u.startswith(OUTPUT_PREFIX) else nodes[u] for u in served]
             first = min(user_nodes, key=order.__getitem__)
+            args = (node, target) if _has_rank3(node) else (node, target, ranks)
             convert = convert_value_1d if _has_rank3(node) else convert_value
             with graph.inserting_before(first):
-                converted = graph.call_function(convert, (node, target))
+                converted = graph.call_function(convert, args)
             for u in user_nodes:
                 u.replace_input_with(node, converted)
             made.append((value, target, tuple(served)))
@@ -80,10 +84,10 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
         if n.name not in labels:
             continue
         if n.op == "call_module" and module_has_layout_params(gm, n):
-            _convert_tensors(root.get_submodule(n.target), labels[n.name])
+            _convert_tensors(root.get_submodule(n.target), labels[n.name], ranks)
         for m in n.all_input_nodes:
             if m.op == "get_attr":
-                _convert_attr(root, m.target, labels[n.name])
+                _convert_attr(root, m.target, labels[n.name], ranks)
     graph.lint()
     gm.recompile()
     return PlannedGraph(root, gm), made
@@ -91,8 +95,7 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
 
 def convert_value_1d(value: Any, label: int) -> Any:
     """``convert_value`` for a value holding rank-3 tensors of a 1-d convolution model: every
-    rank-3/4/5 tensor in ``label``'s format (rank 3: channels_last_1d), whatever model was
-    planned last (``layout_ranks()`` is the planning's, this runs in the planned forward).
+    rank-3/4/5 tensor in ``label``'s format (rank 3: channels_last_1d).
 
     >>> convert_value_1d(torch.empty(2, 8, 16), 1).stride()
     (128, 1, 8)
@@ -108,8 +111,6 @@ def _quiet_dynamo_about_layout_caches() -> None:
         from torch._dynamo.utils import allow_lru_cache_wrapper_trace_without_warning as allow
     except ImportError:  # older torch: no such registry, the warning stays (harmless)
         return
-    from memlayout import layout
-
     for value in vars(layout).values():
         if hasattr(value, "cache_info") and hasattr(value, "__wrapped__"):
             allow(value)
@@ -123,20 +124,20 @@ def _has_rank3(node: fx.Node) -> bool:
     return meta is not None and any(len(t.shape) == 3 for t in meta.layout_tensors)
 
 
-def _convert_tensors(module: nn.Module, label: int) -> None:
-    """``module``'s own rank-4/5 parameters and buffers in ``label``'s format, as new tensors
-    (the originals may be shared with the unplanned copy)."""
+def _convert_tensors(module: nn.Module, label: int, ranks: tuple[int, ...]) -> None:
+    """``module``'s own parameters and buffers of the layout ``ranks`` in ``label``'s format,
+    as new tensors (the originals may be shared with the unplanned copy)."""
     for name in [*module._parameters, *module._buffers]:
-        _convert_attr(module, name, label)
+        _convert_attr(module, name, label, ranks)
 
 
-def _convert_attr(root: nn.Module, target: str, label: int) -> None:
+def _convert_attr(root: nn.Module, target: str, label: int, ranks: tuple[int, ...]) -> None:
     owner_path, _, name = target.rpartition(".")
     owner = root.get_submodule(owner_path) if owner_path else root
     value = getattr(owner, name, None)
-    if not isinstance(value, torch.Tensor) or value.dim() not in layout_ranks():
+    if not isinstance(value, torch.Tensor) or value.dim() not in ranks:
         return
-    converted = convert_value(value.detach(), label)
+    converted = convert_value(value.detach(), label, ranks)
     if converted is value.detach() or converted.stride() == value.stride():
         return
     if isinstance(value, nn.Parameter):

@@ -23,9 +23,10 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
+from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import strides_agree
-from memlayout.plan.capture import autocast_context, device_of, node_target_name
+from memlayout.plan.capture import device_of, node_target_name
 from memlayout.tensors import iter_tensors
 
 # (rtol, atol) relative to the reference's largest magnitude. Different kernels (channels-last
@@ -84,16 +85,18 @@ def compare(want: Any, got: Any, dtype: torch.dtype | None) -> tuple[bool, float
 
 def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...], *,
            dtype: torch.dtype | None = None, planned_graph: fx.Graph | None = None,
-           where: str = "", expected: Any = None) -> Verification:
+           where: str = "", expected: Any = None,
+           device: torch.device | None = None) -> Verification:
     """Compare ``planned`` against ``reference`` on ``inputs``; raise
     ``LayoutVerificationError`` naming the first divergent node when they differ.
 
     ``planned_graph``: the graph ``planned`` runs (with the reference's node names), used to
     bisect; without it the error names no node. ``expected``: the reference's output when
-    already computed (the capture run), else the reference runs here.
+    already computed (the capture run), else the reference runs here. ``device``: where it
+    runs (default: the inputs').
     """
-    device = device_of(inputs, reference)
-    with torch.no_grad(), autocast_context(device, dtype):
+    device = device_of(inputs, reference) if device is None else device
+    with torch.no_grad(), autocast(device, dtype):
         want = reference(*_clone(inputs)) if expected is None else expected
         got = planned(*_clone(inputs))
     ok, worst, count = compare(want, got, dtype)
@@ -102,7 +105,8 @@ def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...
         return Verification(True, worst, rtol, count)
     node = None
     if planned_graph is not None:
-        node = first_divergent(reference, planned, planned_graph, inputs, dtype=dtype)
+        node = first_divergent(reference, planned, planned_graph, inputs, dtype=dtype,
+                               device=device)
     where_text = f" in {where}" if where else ""
     named = (f"; first divergent node{where_text}: {node}" if node
              else "; the divergence could not be narrowed to one node")
@@ -150,7 +154,8 @@ class Step:
 
 def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
                   names: list[str] | None = None, graph: fx.Graph | None = None,
-                  upto: str | None = None, accumulate: bool = False) -> Step:
+                  upto: str | None = None, accumulate: bool = False,
+                  device: torch.device | None = None) -> Step:
     """Forward (under autocast for ``dtype``) from the RNG state ``SEED``, ``training_loss``
     and backward, leaving the module's state as it was (buffers restored, ``.grad`` as
     before, the caller's RNG untouched). ``graph``/``upto``: run ``graph`` over ``module``
@@ -158,7 +163,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
     ``.backward()`` into ``.grad`` (so their strides are what an optimizer and DDP see),
     else ``torch.autograd.grad``. Dropout draws its masks in logical order, whatever the
     activation's layout (``_LayoutFreeDropout``)."""
-    device = device_of(inputs, module)
+    device = device_of(inputs, module) if device is None else device
     params = dict(module.named_parameters())
     names = [k for k, p in params.items() if p.requires_grad] if names is None else names
     wrt = [params[k] for k in names if k in params]
@@ -168,7 +173,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
     with kept_state(module, list(params.values())), _LayoutFreeDropout():
         with torch.random.fork_rng(devices=_cuda_devices(device)):
             torch.manual_seed(SEED)
-            with torch.enable_grad(), autocast_context(device, dtype):
+            with torch.enable_grad(), autocast(device, dtype):
                 # non-leaf copies (same strides): a forward that works on its input in place
                 # must not fail on a leaf that needs a gradient
                 args = tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad
@@ -246,7 +251,8 @@ _DROPOUTS: dict[Any, tuple[tuple[str, ...], bool, bool, bool]] = {
 
 def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
                     dtype: torch.dtype | None = None, reference_graph: fx.GraphModule | None = None,
-                    planned_graph: fx.Graph | None = None, where: str = "") -> Verification:
+                    planned_graph: fx.Graph | None = None, where: str = "",
+                    device: torch.device | None = None) -> Verification:
     """One training step of each model from the same state and RNG state: outputs, every
     parameter's gradient (by name), every input's gradient and the buffers after the step
     (BatchNorm's running statistics) compared, and each planned parameter's gradient in its
@@ -263,8 +269,10 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
     On a mismatch raises ``LayoutVerificationError`` naming the first node whose value or
     gradients differ (bisected in float64 over ``reference_graph``'s nodes, run as
     ``planned_graph``) when the graphs are given."""
-    want = training_step(reference, inputs, dtype=dtype)
-    got = training_step(planned, inputs, dtype=dtype, names=list(want.grads), accumulate=True)
+    device = device_of(inputs, reference) if device is None else device
+    want = training_step(reference, inputs, dtype=dtype, device=device)
+    got = training_step(planned, inputs, dtype=dtype, names=list(want.grads), accumulate=True,
+                        device=device)
     ok, worst, what, count = agree(want, got, dtype)
     bad_strides = [k for k, (ps, gs) in got.grad_strides.items()
                    if not strides_agree(tuple(got.grads[k].shape), ps, gs)]
@@ -272,8 +280,9 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
     exact: float | None = None
     if not ok:
         ref64, planned64, inputs64 = _float64(reference), _float64(planned), _float64(inputs)
-        want64 = training_step(ref64, inputs64, dtype=None)
-        got64 = training_step(planned64, inputs64, dtype=None, names=list(want64.grads))
+        want64 = training_step(ref64, inputs64, dtype=None, device=device)
+        got64 = training_step(planned64, inputs64, dtype=None, names=list(want64.grads),
+                              device=device)
         ok, exact, what64, _ = agree(want64, got64, torch.float32)
         what = what if ok else what64
     if ok and not bad_strides:
@@ -286,7 +295,8 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
     node = None
     if reference_graph is not None and planned_graph is not None:
         node = first_divergent_training(_float64(reference_graph), planned64,
-                                        getattr(planned64, "graph", planned_graph), inputs64)
+                                        getattr(planned64, "graph", planned_graph), inputs64,
+                                        device=device)
     where_text = f" in {where}" if where else ""
     named = (f"; first node whose value or gradients differ{where_text}: {node}" if node
              else "; the divergence could not be narrowed to one node")
@@ -339,7 +349,8 @@ def _float64(value: Any) -> Any:
 
 def first_divergent_training(reference: fx.GraphModule, planned: nn.Module,
                              planned_graph: fx.Graph, inputs: tuple[Any, ...], *,
-                             dtype: torch.dtype | None = None) -> str | None:
+                             dtype: torch.dtype | None = None,
+                             device: torch.device | None = None) -> str | None:
     """Bisect the reference's computing nodes for the first whose value, or the gradients
     it sends to the parameters and inputs before it, the planned graph computes
     differently; ``"name (op)"`` or ``None``. Run it on float64 copies (``dtype=None``):
@@ -350,25 +361,27 @@ def first_divergent_training(reference: fx.GraphModule, planned: nn.Module,
     if not names:
         return None
     tolerance_of = dtype or torch.float32
+    device = device_of(inputs, reference) if device is None else device
 
     def diverged(i: int) -> bool:
         try:
             want = training_step(reference, inputs, dtype=dtype, graph=reference.graph,
-                                 upto=names[i])
+                                 upto=names[i], device=device)
         except LayoutVerificationError:  # no gradient flows out of this node: values only
-            return _value_diverged(reference, planned, planned_graph, inputs, names[i], dtype)
+            return _value_diverged(reference, planned, planned_graph, inputs, names[i], dtype,
+                                   device)
         got = training_step(planned, inputs, dtype=dtype, graph=planned_graph, upto=names[i],
-                            names=list(want.grads))
+                            names=list(want.grads), device=device)
         return not agree(want, got, tolerance_of)[0]
 
     return _describe(reference, names[_bisect(len(names), diverged)])
 
 
 def _value_diverged(reference: fx.GraphModule, planned: nn.Module, planned_graph: fx.Graph,
-                    inputs: tuple[Any, ...], name: str, dtype: torch.dtype | None) -> bool:
-    device = device_of(inputs, reference)
+                    inputs: tuple[Any, ...], name: str, dtype: torch.dtype | None,
+                    device: torch.device) -> bool:
     with kept_state(reference, []), kept_state(planned, []), torch.no_grad(), \
-            autocast_context(device, dtype):
+            autocast(device, dtype):
         with torch.random.fork_rng(devices=_cuda_devices(device)):
             torch.manual_seed(SEED)
             want = value_at(reference, reference.graph, name, inputs)
@@ -460,7 +473,8 @@ def value_at(module: nn.Module, graph: fx.Graph, name: str, inputs: tuple[Any, .
 
 
 def first_divergent(reference: fx.GraphModule, planned: nn.Module, planned_graph: fx.Graph,
-                    inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None) -> str | None:
+                    inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
+                    device: torch.device | None = None) -> str | None:
     """Bisect the reference's computing nodes for the first whose value the planned graph
     computes differently; ``"name (op)"`` or ``None``."""
     planned_names = {n.name for n in planned_graph.nodes}
@@ -468,10 +482,10 @@ def first_divergent(reference: fx.GraphModule, planned: nn.Module, planned_graph
              if n.op.startswith("call_") and n.name in planned_names]
     if not names:
         return None
-    device = device_of(inputs, reference)
+    device = device_of(inputs, reference) if device is None else device
 
     def diverged(i: int) -> bool:
-        with torch.no_grad(), autocast_context(device, dtype):
+        with torch.no_grad(), autocast(device, dtype):
             want = value_at(reference, reference.graph, names[i], inputs)
             got = value_at(planned, planned_graph, names[i], inputs)
         return not compare(want, got, dtype)[0]
