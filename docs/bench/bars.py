@@ -1,4 +1,4 @@
-"""The planner issues' speed bars, read from a `memlayout bench` results.json.
+"""The planner's speed bars, read from a `memlayout bench` results.json.
 
     python docs/bench/bars.py docs/bench/full/results.json
     python docs/bench/bars.py RUN1/results.json RUN2/results.json   # rounds pooled
@@ -9,10 +9,10 @@ pool their per-round ratios, so a case's median rests on all their rounds.
 Every ratio is a median over rounds of per-round time ratios, both times from the same
 interleaved round (> 1: the second-named mode is faster):
 
-- #5, inference: planned vs the faster eager mode (the one with the lower median time),
+- inference: planned vs the faster eager mode (the one with the lower median time),
   bar >= 0.98; and planned vs eager NHWC wherever eager NHWC is slower than eager NCHW (> 1).
-- #6, training: planned vs the faster eager mode, bar >= 0.98.
-- #6, planned+compile vs compile, inference: bar >= 0.98 on every model, geomean > 1.
+- training: planned vs the faster eager mode, bar >= 0.98.
+- planned+compile vs compile, inference: bar >= 0.98 on every model, geomean > 1.
 
 A case whose planned (or planned+compile) record is missing or failed is listed as such.
 Where the planned model *is* an eager one (the guard kept it, or the plan runs every layout

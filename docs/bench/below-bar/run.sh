@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-run of the cases below the #5/#6 bars in docs/bench/full (and the training cases that
+# Re-run of the cases below the planner bars in docs/bench/full (and the training cases that
 # failed there before the fixes), after: the guard's margin 0 and close-call extension, the
 # planned mode's input in the plan's own format (input_format="auto", converted outside the
 # timed call as nhwc's is), a steady glibc heap. Fresh cost cache: every cost measured now.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The #5/#6 planner bars on every classification model in one configuration: eager NCHW, eager
+# The planner bars on every classification model in one configuration: eager NCHW, eager
 # NHWC and planned (input_format="auto": each mode gets its input in its own format, converted
 # outside the timed call), fp32 and bf16, inference and training, batch 8, 2 threads, a
 # steady glibc heap, 11 interleaved rounds. Read the bars with

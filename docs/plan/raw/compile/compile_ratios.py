@@ -1,6 +1,6 @@
-"""planned+compile vs compile from `memlayout bench` results.json files (issue #6): per model and
+"""planned+compile vs compile from `memlayout bench` results.json files : per model and
 dtype the median of per-round ratios compile time / planned+compile time, with the range, and
-the geomean. Run: ``.venv/bin/python docs/plan/raw/issue6/compile_ratios.py [GLOB]``."""
+the geomean. Run: ``.venv/bin/python docs/plan/raw/compile/compile_ratios.py [GLOB]``."""
 import glob
 import json
 import math
@@ -8,7 +8,7 @@ import statistics
 import sys
 
 rows = []
-for f in sorted(glob.glob(sys.argv[1] if len(sys.argv) > 1 else "docs/plan/raw/issue6/bench-*.json")):
+for f in sorted(glob.glob(sys.argv[1] if len(sys.argv) > 1 else "docs/plan/raw/compile/bench-*.json")):
     by: dict = {}
     with open(f) as fh:
         records = json.load(fh)
