@@ -307,7 +307,7 @@ class GemmPeak:
 
     def method(self) -> str:
         """How the peak was measured, in one phrase for ``summary.md`` and every record."""
-        return (f"{self.side}x{self.side} torch.mm on {self.dtype} tensors, median of "
+        return (f"{self.side}x{self.side} torch.mm on {self.dtype} tensors, fastest of "
                 f"{self.rounds} timed calls, once per run; {self.isa}")
 
 

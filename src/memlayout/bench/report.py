@@ -199,7 +199,7 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
         f"Python {env.python}; {env.timestamp}",
         f"- {cfg.rounds} interleaved rounds after {cfg.warmup} warm-up call(s) per mode; "
         f"GEMM peak per dtype: a {cfg.gemm_side()}x{cfg.gemm_side()} matmul on tensors of that "
-        "dtype, timed once per dtype in the run by the same timer (median rate)",
+        "dtype, timed once per dtype in the run by the same timer (fastest call)",
         "- cells: speedup over eager NCHW = median of per-round ratios (NCHW time / mode time), "
         "(min-max over rounds); > 1 is faster. bf16 = `torch.autocast` (weights fp32) for the "
         "torch modes, the runtime's own bf16 for openvino (`INFERENCE_PRECISION_HINT=bf16`). "
