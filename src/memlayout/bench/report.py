@@ -230,6 +230,11 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
                   _md_row(table.header), _md_row(tuple("---" for _ in table.header))]
         lines += [_md_row(row) for row in table.rows]
         lines.append("")
+    if any(r.peak_fraction and r.peak_fraction > 1 for r in result.records):
+        lines += ["Above 100 %: more FLOP/s than the GEMM peak of this run. The peak is one "
+                  "measurement per dtype, taken at another moment than the mode's rounds (on a "
+                  "shared machine, under other load), and a runtime may compute fewer FLOPs than "
+                  "torch counts for the model (Winograd convolutions).", ""]
     runtimes = runtime_lines(result.records)
     if runtimes:
         lines += ["## Peer runtimes", ""]
