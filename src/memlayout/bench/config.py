@@ -6,7 +6,7 @@
 >>> BenchConfig.from_strings(["torchvision:resnet18"], modes="nhwc,fast")
 Traceback (most recent call last):
 ...
-memlayout.bench.config.BenchConfigError: unknown mode 'fast' in --modes 'nhwc,fast'; expected a comma-separated subset of nchw, nhwc, planned, compile, planned+compile, nhwc-again
+memlayout.bench.config.BenchConfigError: unknown mode 'fast' in --modes 'nhwc,fast'; expected a comma-separated subset of nchw, nhwc, planned, compile, planned+compile, nhwc-again, openvino, onnxruntime
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ BASELINE = "nchw"
 #: (a planned model that *is* eager NHWC can only be judged against it). Not in the default.
 CONTROL = "nhwc-again"
 DEFAULT_MODES: tuple[str, ...] = ("nchw", "nhwc", "planned", "compile", "planned+compile")
-MODES: tuple[str, ...] = (*DEFAULT_MODES, CONTROL)
+#: peer inference runtimes (``memlayout.runtimes``): not in the default, they need the
+#: ``memlayout[runtimes]`` extra; asked for without it they are ``unavailable`` records
+RUNTIME_MODES: tuple[str, ...] = ("openvino", "onnxruntime")
+MODES: tuple[str, ...] = (*DEFAULT_MODES, CONTROL, *RUNTIME_MODES)
 DTYPES: tuple[str, ...] = ("fp32", "bf16")
 TASKS: tuple[str, ...] = ("infer", "train")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")

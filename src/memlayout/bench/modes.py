@@ -19,6 +19,13 @@ modes that call is the compilation (reported as compile time, never mixed into t
 - ``planned+compile``: ``memlayout.compile`` (inference: the plan compiled so it stands,
   or Inductor's own layout unless the plan measures >2 % faster); training: ``torch.compile`` of the
   planned model. Both compiled modes get the NCHW input, as ``compile`` does.
+- ``openvino``, ``onnxruntime``: the model converted for a peer runtime
+  (``memlayout.runtimes``), inference on the CPU only, NCHW input. Their bf16 is the runtime's
+  own (OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``), not autocast; ONNX Runtime has no bf16
+  convolution on the CPU and is ``unavailable`` there. Conversion and compilation time is the
+  record's ``compile_s``. Their first output is checked against eager NCHW in the same dtype
+  (``memlayout.plan.verify`` tolerances): a runtime that computes something else is an error,
+  never a timing.
 
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
 fp32, matmuls and convolutions run in bf16); the backward pass runs outside autocast as the
@@ -48,11 +55,15 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from memlayout.bench.config import CONTROL, DTYPES
+from memlayout import runtimes
+from memlayout.bench.config import CONTROL, DTYPES, RUNTIME_MODES, ModeUnavailable
 from memlayout.dtypes import autocast, parse_dtype
+from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.plan.api import optimize
 from memlayout.plan.compiled import compile as plan_and_compile
+from memlayout.plan.verify import TOLERANCE
+from memlayout.plan.verify import compare as compare_outputs
 from memlayout.tensors import format_name, format_of, mean_square_loss, torch_memory_format
 from memlayout.timing import device_sync
 
@@ -100,6 +111,13 @@ class PreparedMode:
     note: str = ""
     #: the mode's own copy of the model (converted, planned and/or compiled)
     module: nn.Module | None = None
+    #: conversion + compilation seconds where they happen before the first call (runtimes);
+    #: ``None``: a compiled mode's first call is its compile time
+    compile_s: float | None = None
+
+
+class OutputMismatch(MemlayoutError):
+    """A mode whose output differs from eager NCHW's beyond the dtype's tolerance."""
 
 
 def _autocast_dtype(dtype: str) -> torch.dtype | None:
@@ -147,6 +165,8 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
 
     An exception is the mode failing on this model, for the caller to record.
     """
+    if mode in RUNTIME_MODES:
+        return _prepare_runtime(mode, module, x, dtype=dtype, task=task, device=device)
     start = time.perf_counter()
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")
@@ -199,6 +219,45 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
                         model)
 
 
+def _prepare_runtime(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
+                     device: str) -> PreparedMode:
+    """A peer runtime as a mode: converted, compiled, called once and checked against eager
+    NCHW in the same dtype (autocast for bf16, as the ``nchw`` mode runs)."""
+    if task != "infer":
+        raise ModeUnavailable(f"{mode} runs inference only (no training)")
+    if torch.device(device).type != "cpu":
+        raise ModeUnavailable(f"{mode} is measured on the CPU only; got device {device!r}")
+    reason = runtimes.available(mode)
+    if reason:
+        raise ModeUnavailable(reason)
+    run_dtype = _autocast_dtype(dtype)
+    start = time.perf_counter()
+    try:
+        model = runtimes.build_runtime(module, x, runtimes.RuntimeOptions(mode, dtype=run_dtype))
+    except runtimes.RuntimeUnavailable as exc:
+        raise ModeUnavailable(str(exc)) from exc
+    setup_s = time.perf_counter() - start
+    x = x.contiguous()
+
+    def step() -> object:
+        return model(x)
+
+    start = time.perf_counter()
+    got = step()
+    first_call_s = time.perf_counter() - start
+    reference = copy.deepcopy(module).eval()
+    with torch.no_grad(), autocast(device, run_dtype):
+        want = reference(x)
+    ok, worst, _ = compare_outputs(want, got, run_dtype)
+    if not ok:
+        rtol = TOLERANCE.get(run_dtype or torch.float32, TOLERANCE[torch.float32])[0]
+        raise OutputMismatch(f"{mode} output differs from eager NCHW by {worst:.3g} (relative to "
+                             f"its largest magnitude; tolerance {rtol:g} for {dtype}): not timed")
+    note = f"{model.describe()}; output vs eager NCHW: {worst:.2g} relative"
+    return PreparedMode(mode, step, setup_s, first_call_s, format_name(format_of(x)), None, note,
+                        None, model.convert_s + model.compile_s)
+
+
 def count_flops(module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
                 device: str = "cpu") -> int:
     """FLOPs of one step (forward; forward + backward for ``train``) by
@@ -231,4 +290,46 @@ def gemm_step(side: int, dtype: str, device: str = "cpu") -> tuple[Callable[[], 
     def gemm() -> object:
         return torch.mm(a, b, out=out)
     return gemm, 2 * side ** 3
+
+
+@dataclass(frozen=True)
+class GemmPeak:
+    """This machine's practical matmul rate in one dtype, measured once per run."""
+
+    dtype: str
+    side: int
+    #: ``None`` when the matmul failed (then no record has a fraction of peak)
+    flops_per_s: float | None
+    rounds: int
+    #: the matrix instructions the CPU offers for this dtype (``/proc/cpuinfo`` flags)
+    isa: str
+    error: str | None = None
+
+    def method(self) -> str:
+        """How the peak was measured, in one phrase for ``summary.md`` and every record."""
+        return (f"{self.side}x{self.side} torch.mm on {self.dtype} tensors, fastest of "
+                f"{self.rounds} timed calls, once per run; {self.isa}")
+
+
+def matmul_isa(dtype: str, device: str = "cpu") -> str:
+    """The matrix instructions behind a ``dtype`` matmul here, from the CPU's flags: AMX tiles
+    and AVX-512 BF16 are what make bf16 faster than fp32 on a Xeon (oneDNN picks the best).
+
+    >>> matmul_isa("fp32", "cuda")
+    'device cuda'
+    """
+    if torch.device(device).type != "cpu":
+        return f"device {device}"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    found = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("amx_tile", "AMX tiles"),
+                                      ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
+                                      ("avx2", "AVX2")) if flag in flags]
+    if dtype == "bf16":
+        bf16 = [n for n in found if "BF16" in n]
+        return "CPU bf16 instructions: " + (", ".join(bf16) if bf16 else "none (bf16 emulated)")
+    return "CPU vector instructions: " + (", ".join(n for n in found if "BF16" not in n) or "unknown")
 

@@ -111,6 +111,8 @@ class BenchRecord:
     flops: int | None = None
     flops_per_s: float | None = None
     gemm_flops_per_s: float | None = None
+    #: how ``gemm_flops_per_s`` was measured (size, dtype, once per run, the CPU's instructions)
+    gemm_method: str = ""
     peak_fraction: float | None = None
     peak_mem_bytes: int | None = None
     note: str = ""

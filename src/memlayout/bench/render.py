@@ -11,7 +11,7 @@ from rich.table import Table
 
 from memlayout.bench.config import BenchConfig
 from memlayout.bench.records import BenchRecord
-from memlayout.bench.report import control_line, problems, summary_tables
+from memlayout.bench.report import control_line, peak_methods, peak_tables, problems, summary_tables
 from memlayout.machine import SPREAD_LIMIT, noisy
 
 
@@ -27,6 +27,10 @@ def mode_descriptions(cfg: BenchConfig) -> dict[str, str]:
         "planned+compile": "memlayout.compile (inference): the plan compiled with Inductor's layout optimization off, "
                            "or Inductor's own layout unless the plan measures >2% faster; train: torch.compile of the "
                            "planned model",
+        "openvino": "OpenVINO CPU plugin: openvino.convert_model + compile_model, INFERENCE_PRECISION_HINT f32 or "
+                    "bf16 (the runtime's own bf16, not autocast); NCHW input; inference only",
+        "onnxruntime": "ONNX Runtime CPU EP: torch.onnx.export(dynamo=True) + InferenceSession, ORT_ENABLE_ALL; "
+                       "fp32 only (no bf16 convolution kernels); NCHW input; inference only",
     }
 
 
@@ -50,6 +54,15 @@ def render_results(records: Sequence[BenchRecord], console: Console) -> None:
         for row in table.rows:
             t.add_row(*row)
         console.print(t)
+    for table in peak_tables(records):
+        t = Table(title=f"{table.dtype} {table.task}: % of the {table.dtype} GEMM peak")
+        for col in table.header:
+            t.add_column(col, justify="left" if col == "model" else "right")
+        for row in table.rows:
+            t.add_row(*row)
+        console.print(t)
+    for method in peak_methods(records):
+        console.print(f"GEMM peak {method}", markup=False, highlight=False)
     line = noise_line(records)
     if line:
         console.print(f"[yellow]warning[/yellow]: {line}", highlight=False)

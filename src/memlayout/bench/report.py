@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memlayout.bench.config import BASELINE, CONTROL
+from memlayout.bench.config import BASELINE, CONTROL, RUNTIME_MODES
 from memlayout.bench.records import FLAT_FIELDS, BenchRecord, Environment
 from memlayout.bench.runner import BenchResult
 from memlayout.timing import geomean
@@ -101,7 +101,7 @@ def summary_tables(records: Sequence[BenchRecord]) -> list[SummaryTable]:
                                 [(r.dtype, r.task) for r in records]):
         case = [r for r in records if (r.dtype, r.task) == (dtype, task)]
         models = _ordered({r.model for r in case}, [r.model for r in case])
-        compile_modes = [m for m in modes if "compile" in m]
+        compile_modes = [m for m in modes if "compile" in m or m in RUNTIME_MODES]
         header = ("model", "batch", *modes, "NCHW % of GEMM peak", "NCHW spread",
                   *(f"{m} s" if m != "compile" else "compile s" for m in compile_modes))
         rows = []
@@ -126,6 +126,39 @@ def summary_tables(records: Sequence[BenchRecord]) -> list[SummaryTable]:
         rows.append(("geomean", "", *means, "", "", *("" for _ in compile_modes)))
         tables.append(SummaryTable(dtype, task, header, tuple(rows)))
     return tables
+
+
+def peak_tables(records: Sequence[BenchRecord]) -> list[SummaryTable]:
+    """One table per dtype x task: each mode's FLOP/s as a fraction of the GEMM peak in that
+    dtype (measured once per dtype in the run), a column per mode, baseline included."""
+    tables = []
+    modes = _ordered({r.mode for r in records}, [r.mode for r in records])
+    for dtype, task in _ordered({(r.dtype, r.task) for r in records},
+                                [(r.dtype, r.task) for r in records]):
+        case = [r for r in records if (r.dtype, r.task) == (dtype, task)]
+        if not any(r.peak_fraction for r in case):
+            continue
+        rows = []
+        for model in _ordered({r.model for r in case}, [r.model for r in case]):
+            by_mode = {r.mode: r for r in case if r.model == model}
+            rows.append((_short(model), *(_peak_cell(by_mode.get(m)) for m in modes)))
+        tables.append(SummaryTable(dtype, task, ("model", *modes), tuple(rows)))
+    return tables
+
+
+def peak_methods(records: Sequence[BenchRecord]) -> list[str]:
+    """The GEMM peak of each dtype and how it was measured, one line each."""
+    seen: dict[str, str] = {}
+    for r in records:
+        if r.gemm_method and r.gemm_flops_per_s and r.dtype not in seen:
+            seen[r.dtype] = f"{r.dtype}: {r.gemm_flops_per_s / 1e9:.0f} GFLOP/s ({r.gemm_method})"
+    return list(seen.values())
+
+
+def _peak_cell(record: BenchRecord | None) -> str:
+    if record is None or record.status != "ok" or not record.peak_fraction:
+        return "-" if record is None or record.status == "ok" else record.status
+    return f"{100 * record.peak_fraction:.1f} %"
 
 
 def problems(records: Sequence[BenchRecord]) -> list[str]:
@@ -165,12 +198,14 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
         f"- versions: torch {env.torch}, torchvision {env.torchvision}, memlayout {env.memlayout}, "
         f"Python {env.python}; {env.timestamp}",
         f"- {cfg.rounds} interleaved rounds after {cfg.warmup} warm-up call(s) per mode; "
-        f"GEMM peak: {cfg.gemm_side()}x{cfg.gemm_side()} matmul in the same dtype, timed in the "
-        "same rounds",
+        f"GEMM peak per dtype: a {cfg.gemm_side()}x{cfg.gemm_side()} matmul on tensors of that "
+        "dtype, timed once per dtype in the run by the same timer (fastest call)",
         "- cells: speedup over eager NCHW = median of per-round ratios (NCHW time / mode time), "
-        "(min-max over rounds); > 1 is faster. bf16 = `torch.autocast` (weights fp32). "
+        "(min-max over rounds); > 1 is faster. bf16 = `torch.autocast` (weights fp32) for the "
+        "torch modes, the runtime's own bf16 for openvino (`INFERENCE_PRECISION_HINT=bf16`). "
         "train = forward + backward + SGD step.",
     ]
+    lines += [f"- GEMM peak {line}" for line in peak_methods(result.records)]
     busy = sorted({(r.env.timestamp, r.env.load_average) for r in result.records
                    if r.env.overloaded})
     if busy:
@@ -189,6 +224,21 @@ def write_markdown(result: BenchResult, path: Path, *, command: str = "",
         lines += [f"## {table.dtype} {table.task}", "", _md_row(table.header),
                   _md_row(tuple("---" for _ in table.header))]
         lines += [_md_row(row) for row in table.rows]
+        lines.append("")
+    for table in peak_tables(result.records):
+        lines += [f"## {table.dtype} {table.task}: % of the {table.dtype} GEMM peak", "",
+                  _md_row(table.header), _md_row(tuple("---" for _ in table.header))]
+        lines += [_md_row(row) for row in table.rows]
+        lines.append("")
+    if any(r.peak_fraction and r.peak_fraction > 1 for r in result.records):
+        lines += ["Above 100 %: more FLOP/s than the GEMM peak of this run. The peak is one "
+                  "measurement per dtype, taken at another moment than the mode's rounds (on a "
+                  "shared machine, under other load), and a runtime may compute fewer FLOPs than "
+                  "torch counts for the model (Winograd convolutions).", ""]
+    runtimes = runtime_lines(result.records)
+    if runtimes:
+        lines += ["## Peer runtimes", ""]
+        lines += [f"- {_md_escape(line)}" for line in runtimes]
         lines.append("")
     issues = problems(result.records)
     if issues:
@@ -225,6 +275,13 @@ def control_line(records: Sequence[BenchRecord]) -> str:
             f"{min(medians):.3f}-{max(medians):.3f} over {len(medians)} cases "
             f"({sum(abs(m - 1) > 0.02 for m in medians)} more than 2 % from 1). Two modes "
             "closer than this cannot be told apart in this run.")
+
+
+def runtime_lines(records: Sequence[BenchRecord]) -> list[str]:
+    """One line per timed peer-runtime record: version, converter, precision, threads and the
+    output check against eager NCHW (the record's note)."""
+    return [f"{_short(r.model)} {r.dtype} {r.mode}: {r.note}" for r in records
+            if r.mode in RUNTIME_MODES and r.status == "ok" and r.note]
 
 
 def plan_choices(records: Sequence[BenchRecord]) -> list[str]:

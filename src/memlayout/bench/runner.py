@@ -1,9 +1,9 @@
 """Run a benchmark: per model x dtype x task, every mode and a GEMM interleaved round by round.
 
 For each case the runner builds every mode (one untimed first call each: compile time), then
-hands all of them plus a square matmul in the same dtype to :func:`memlayout.timing.interleaved`
-(the one timer), so the modes and the machine's GEMM peak are measured in the same rounds,
-in rotating order. A mode that fails is recorded and the others go on; a mode that runs out of
+hands all of them to :func:`memlayout.timing.interleaved` (the one timer), in rotating order.
+The machine's GEMM peak is measured once per dtype per run, by the same timer, before the first
+case of that dtype is timed; every record's fraction of peak divides by it. A mode that fails is recorded and the others go on; a mode that runs out of
 memory makes the whole case retry at half the batch (all modes at the same batch, so ratios
 stay comparable), and the records say so.
 
@@ -28,18 +28,22 @@ import torch
 from memlayout import malloc
 from memlayout.bench.config import BASELINE, BenchConfig, ModeUnavailable
 from memlayout.bench.modes import (
+    GemmPeak,
     PreparedMode,
     count_flops,
     gemm_step,
     is_out_of_memory,
+    matmul_isa,
     prepare_mode,
 )
 from memlayout.bench.records import BenchRecord, Environment
 from memlayout.models import ModelSpec, load_model
 from memlayout.timing import Comparison, device_sync, interleaved
 
-#: name of the matmul timed alongside the modes (not a mode: it yields no record of its own)
+#: name of the matmul timed for the peak (not a mode: it yields no record of its own)
 GEMM = "gemm"
+#: the model name of the peak measurement's progress events
+PEAK_EVENT_MODEL = "(GEMM peak)"
 _MAX_ERROR = 600  # characters of an error message kept in a record (Inductor's run to pages)
 
 
@@ -90,6 +94,7 @@ def run_bench(config: BenchConfig, *, on_event: Callable[[BenchEvent], None] | N
     with _threads(config.threads):
         env = Environment.collect(config.device)
         records: list[BenchRecord] = []
+        peaks: dict[str, GemmPeak] = {}  # filled by the first timed case of each dtype
         for spec_text in config.models:
             cases = [(d, t) for d in config.dtypes for t in config.tasks
                      if (spec_text, d, t) not in skipped]
@@ -100,7 +105,7 @@ def run_bench(config: BenchConfig, *, on_event: Callable[[BenchEvent], None] | N
                 if spec is None:
                     case = _failed_case(env, spec_text, dtype, task, config, "error", load_error)
                 else:
-                    case = _run_case(config, env, spec, dtype, task, emit, clock)
+                    case = _run_case(config, env, spec, dtype, task, emit, clock, peaks)
                 records.extend(case)
                 done(case)
             del spec
@@ -117,13 +122,13 @@ def _load(spec_text: str, config: BenchConfig) -> tuple[ModelSpec | None, str]:
 
 
 def _run_case(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str, task: str,
-              emit: Callable[[BenchEvent], None],
-              clock: Callable[[], float]) -> list[BenchRecord]:
+              emit: Callable[[BenchEvent], None], clock: Callable[[], float],
+              peaks: dict[str, GemmPeak]) -> list[BenchRecord]:
     batch = config.batch
     notes: list[str] = []
     while True:
         try:
-            return _measure(config, env, spec, dtype, task, batch, notes, emit, clock)
+            return _measure(config, env, spec, dtype, task, batch, notes, emit, clock, peaks)
         except _OutOfMemory as oom:
             _release_memory()
             if batch == 1:
@@ -135,7 +140,7 @@ def _run_case(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str
 
 def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str, task: str,
              batch: int, notes: list[str], emit: Callable[[BenchEvent], None],
-             clock: Callable[[], float]) -> list[BenchRecord]:
+             clock: Callable[[], float], peaks: dict[str, GemmPeak]) -> list[BenchRecord]:
     x = spec.example_input[:batch]
     common = {"env": env, "model": spec.spec, "dtype": dtype, "task": task, "kind": spec.kind,
               "batch": batch, "requested_batch": config.batch,
@@ -167,11 +172,10 @@ def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str,
             failed[mode] = ("error", _describe(exc))
 
     comparison: Comparison | None = None
-    gemm_flops = 0
     if prepared:
-        gemm, gemm_flops = gemm_step(config.gemm_side(), dtype, config.device)
+        if dtype not in peaks:
+            peaks[dtype] = measure_peak(config, dtype, emit, clock)
         fns: dict[str, Callable[[], object]] = {m: p.step for m, p in prepared.items()}
-        fns[GEMM] = gemm
         comparison = interleaved(
             fns, rounds=config.rounds, warmup=config.warmup,
             baseline=BASELINE if BASELINE in fns else next(iter(fns)),
@@ -192,17 +196,33 @@ def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str,
             continue
         assert comparison is not None
         records.append(_timed_record(common, mode, prepared[mode], comparison, flops,
-                                     gemm_flops, note))
+                                     peaks[dtype], note))
     del prepared, comparison
     _release_memory()
     return records
 
 
+def measure_peak(config: BenchConfig, dtype: str, emit: Callable[[BenchEvent], None],
+                 clock: Callable[[], float] = time.perf_counter) -> GemmPeak:
+    """The GEMM peak in ``dtype``: a square matmul on ``dtype`` tensors (bf16: real bf16
+    tensors, so oneDNN's AMX / AVX512-BF16 kernels run) through the one timer, ``config.rounds``
+    timed calls after ``config.warmup``; the fastest call's rate. A peak is what the machine can
+    do: on shared cores the median call is stretched by whatever else ran then (at load 3 on two
+    cores the median fp32 2048 matmul read 70 GFLOP/s, minutes later at load 2 153)."""
+    side, isa = config.gemm_side(), matmul_isa(dtype, config.device)
+    gemm, flops = gemm_step(side, dtype, config.device)
+    timing = interleaved({GEMM: gemm}, rounds=config.rounds, warmup=config.warmup,
+                         baseline=GEMM, sync=device_sync(config.device), clock=clock,
+                         on_step=lambda r, m: emit(BenchEvent(PEAK_EVENT_MODEL, dtype, "", m,
+                                                              "round", r)))[GEMM]
+    rate = flops / timing.min if timing.ok and timing.min > 0 else None
+    return GemmPeak(dtype, side, rate, len(timing.times), isa, timing.error)
+
+
 def _timed_record(common: dict, mode: str, prep: PreparedMode, comparison: Comparison,
-                  flops: int | None, gemm_flops: int, note: str) -> BenchRecord:
+                  flops: int | None, peak: GemmPeak, note: str) -> BenchRecord:
     t = comparison[mode]
-    gemm = comparison[GEMM]
-    gemm_rate = gemm_flops / gemm.median if gemm.ok and gemm.median > 0 else None
+    gemm_rate = peak.flops_per_s
     has_baseline = comparison.baseline == BASELINE
     timed = bool(t.times)
     median = t.median if timed else None
@@ -220,8 +240,9 @@ def _timed_record(common: dict, mode: str, prep: PreparedMode, comparison: Compa
         round_times_s=t.times,
         round_speedups=comparison.ratios(mode) if has_baseline and comparison[BASELINE].ok else (),
         setup_s=prep.setup_s, first_call_s=prep.first_call_s,
-        compile_s=prep.first_call_s if "compile" in mode else None,
-        flops=flops, flops_per_s=rate, gemm_flops_per_s=gemm_rate,
+        compile_s=(prep.compile_s if prep.compile_s is not None
+                   else prep.first_call_s if "compile" in mode else None),
+        flops=flops, flops_per_s=rate, gemm_flops_per_s=gemm_rate, gemm_method=peak.method(),
         peak_fraction=rate / gemm_rate if rate and gemm_rate else None,
         peak_mem_bytes=prep.peak_mem_bytes, note="; ".join(n for n in (prep.note, note) if n),
     )
