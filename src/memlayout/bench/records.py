@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import platform
-import sys
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from memlayout import malloc
+from memlayout.machine import Conditions, cpu_model
 
 STATUSES = ("ok", "error", "unavailable")
 
@@ -52,6 +50,7 @@ class Environment:
 
     @classmethod
     def collect(cls, device: str, threads: int | None = None) -> Environment:
+        now = Conditions.now()
         return cls(
             device=device,
             device_name=device_name(device),
@@ -62,9 +61,9 @@ class Environment:
             python=platform.python_version(),
             platform=platform.platform(),
             timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
-            load_average=_load_average(),
-            cpu_count=os.cpu_count(),
-            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
+            load_average=now.load_average,
+            cpu_count=now.cpu_count,
+            omp_wait_policy=now.omp_wait_policy,
             malloc=malloc.describe(),
         )
 
@@ -72,8 +71,8 @@ class Environment:
     def overloaded(self) -> bool:
         """More runnable jobs than cores when the run started: timings are not to be trusted
         beyond their direction."""
-        return (self.load_average is not None and self.cpu_count is not None
-                and self.load_average > self.cpu_count)
+        return Conditions(self.load_average, self.cpu_count, self.threads,
+                          self.omp_wait_policy).busy
 
 
 @dataclass(frozen=True)
@@ -141,19 +140,7 @@ def device_name(device: str) -> str:
     """``NVIDIA H100 ...`` for CUDA; the CPU model name (``/proc/cpuinfo``) for CPU."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or sys.platform
-
-
-def _load_average() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):  # not on every platform
-        return None
+    return cpu_model()
 
 
 def _version(dist: str) -> str:

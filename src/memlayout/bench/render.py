@@ -47,15 +47,11 @@ def render_header(cfg: BenchConfig, console: Console) -> None:
 def render_results(records: Sequence[BenchRecord], console: Console) -> None:
     """One table per dtype x task, then the noisy measurements (counted), the noise floor of
     the A/A control and the distinct problems."""
-    for table in summary_tables(records):
-        t = Table(title=f"{table.dtype} {table.task}: speedup over eager NCHW, median of per-round ratios (min-max)")
-        for col in table.header:
-            t.add_column(col, justify="left" if col == "model" else "right")
-        for row in table.rows:
-            t.add_row(*row)
-        console.print(t)
-    for table in peak_tables(records):
-        t = Table(title=f"{table.dtype} {table.task}: % of the {table.dtype} GEMM peak")
+    titled = [(table, "speedup over eager NCHW, median of per-round ratios (min-max)")
+              for table in summary_tables(records)]
+    titled += [(table, f"% of the {table.dtype} GEMM peak") for table in peak_tables(records)]
+    for table, what in titled:
+        t = Table(title=f"{table.dtype} {table.task}: {what}")
         for col in table.header:
             t.add_column(col, justify="left" if col == "model" else "right")
         for row in table.rows:
