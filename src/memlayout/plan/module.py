@@ -217,9 +217,9 @@ class KeywordCall(nn.Module):
 
     def positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """A call's ``args, kwargs`` as this module's positional inputs."""
-        given = {k: v for k, v in kwargs.items()
-                 if not (k in self.constants and _same(v, self.constants[k]))}
-        if set(given) != set(self.keywords):
+        given = {k: v for k, v in kwargs.items() if k not in self.constants}
+        same = all(k in kwargs and _same(kwargs[k], v) for k, v in self.constants.items())
+        if set(given) != set(self.keywords) or not same:
             raise PlanError(
                 f"this model was planned for the keyword inputs {list(self.keywords)} "
                 f"(and {self.constants or 'no other keywords'}); called with {sorted(kwargs)}. "
