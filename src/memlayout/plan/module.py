@@ -202,10 +202,11 @@ class KeywordCall(nn.Module):
     """
 
     def __init__(self, module: nn.Module, keywords: tuple[str, ...],
-                 constants: dict[str, Any]) -> None:
+                 constants: dict[str, Any], positional: int | None = None) -> None:
         super().__init__()
         self.module = module
         self.__dict__["keywords"] = tuple(keywords)
+        self.__dict__["n_positional"] = positional  # forward's positional inputs, if known
         self.__dict__["constants"] = dict(constants)
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
@@ -216,7 +217,11 @@ class KeywordCall(nn.Module):
                            **self.constants)
 
     def positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """A call's ``args, kwargs`` as this module's positional inputs."""
+        """A call's ``args, kwargs`` as this module's positional inputs; a call already in
+        them (every input positional, as the planner's own steps and timers call) as is."""
+        if not kwargs and self.n_positional is not None and \
+                len(args) == self.n_positional + len(self.keywords):
+            return args
         given = {k: v for k, v in kwargs.items() if k not in self.constants}
         same = all(k in kwargs and _same(kwargs[k], v) for k, v in self.constants.items())
         if set(given) != set(self.keywords) or not same:
@@ -248,7 +253,8 @@ def keyword_call(model: nn.Module, args: tuple[Any, ...],
         return model, args
     keywords = tuple(k for k, v in kwargs.items() if next(iter_tensors(v), None) is not None)
     constants = {k: v for k, v in kwargs.items() if k not in keywords}
-    return KeywordCall(model, keywords, constants), (*args, *(kwargs[k] for k in keywords))
+    return KeywordCall(model, keywords, constants, len(args)), \
+        (*args, *(kwargs[k] for k in keywords))
 
 
 def _compiling() -> bool:
