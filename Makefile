@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -e '.[dev,runtimes]'
+	$(BIN)/python -m pip install -e '.[dev,runtimes,models]'
 	touch $(STAMP)
 
 # The planner on resnet18 at batch 2, 128x128 (smaller than the README's batch 8, 224x224

@@ -101,3 +101,63 @@ def test_cli_bad_spec_is_a_clean_error():
 def test_cli_help():
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0 and "inspect" in result.output
+
+
+FACTORIES = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x, *, shift):
+            return self.conv(x) + shift
+
+    def keyed():
+        return Shifted(), (torch.randn(2, 3, 8, 8),), {"shift": torch.randn(1, 4, 1, 1)}
+
+    def broken():
+        raise RuntimeError("weights file missing")
+
+    def volume():
+        return nn.Sequential(nn.Conv3d(1, 4, 3))
+
+    def image():
+        return nn.Sequential(nn.Conv2d(3, 4, 3))
+""")
+
+
+def test_a_factory_may_return_keyword_inputs_and_the_cli_plans_them(tmp_path):
+    path = tmp_path / "nets.py"
+    path.write_text(FACTORIES)
+    spec = load_model(f"{path}:keyed", batch=4, image_size=16)
+    assert set(spec.example_kwargs) == {"shift"} and "do not apply" in spec.note
+    result = CliRunner().invoke(app, ["optimize", f"{path}:keyed", "--no-measure", "--no-cache",
+                                      "--rounds", "1"])
+    assert result.exit_code == 0, result.output
+    assert "planned 1 of 1 convolution calls" in result.output
+    assert "--batch and --image-size do not apply" in result.output
+
+
+def test_a_factory_that_raises_is_one_message_naming_file_factory_and_exception(tmp_path):
+    path = tmp_path / "nets.py"
+    path.write_text(FACTORIES)
+    with pytest.raises(ModelSpecError, match=r"broken\(\) in .*nets.py.* raised RuntimeError: "
+                                             "weights file missing"):
+        load_model(f"{path}:broken")
+    plain = CliRunner().invoke(app, ["optimize", f"{path}:broken"])
+    assert plain.exit_code == 2 and "weights file missing" in plain.output
+    assert "Traceback" not in plain.output
+    debug = CliRunner().invoke(app, ["optimize", f"{path}:broken", "--debug"])
+    assert debug.exit_code == 2 and "Traceback" in debug.output and "nets.py" in debug.output
+
+
+def test_only_a_2d_image_model_gets_an_invented_input(tmp_path):
+    path = tmp_path / "nets.py"
+    path.write_text(FACTORIES)
+    with pytest.raises(ModelSpecError, match="Conv3d.*no input can be assumed"):
+        load_model(f"{path}:volume")
+    spec = load_model(f"{path}:image", batch=2, image_size=16)
+    assert tuple(spec.example_input.shape) == (2, 3, 16, 16) and "invented" in spec.note

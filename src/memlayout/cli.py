@@ -58,7 +58,12 @@ class UsageError(MemlayoutError, ValueError):
     """A flag value a verb cannot run with; reported before the verb does anything."""
 
 
-def _fail(exc: MemlayoutError) -> NoReturn:
+def _fail(exc: MemlayoutError, *, debug: bool = False) -> NoReturn:
+    if debug and exc.__cause__ is not None:  # the user's code that failed, where it failed
+        import traceback
+
+        console.print("".join(traceback.format_exception(exc.__cause__)), markup=False,
+                      highlight=False)
     console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
     raise typer.Exit(2)
 
@@ -124,7 +129,9 @@ def _print_conditions(conditions: Conditions) -> None:
 
 
 def _on_device(value: Any, device: str) -> Any:
-    """A tensor, or a tuple / list of them, on ``device``."""
+    """A tensor, or a tuple / list / dict of them, on ``device``."""
+    if isinstance(value, dict):
+        return {k: _on_device(v, device) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_on_device(v, device) for v in value)
     return value.to(device) if isinstance(value, torch.Tensor) else value
@@ -385,14 +392,16 @@ def optimize(
     compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: torch.compile the plan so it stands (Inductor's layout optimization off) or let Inductor decide (kept unless the plan measures >2% faster; cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
     input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous (also nchw / ncdhw), channels_last (also nhwc; channels_last_3d / ndhwc for video), or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example is built (contiguous).")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="On an error, also print the traceback of its cause (a factory that raised, a capture that failed). Default: off.")] = False,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC (with
     --compile: against torch.compile's default and eager NCHW)."""
     from memlayout.plan.compare import compare_with_eager
-    from memlayout.plan.pipeline import format_label
+    from memlayout.plan.module import keyword_call
+    from memlayout.plan.pipeline import example_inputs_of, format_label
     from memlayout.plan.pipeline import optimize as plan_model
-    from memlayout.tensors import format_name, format_of
+    from memlayout.tensors import format_name, format_of, iter_tensors
 
     try:  # the options first: a bad one is reported before any model is built
         run_dtype = parse_dtype(dtype)
@@ -407,12 +416,20 @@ def optimize(
         _fail(exc)
     try:
         spec = load_model(model, batch=batch, image_size=image_size)
-        module = spec.module.to(run_device)
-        example = spec.example_input.to(run_device)
+        # keyword inputs become trailing positional ones: every step and timer below passes
+        # one tuple (memlayout.plan.module.KeywordCall)
+        module, example = keyword_call(
+            spec.module.to(run_device), _on_device(example_inputs_of(spec.example_input),
+                                                   run_device),
+            _on_device(spec.example_kwargs, run_device))
+        first = next(iter_tensors(example))
         task_name = "training step" if train else "inference"
-        console.print(f"{model}: input {tuple(example.shape)} ({format_name(format_of(example))}"
+        shapes = ", ".join(str(tuple(t.shape)) for t in iter_tensors(example))
+        console.print(f"{model}: input {shapes} ({format_name(format_of(first))}"
                       f" as built), {dtype_name(run_dtype)}, {task_name}, device {run_device}, "
                       f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+        if spec.note:
+            console.print(f"note: {spec.note}", markup=False, highlight=False)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("measuring", total=None)
 
@@ -432,14 +449,14 @@ def optimize(
                                  memory_budget=memory_budget, padding=padding, train=train,
                                  refresh=refresh, input_format=input_format)
     except MemlayoutError as exc:
-        _fail(exc)
+        _fail(exc, debug=debug)
     plan = opt.plan
     if explain:
         plan.explain(console)  # ends with the summary
     else:
         console.print(plan.summary(), markup=False, highlight=False)
     if plan.input_format is None:
-        arrives = f"{format_name(format_of(example))}, as built"
+        arrives = f"{format_name(format_of(first))}, as built"
     else:
         how = ("chosen by the plan (--input-format auto)" if input_format.strip().lower() == "auto"
                else f"--input-format {input_format}")

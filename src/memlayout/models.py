@@ -7,7 +7,12 @@ Specs:
   segmentation models take ``(N, 3, S, S)``; video models ``(N, 3, T, S, S)``; for detection
   models the spec builds the detector's feature backbone (``model.backbone``, e.g. ResNet + FPN),
   the layout-relevant part, which takes ``(N, 3, S, S)`` and returns a dict of feature maps.
-- ``path/to/file.py:factory``: ``factory()`` returns a module, or ``(module, example_input)``.
+- ``path/to/file.py:factory``: ``factory()`` returns ``(module, args)`` or ``(module, args,
+  kwargs)`` (``args``: one tensor or a tuple of forward's positional arguments; ``kwargs``: its
+  keyword inputs, e.g. a diffusers UNet's ``encoder_hidden_states``), used as given
+  (``--batch`` / ``--image-size`` do not apply: ``ModelSpec.note`` says so). A module alone
+  gets an invented ``(N, 3, S, S)`` input only when its first convolution is a ``Conv2d`` with
+  3 input channels (a 2-d image model); anything else must bring its input.
 - ``timm:NAME`` when timm is installed (``pretrained=False``).
 
 >>> spec = load_model("torchvision:resnet18", batch=2, image_size=64)
@@ -21,7 +26,7 @@ import difflib
 import importlib.util
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,8 @@ class ModelSpec:
     example_input: Any
     kind: str
     fmt: Format
+    example_kwargs: dict[str, Any] = field(default_factory=dict)  # forward's keyword inputs
+    note: str = ""  # how the example input was made, when flags did not make it
 
     @property
     def name(self) -> str:
@@ -171,21 +178,51 @@ def _file(spec: str, path: Path, factory: str, batch: int, image_size: int | Non
     if not callable(fn):
         names = [n for n, v in vars(user).items() if callable(v) and not n.startswith("_")]
         raise ModelSpecError(_unknown(spec, factory, names, f"{path}:"))
-    made = fn()
-    example: Any = None
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
-        made, example = made
-    if not isinstance(made, nn.Module):
+    try:
+        made = fn()
+    except Exception as exc:  # the user's code: one message naming file, factory, exception
         raise ModelSpecError(
-            f"{spec!r}: {factory}() returned {type(made).__name__}; expected an nn.Module "
-            "or (nn.Module, example_input)"
+            f"{spec!r}: {factory}() in {str(path)!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    module, args, kwargs = made, None, {}
+    if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
+        module, args = made[0], made[1]
+        kwargs = made[2] if len(made) == 3 else {}
+        if not isinstance(kwargs, dict):
+            raise ModelSpecError(f"{spec!r}: {factory}() returned kwargs of type "
+                                 f"{type(kwargs).__name__}; expected a dict of keyword inputs")
+    if not isinstance(module, nn.Module):
+        raise ModelSpecError(
+            f"{spec!r}: {factory}() returned {type(made).__name__}; expected an nn.Module, "
+            "(nn.Module, args) or (nn.Module, args, kwargs)"
         )
-    if example is None:
-        size = image_size or _DEFAULT_SIZE["custom"]
-        example = torch.randn(batch, 3, size, size, generator=generator)
-    rank = example.dim() if isinstance(example, torch.Tensor) else 4
+    note = ""
+    if args is None:
+        args = _invented_input(spec, factory, module, batch, image_size, generator)
+        note = f"input invented for a 2-d image model: {tuple(args.shape)}"
+    else:
+        note = (f"the example input is {factory}()'s own; --batch and --image-size do not "
+                "apply to it")
+    tensors = [args] if isinstance(args, torch.Tensor) else [
+        a for a in (args if isinstance(args, (tuple, list)) else ()) if isinstance(a, torch.Tensor)]
+    rank = tensors[0].dim() if tensors else 4
     fmt = Format.CHANNELS_LAST_3D if rank == 5 else Format.CHANNELS_LAST
-    return ModelSpec(spec, made.eval(), example, "custom", fmt)
+    return ModelSpec(spec, module.eval(), args, "custom", fmt, dict(kwargs), note)
+
+
+def _invented_input(spec: str, factory: str, module: nn.Module, batch: int,
+                    image_size: int | None, generator: torch.Generator) -> torch.Tensor:
+    """``(batch, 3, S, S)`` for a module whose first convolution is a 3-channel ``Conv2d``;
+    ``ModelSpecError`` for anything else (a 3-d, 1-channel or non-convolutional model)."""
+    first = next((m for m in module.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    if type(first) is nn.Conv2d and first.in_channels == 3:
+        size = image_size or _DEFAULT_SIZE["custom"]
+        return torch.randn(batch, 3, size, size, generator=generator)
+    what = f"its first convolution is {first!r}" if first is not None else "it has no convolution"
+    raise ModelSpecError(
+        f"{spec!r}: {factory}() returned only a module and {what}, so no input can be assumed "
+        f"for it; return (module, example_input) or (module, args, kwargs) from {factory}()"
+    )
 
 
 def _unknown(spec: str, name: str, known: list[str], prefix: str) -> str:

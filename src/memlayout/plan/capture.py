@@ -26,7 +26,18 @@ from torch import fx, nn
 from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError
 from memlayout.layout import Format, formats_of
+from memlayout.plan.export import (
+    FX,
+    METHOD_KEY,
+    ConvolutionCount,
+    count_convolutions,
+    export_graph,
+    faithful_trace,
+    flat_inputs,
+)
 from memlayout.plan.label import Label
+from memlayout.plan.result import Coverage
+from memlayout.plan.spatial import mark_spatial
 from memlayout.tensors import iter_tensors
 
 # The ranks planned (a value's format is a choice): 4 and 5 always (channels_last(_3d)); 3
@@ -93,6 +104,7 @@ class Captured:
     uncaptured: list[tuple[str, str]]  # (module path, why it stays eager)
     output: Any = None  # what the whole original model computes on the example inputs
     ranks: tuple[int, ...] = BASE_RANKS  # the layout ranks planned (see planned_ranks)
+    coverage: Coverage | None = None  # convolution calls planned of those that run
 
 
 def planned_ranks(model: nn.Module) -> tuple[int, ...]:
@@ -157,34 +169,66 @@ def device_of(inputs: tuple[Any, ...], module: nn.Module) -> torch.device:
 def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
             ranks: tuple[int, ...] | None = None,
             device: torch.device | None = None) -> Captured:
-    """Trace ``model`` (whole, or its largest traceable submodules) and record layouts.
+    """Capture ``model`` (whole, or its largest capturable submodules) and record layouts.
 
-    ``model`` is not modified (tracing reads it; the run is under ``no_grad`` on the given
-    module, so pass a copy when its forward mutates state). Raises ``CaptureError`` naming the
-    node when the example inputs do not run, or when nothing at all can be captured. ``ranks``:
-    the layout ranks planned (default ``planned_ranks(model)``), recorded in every node's meta;
+    A whole model is taken by ``torch.fx.symbolic_trace`` when that records it faithfully
+    (no grad-mode or autocast change inside forward, which fx would drop), else by non-strict
+    ``torch.export`` (:mod:`memlayout.plan.export`: control flow, containers, keyword
+    arguments and attribute reads run as Python). When neither takes it whole, each
+    submodule called once is tried the same way, descending into containers; what stays
+    eager is listed in ``uncaptured`` with the reason and counted in ``coverage``.
+
+    ``model`` is not modified (the run is under ``no_grad`` on the given module, so pass a
+    copy when its forward mutates state). Raises ``CaptureError`` naming the node when the
+    example inputs do not run, or when nothing at all can be captured. ``ranks``: the layout
+    ranks planned (default ``planned_ranks(model)``), recorded in every node's meta;
     ``device``: where it runs (default: the inputs').
     """
     ranks = planned_ranks(model) if ranks is None else tuple(ranks)
     device = device_of(inputs, model) if device is None else device
-    try:
-        gm = fx.symbolic_trace(model)
-    except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-        reason = f"{type(exc).__name__}: {_first_line(exc)}"
-    else:
-        output = propagate(gm, inputs, dtype=dtype, ranks=ranks, device=device)
-        return Captured([Region("", gm, inputs, output)], [], output, ranks)
-    seen, output = _record_submodule_inputs(model, inputs, dtype, device)
+    gm, reason = graph_of(model, inputs, {})
+    if gm is not None:
+        with ConvolutionCount() as count:
+            output = propagate(gm, inputs, dtype=dtype, ranks=ranks, device=device)
+        mark_spatial(gm)
+        method = gm.meta.get(METHOD_KEY, FX)
+        return Captured([Region("", gm, inputs, output)], [], output, ranks,
+                        Coverage(count_convolutions(gm), count.calls, (method,)))
+    calls, output, total = _record_submodule_calls(model, inputs, dtype, device)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
-    _capture_children(model, "", seen, dtype, ranks, device, regions, uncaptured)
+    _capture_children(model, "", calls, dtype, ranks, device, regions, uncaptured)
     if not regions:
         raise CaptureError(
-            f"no part of {type(model).__name__} could be traced by torch.fx "
-            f"(whole model: {reason}); nothing to plan. Make the model's forward traceable "
-            "(no data-dependent control flow) or pass a traceable submodule"
+            f"no part of {type(model).__name__} could be traced by torch.fx or exported by "
+            f"torch.export (whole model: {reason}); nothing to plan. Make the model's forward "
+            "traceable (no data-dependent control flow) or pass a traceable submodule"
         )
-    return Captured(regions, uncaptured, output, ranks)
+    planned = sum(count_convolutions(r.gm) for r in regions)
+    methods = tuple(sorted({r.gm.meta.get(METHOD_KEY, FX) for r in regions}))
+    # what runs eagerly: a path none of whose parts was captured (a parent some of whose
+    # children were is not listed: its children are)
+    eager = tuple((p, r) for p, r in uncaptured
+                  if not any(reg.path.startswith(p + "." if p else "") for reg in regions))
+    return Captured(regions, uncaptured, output, ranks, Coverage(planned, total, methods, eager))
+
+
+def graph_of(module: nn.Module, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[fx.GraphModule | None, str]:
+    """A graph of ``module`` called with ``args``/``kwargs``: ``symbolic_trace`` where it
+    records the forward faithfully (positional inputs, no grad-mode or autocast change),
+    else non-strict ``torch.export``; ``(None, why neither did)``."""
+    reason = ""
+    if not kwargs:
+        try:
+            return faithful_trace(module), ""
+        except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
+            reason = f"torch.fx: {type(exc).__name__}: {_first_line(exc)}"
+    try:
+        return export_graph(module, args, kwargs), ""
+    except Exception as exc:  # export raises many types (UserError, GuardOnDataDependent...)
+        return None, f"{reason}; " * bool(reason) + f"torch.export: {type(exc).__name__}: " \
+            f"{_first_line(exc)}"
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
@@ -238,21 +282,36 @@ def node_target_name(root: nn.Module, n: fx.Node) -> str:
     return n.op
 
 
-def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
-                             dtype: torch.dtype | None,
-                             device: torch.device) -> tuple[dict[str, tuple[Any, ...]], Any]:
-    """The inputs each submodule first received, and the model's output, from one run."""
-    seen: dict[str, tuple[Any, ...]] = {}
+@dataclass
+class _Call:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    count: int = 1
+
+
+def _record_submodule_calls(model: nn.Module, inputs: tuple[Any, ...],
+                            dtype: torch.dtype | None, device: torch.device
+                            ) -> tuple[dict[str, _Call], Any, int]:
+    """The arguments each submodule first received and how often it was called, the model's
+    output, and the convolution calls of one eager run."""
+    calls: dict[str, _Call] = {}
     handles = []
+
+    def keep(a: Any) -> Any:  # a copy: later in-place ops must not change it
+        return a.clone() if isinstance(a, torch.Tensor) else copy.copy(a)
+
     for path, sub in model.named_modules():
         if path:
-            def hook(_mod: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
-                if path not in seen:  # a copy: later in-place ops must not change it
-                    seen[path] = tuple(a.clone() if isinstance(a, torch.Tensor) else copy.copy(a)
-                                       for a in args)
-            handles.append(sub.register_forward_pre_hook(hook))
+            def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     path: str = path) -> None:
+                if path in calls:
+                    calls[path].count += 1
+                else:
+                    calls[path] = _Call(tuple(keep(a) for a in args),
+                                        {k: keep(v) for k, v in kwargs.items()})
+            handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad(), autocast(device, dtype):
+        with torch.no_grad(), autocast(device, dtype), ConvolutionCount() as count:
             output = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     except Exception as exc:
         raise CaptureError(
@@ -262,29 +321,49 @@ def _record_submodule_inputs(model: nn.Module, inputs: tuple[Any, ...],
     finally:
         for h in handles:
             h.remove()
-    return seen, output
+    return calls, output, count.calls
 
 
-def _capture_children(module: nn.Module, prefix: str, seen: dict[str, tuple[Any, ...]],
+def _capture_children(module: nn.Module, prefix: str, calls: dict[str, _Call],
                       dtype: torch.dtype | None, ranks: tuple[int, ...], device: torch.device,
                       regions: list[Region], uncaptured: list[tuple[str, str]]) -> None:
     for name, child in module.named_children():
         path = f"{prefix}.{name}" if prefix else name
-        if path not in seen:
-            continue  # not called by forward: nothing runs, nothing to plan
-        if not any(len(p.shape) in ranks for p in child.parameters()) and not _has_children(child):
-            continue  # a leaf without layout parameters (activation, flatten): left as is
-        try:
-            gm = fx.symbolic_trace(child)
-            output = propagate(gm, seen[path], dtype=dtype, ranks=ranks, device=device)
-        except Exception as exc:
+        if not _convolutions_under(child, "") and not any(
+                len(p.shape) in ranks for p in child.parameters()):
+            continue  # nothing layout-sensitive owned below: left as is
+        call = calls.get(path)
+        if call is None:
+            # a container (ModuleList, ModuleDict) is never called itself: its children are
             if _has_children(child):
-                uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
-                _capture_children(child, path, seen, dtype, ranks, device, regions, uncaptured)
-            else:
-                uncaptured.append((path, f"{type(exc).__name__}: {_first_line(exc)}"))
+                _capture_children(child, path, calls, dtype, ranks, device, regions, uncaptured)
             continue
-        regions.append(Region(path, gm, seen[path], output))
+        if call.count > 1:
+            # a graph holds the shapes of one call: a module called several times (shared
+            # blocks, loops) is planned at its children's level
+            reason = f"called {call.count} times per forward"
+            gm = None
+        else:
+            gm, reason = graph_of(child, call.args, call.kwargs)
+        if gm is not None:
+            try:
+                flat = flat_inputs(gm, call.args, call.kwargs)
+                output = propagate(gm, flat, dtype=dtype, ranks=ranks, device=device)
+                mark_spatial(gm)
+            except Exception as exc:
+                gm, reason = None, f"{type(exc).__name__}: {_first_line(exc)}"
+            else:
+                regions.append(Region(path, gm, flat, output))
+                continue
+        uncaptured.append((path, reason))
+        if _has_children(child):
+            _capture_children(child, path, calls, dtype, ranks, device, regions, uncaptured)
+
+
+def _convolutions_under(model: nn.Module, path: str) -> int:
+    """How many convolution modules ``model``'s submodule ``path`` holds."""
+    sub = model.get_submodule(path) if path else model
+    return sum(isinstance(m, nn.modules.conv._ConvNd) for m in sub.modules())
 
 
 def _has_children(m: nn.Module) -> bool:

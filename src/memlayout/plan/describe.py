@@ -53,8 +53,10 @@ def summary(plan: Plan) -> str:
     lines += [line for line in (memory_summary(plan.memory, train=plan.train),
                                 padding_summary(plan.padding),
                                 blocked_summary(plan.blocked)) if line]
+    if plan.coverage is not None:
+        lines.append(f"coverage: {plan.coverage.text()}")
     for path, reason in plan.uncaptured:
-        lines.append(f"left eager: {path or '(whole model)'}: {reason}")
+        lines.append(f"not captured whole: {path or '(whole model)'}: {reason}")
     lines += drop_lines(plan.nodes)
     if plan.compiled is not None:
         lines.append(compiled_summary(plan.compiled))

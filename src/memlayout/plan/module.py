@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from memlayout.dtypes import autocast
-from memlayout.errors import MemlayoutError
+from memlayout.errors import MemlayoutError, PlanError
 from memlayout.plan.capture import device_of
 from memlayout.plan.costs import convert_value
 from memlayout.plan.label import Label
@@ -120,7 +120,17 @@ class OptimizedModule(nn.Module):
             return args
         return _arrive(args, Label.parse(self.plan.input_format), self._ranks)
 
+    def __getattr__(self, name: str) -> Any:
+        # a drop-in: what the original model exposes (``config``, ``dtype``, a submodule's
+        # attribute) reads through to the planned module, which is the original's class
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.module, KeywordCall):
+            args, kwargs = self.module.positional(args, kwargs), {}
         module, plan = self._module_for(args, kwargs)
         if plan is not None and plan.input_format is not None:
             # the format the plan's inputs arrive in: a no-op for inputs already in it
@@ -136,7 +146,13 @@ class OptimizedModule(nn.Module):
             # not depend on the shape; dynamo recompiles per shape): no planning traced
             return self.module, self.plan
         sig = _call_signature(args, kwargs)
-        if sig == self._signature:
+        if _mode_specific(self.plan):
+            # an exported graph holds the train/eval behaviour it was captured in
+            # (BatchNorm, Dropout, grad-mode regions): the other mode is another plan
+            if sig == self._signature and self.module.training == self.plan.train:
+                return self.module, self.plan
+            sig = (*sig, ((int(self.module.training),), "train mode", ""))
+        elif sig == self._signature:
             return self.module, self.plan
         entry = self._shapes.get(sig)
         if entry is not None:
@@ -167,6 +183,78 @@ class OptimizedModule(nn.Module):
         super()._apply(fn, *args, **kwargs)
         self._shapes.clear()
         return self
+
+
+def _mode_specific(plan: Plan) -> bool:
+    return plan.coverage is not None and "torch.export" in plan.coverage.methods
+
+
+class KeywordCall(nn.Module):
+    """``module`` called with keyword inputs as trailing positional arguments, so that every
+    step of the planner passes one tuple of inputs: ``KeywordCall(unet, ("encoder_hidden_states",),
+    {"return_dict": False})(sample, t, e)`` is ``unet(sample, t, encoder_hidden_states=e,
+    return_dict=False)``. ``state_dict`` keys and attributes are ``module``'s.
+
+    >>> conv = nn.Conv2d(3, 4, 1)
+    >>> call = KeywordCall(conv, ("input",), {})
+    >>> call(torch.ones(1, 3, 2, 2)).shape, call.in_channels, list(call.state_dict())
+    (torch.Size([1, 4, 2, 2]), 3, ['weight', 'bias'])
+    """
+
+    def __init__(self, module: nn.Module, keywords: tuple[str, ...],
+                 constants: dict[str, Any], positional: int | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.__dict__["keywords"] = tuple(keywords)
+        self.__dict__["n_positional"] = positional  # forward's positional inputs, if known
+        self.__dict__["constants"] = dict(constants)
+        self._register_state_dict_hook(_strip_prefix)
+        self._register_load_state_dict_pre_hook(_add_prefix)
+
+    def forward(self, *args: Any) -> Any:
+        n = len(args) - len(self.keywords)
+        return self.module(*args[:n], **dict(zip(self.keywords, args[n:], strict=True)),
+                           **self.constants)
+
+    def positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """A call's ``args, kwargs`` as this module's positional inputs; a call already in
+        them (every input positional, as the planner's own steps and timers call) as is."""
+        if not kwargs and self.n_positional is not None and \
+                len(args) == self.n_positional + len(self.keywords):
+            return args
+        given = {k: v for k, v in kwargs.items() if k not in self.constants}
+        same = all(k in kwargs and _same(kwargs[k], v) for k, v in self.constants.items())
+        if set(given) != set(self.keywords) or not same:
+            raise PlanError(
+                f"this model was planned for the keyword inputs {list(self.keywords)} "
+                f"(and {self.constants or 'no other keywords'}); called with {sorted(kwargs)}. "
+                "Plan again with the keyword arguments it is called with")
+        return (*args, *(given[k] for k in self.keywords))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def keyword_call(model: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...]]:
+    """``model`` and its example as positional inputs: keyword values holding tensors
+    become trailing inputs, the others constants of every call (``return_dict=False``)."""
+    if not kwargs:
+        return model, args
+    keywords = tuple(k for k, v in kwargs.items() if next(iter_tensors(v), None) is not None)
+    constants = {k: v for k, v in kwargs.items() if k not in keywords}
+    return KeywordCall(model, keywords, constants, len(args)), \
+        (*args, *(kwargs[k] for k in keywords))
 
 
 def _compiling() -> bool:

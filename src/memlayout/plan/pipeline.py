@@ -58,7 +58,7 @@ from memlayout.plan.costs import (
 )
 from memlayout.plan.drops import drop_notes, notes_of
 from memlayout.plan.label import LABELS, Label
-from memlayout.plan.module import OptimizedModule, inputs_in, shape_signature
+from memlayout.plan.module import OptimizedModule, inputs_in, keyword_call, shape_signature
 from memlayout.plan.padding import plan_padding
 from memlayout.plan.problem import AUTO, OUTPUT_PREFIX, baseline_labels, formulate
 from memlayout.plan.records import (
@@ -99,7 +99,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              keep_weight_formats: bool = False, max_plans: int = 8,
              guard_margin: float = 0.0, memory: bool = True,
              memory_budget: int | str | None = None, padding: bool = True,
-             blocked: bool = False, refresh: bool = False) -> OptimizedModule:
+             blocked: bool = False, refresh: bool = False,
+             kwargs: dict[str, Any] | None = None) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -152,6 +153,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       the original (``memlayout.plan.memory``); ``memory_budget`` (bytes, or ``"300MB"``):
       the fastest plan whose peak fits, or ``PlanError`` saying the smallest peak found.
 
+    - ``kwargs``: keyword inputs of the example (a diffusers UNet's ``encoder_hidden_states``);
+      the optimized model is then called with the same keywords.
+
     Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
     planned model would compute something else.
     """
@@ -159,6 +163,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     if not isinstance(model, nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     inputs = example_inputs_of(example_inputs)
+    name = name or type(model).__name__
+    model, inputs = keyword_call(model, inputs, dict(kwargs or {}))
     options = plan_options(
         model, inputs, dtype=dtype, input_format=input_format, output_format=output_format,
         measure=measure, cache=cache, progress=progress, rounds=rounds, name=name, guard=guard,
@@ -433,7 +439,7 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         planning_seconds=seconds, verification=verification, guard=decision.record,
         padding=padding, memory=memory.record, blocked=blocked, train=options.train,
         input_shapes=[list(t.shape) for t in iter_tensors(inputs)],
-        weight_formats_kept=options.keep_weight_formats,
+        weight_formats_kept=options.keep_weight_formats, coverage=captured.coverage,
     )
     plan.notes.extend(conv1d_notes(plan.nodes))  # rank 3: planned, or why not
     if options.auto_input:

@@ -293,6 +293,32 @@ def conv1d_notes(nodes: list[NodeChoice]) -> list[str]:
             f"measured per convolution ({span}; < 1: NLC faster)"]
 
 
+@dataclass(frozen=True)
+class Coverage(Record):
+    """How much of the model a plan reaches: ``planned`` of the ``total`` convolution calls
+    one eager forward makes (counted at dispatch) are in captured graphs; ``methods``: how
+    the graphs were captured (``torch.fx``, ``torch.export``); ``eager``: (module path,
+    reason) of each part left to run eagerly, unplanned."""
+
+    planned: int
+    total: int
+    methods: tuple[str, ...] = ()
+    eager: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def fraction(self) -> float:
+        return self.planned / self.total if self.total else 1.0
+
+    def text(self) -> str:
+        """``planned 33 of 35 convolution calls (94 %); left eager: down.1 (reason)``."""
+        head = (f"planned {self.planned} of {self.total} convolution calls "
+                f"({100 * self.fraction:.0f} %)" if self.total else "no convolution calls")
+        via = f" via {' + '.join(self.methods)}" if self.methods else ""
+        eager = "; left eager: " + "; ".join(f"{p or '(whole model)'} ({r})"
+                                             for p, r in self.eager) if self.eager else ""
+        return head + via + eager
+
+
 @dataclass
 class Plan:
     """The plan of one model for one input signature: every layout node's format, the
@@ -325,6 +351,7 @@ class Plan:
     train: bool = False  # planned (costs, guard, verification) for a training step
     input_shapes: list[list[int]] = field(default_factory=list)
     weight_formats_kept: bool = False  # nodes owning weights ran in the weights' formats
+    coverage: Coverage | None = None  # convolution calls planned, what stayed eager and why
 
     @property
     def counts(self) -> dict[str, int]:

@@ -20,39 +20,53 @@ from memlayout.plan.costs import convert_value, module_has_layout_params
 from memlayout.plan.problem import OUTPUT_PREFIX, Formulation
 
 
-class PlannedGraph(nn.Module):
-    """A rewritten graph that owns the module tree it was traced from: same children,
-    parameters and buffers (so the same ``state_dict`` keys as the original module), with
-    ``forward`` the rewritten graph's code."""
+class PlannedGraph:
+    """A module whose ``forward`` is a rewritten graph: the original module itself (the
+    planning copy), its class swapped for a subclass of its own class with this ``forward``.
+    Every attribute, method, property and child of the original stays as it was (a
+    ``config``, ``dtype``, ``encoder.output_stride`` a parent's forward reads), and so do the
+    ``state_dict`` keys. Make one with :func:`planned_graph`.
 
-    def __init__(self, root: nn.Module, gm: fx.GraphModule) -> None:
-        super().__init__()
-        for name, child in root.named_children():
-            self.add_module(name, child)
-        for name, p in root.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in root.named_buffers(recurse=False):
-            self.register_buffer(name, b, persistent=name not in root._non_persistent_buffers_set)
-        for n in gm.graph.nodes:  # tensor constants the trace put on the graph module only
-            if n.op == "get_attr" and "." not in n.target and not hasattr(self, n.target):
-                value = getattr(gm, n.target)
-                if isinstance(value, torch.Tensor):
-                    self.register_buffer(n.target, value, persistent=False)
-                else:
-                    setattr(self, n.target, value)
-        self.training = root.training
-        self.__dict__["graph_module"] = gm  # not a child: its modules are already ours
+    >>> from torch import nn
+    >>> conv = nn.Conv2d(3, 4, 1)
+    >>> planned = planned_graph(conv, fx.symbolic_trace(conv))
+    >>> isinstance(planned, nn.Conv2d), planned.in_channels, list(planned.state_dict())
+    (True, 3, ['weight', 'bias'])
+    """
 
     @property
     def graph(self) -> fx.Graph:
-        return self.graph_module.graph
+        return self.__dict__[_GRAPH_KEY].graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return type(self.graph_module).forward(self, *args, **kwargs)
+        return type(self.__dict__[_GRAPH_KEY]).forward(self, *args, **kwargs)
+
+
+_GRAPH_KEY = "_memlayout_graph_module"
+_PLANNED_CLASSES: dict[type, type] = {}
+
+
+def planned_graph(root: nn.Module, gm: fx.GraphModule) -> nn.Module:
+    """``root`` running ``gm``'s code as its ``forward`` (see :class:`PlannedGraph`); ``gm``
+    must be a graph over ``root`` (its targets resolve on ``root``)."""
+    cls = type(root)
+    if not isinstance(root, PlannedGraph):
+        if cls not in _PLANNED_CLASSES:
+            _PLANNED_CLASSES[cls] = type(f"Planned{cls.__name__}", (PlannedGraph, cls),
+                                         {"__module__": cls.__module__})
+        root.__class__ = _PLANNED_CLASSES[cls]
+    for n in gm.graph.nodes:  # tensor constants the capture put on the graph module only
+        if n.op == "get_attr" and "." not in n.target and not hasattr(root, n.target):
+            setattr(root, n.target, getattr(gm, n.target))
+    for spec in ("_in_spec", "_out_spec"):  # an exported graph's argument structure
+        if spec in gm.__dict__:
+            root.__dict__[spec] = gm.__dict__[spec]
+    root.__dict__[_GRAPH_KEY] = gm  # not a child: its modules are the root's own
+    return root
 
 
 def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
-            labels: dict[str, int]) -> tuple[PlannedGraph, list[tuple[str, int, tuple[str, ...]]]]:
+            labels: dict[str, int]) -> tuple[nn.Module, list[tuple[str, int, tuple[str, ...]]]]:
     """Insert conversions into ``gm`` (traced from ``root``; both are modified: pass copies)
     and convert weights. Returns the planned module and the conversions made
     ``(value, to label, consumers served)``. The layout ranks are the captured graph's; the
@@ -90,7 +104,7 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
                 _convert_attr(root, m.target, labels[n.name], ranks)
     graph.lint()
     gm.recompile()
-    return PlannedGraph(root, gm), made
+    return planned_graph(root, gm), made
 
 
 def convert_value_1d(value: Any, label: int) -> Any:

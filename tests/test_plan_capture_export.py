@@ -1,0 +1,213 @@
+"""Capture of what really runs: grad-mode regions, containers, attribute reads, keyword inputs,
+attention tensors, and the coverage a plan states (checked against the original model and
+against convolution calls counted by forward hooks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memlayout
+from memlayout.errors import PlanError
+from memlayout.plan.result import Plan
+
+
+def conv_calls(model: nn.Module, *args: object, **kwargs: object) -> int:
+    """Convolution calls of one forward, counted by forward hooks on the modules."""
+    calls = [0]
+    handles = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+               for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    with torch.no_grad():
+        model(*args, **kwargs)
+    for h in handles:
+        h.remove()
+    return calls[0]
+
+
+def grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient (by state-dict name) after ``model(x).sum().backward()``."""
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    return {k: v.grad for k, v in model.state_dict(keep_vars=True).items()
+            if isinstance(v, nn.Parameter)}
+
+
+class Frozen(nn.Module):
+    """A stem run under ``torch.no_grad()`` inside forward: it must never get a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = self.stem(x)
+        return self.head(torch.relu(x))
+
+
+def test_an_inference_plan_put_in_train_mode_keeps_the_no_grad_region() -> None:
+    model, x = Frozen().eval(), torch.randn(2, 3, 12, 12)
+    opt = memlayout.optimize(model, x, measure=False, cache=False)
+    opt.train()
+    got = grads(opt, x)
+    want = grads(model.train(), x)
+    assert want["stem.weight"] is None and want["head.weight"] is not None
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        assert (got[name] is None) == (g is None), name
+        if g is not None:
+            torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5)
+
+
+def test_a_training_plan_keeps_the_no_grad_region() -> None:
+    model, x = Frozen().train(), torch.randn(2, 3, 12, 12)
+    opt = memlayout.optimize(model, x, measure=False, cache=False, train=True)
+    assert opt.plan.verification.train and opt.plan.verification.ok
+    assert grads(opt, x)["stem.weight"] is None
+
+
+class Autocast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = self.a(x)
+        return self.b(x.float())
+
+
+def test_an_autocast_region_inside_forward_is_kept() -> None:
+    model, x = Autocast().eval(), torch.randn(1, 3, 12, 12)
+    opt = memlayout.optimize(model, x, measure=False, cache=False)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
+    assert opt.plan.coverage.planned == opt.plan.coverage.total == conv_calls(model, x)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)])
+        self.output_stride = 1
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        feats = []
+        for block in self.blocks:
+            x = torch.relu(block(x))
+            feats.append(x)
+        return feats
+
+    def channels(self) -> int:
+        return self.blocks[-1].out_channels
+
+
+class DataDependent(nn.Module):
+    """Control flow on a tensor's value at the top (neither fx nor export takes it whole), a
+    container of heads never called itself, and an attribute of a submodule read in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Encoder()
+        self.heads = nn.ModuleDict({"a": nn.Conv2d(8, 2, 1), "b": nn.Conv2d(8, 2, 1)})
+
+    @property
+    def stride(self) -> int:
+        return self.encoder.output_stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = self.encoder(x)
+        head = self.heads["a"] if x.sum() > 0 else self.heads["b"]
+        return head(feats[-1]) * self.encoder.output_stride
+
+
+def test_a_model_not_captured_whole_plans_its_parts_inside_containers() -> None:
+    model, x = DataDependent().eval(), torch.rand(2, 3, 12, 12)
+    opt = memlayout.optimize(model, x, measure=False, cache=False)
+    plan = opt.plan
+    assert plan.uncaptured[0][0] == "" and "torch.export" in plan.uncaptured[0][1]
+    assert "encoder" in plan.regions and "heads.a" in plan.regions  # inside the ModuleDict
+    assert plan.coverage.total == conv_calls(model, x)
+    assert plan.coverage.planned == plan.coverage.total
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    text = plan.summary()
+    assert "planned 3 of 3 convolution calls (100 %)" in text and "not captured whole" in text
+
+
+def test_the_planned_model_is_a_drop_in() -> None:
+    model, x = DataDependent().eval(), torch.rand(2, 3, 12, 12)
+    opt = memlayout.optimize(model, x, measure=False, cache=False)
+    assert opt.encoder.output_stride == 1 and opt.stride == 1 and opt.encoder.channels() == 8
+    assert isinstance(opt.encoder, Encoder) and isinstance(opt.heads, nn.ModuleDict)
+    assert list(opt.state_dict()) == list(model.state_dict())
+    other = DataDependent().eval()
+    opt.load_state_dict(other.state_dict())
+    model.load_state_dict(opt.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), other(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model(x), other(x), rtol=0, atol=0)
+
+
+class Attention(nn.Module):
+    """Convolutions around a self-attention whose scores are rank 4 (batch, heads, tokens,
+    tokens): the scores are no image."""
+
+    def __init__(self, c: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.stem, self.qkv, self.out = nn.Conv2d(3, c, 3, padding=1), nn.Linear(c, 3 * c), \
+            nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        b, c, h, w = x.shape
+        tokens = x.flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(tokens).reshape(b, h * w, 3, self.heads, c // self.heads) \
+            .permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)).softmax(dim=-1)
+        y = (scores @ v).transpose(1, 2).reshape(b, h * w, c).transpose(1, 2).reshape(b, c, h, w)
+        return self.out(y + x)
+
+
+def test_attention_tensors_are_not_layout_nodes() -> None:
+    model, x = Attention().eval(), torch.randn(2, 3, 8, 8)
+    opt = memlayout.optimize(model, x, measure=False, cache=False)
+    ops = {n.op for n in opt.plan.nodes}
+    assert not any(word in op for op in ops for word in ("matmul", "softmax", "permute")), ops
+    assert any("Conv2d" in op for op in ops)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class Keyed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, *, shift: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.conv(x) * scale + shift
+
+
+def test_keyword_inputs() -> None:
+    model, x, shift = Keyed().eval(), torch.randn(2, 3, 8, 8), torch.randn(1, 4, 1, 1)
+    opt = memlayout.optimize(model, x, kwargs={"shift": shift, "scale": 2.0}, measure=False,
+                             cache=False)
+    assert opt.plan.model == "Keyed"
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, shift=shift, scale=2.0),
+                                   model(x, shift=shift, scale=2.0), rtol=1e-4, atol=1e-5)
+        for other in ({}, {"shift": shift}, {"shift": shift, "scale": 3.0}):
+            with pytest.raises(PlanError, match="keyword inputs"):
+                opt(x, **other)
+    assert list(opt.state_dict()) == list(model.state_dict())
+
+
+def test_coverage_goes_through_json() -> None:
+    model, x = DataDependent().eval(), torch.rand(2, 3, 12, 12)
+    plan = memlayout.optimize(model, x, measure=False, cache=False).plan
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.coverage == plan.coverage
+    assert back.coverage.text() == plan.coverage.text()

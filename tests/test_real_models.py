@@ -1,0 +1,155 @@
+"""Real third-party models (diffusers, segmentation_models_pytorch, timm hybrids, MONAI), tiny
+configurations with random weights, planned whole: coverage against the convolution calls
+counted by forward hooks, outputs against the original model's, the drop-in attributes.
+
+Needs the ``models`` extra (``pip install -e '.[models]'``); each library is skipped where
+missing. Nothing is downloaded: every configuration is built in code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memlayout
+from memlayout.tensors import iter_tensors
+
+Example = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
+
+
+def unet2d() -> Example:
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DModel(
+        sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+        block_out_channels=(16, 32), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8, attention_head_dim=8)
+    return model, (torch.randn(1, 3, 16, 16), torch.tensor([10])), {}
+
+
+def autoencoder_kl() -> Example:
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
+        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=16)
+    return model, (torch.randn(1, 3, 16, 16),), {}
+
+
+def unet2d_condition() -> Example:
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(16, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+        norm_num_groups=8, attention_head_dim=8)
+    return model, (torch.randn(1, 4, 8, 8), torch.tensor([10])), \
+        {"encoder_hidden_states": torch.randn(1, 3, 16)}
+
+
+def smp_unet() -> Example:
+    smp = pytest.importorskip("segmentation_models_pytorch")
+    model = smp.Unet("resnet18", encoder_weights=None, classes=2, encoder_depth=3,
+                     decoder_channels=(32, 16, 8))
+    return model, (torch.randn(1, 3, 32, 32),), {}
+
+
+def smp_deeplabv3plus() -> Example:
+    smp = pytest.importorskip("segmentation_models_pytorch")
+    model = smp.DeepLabV3Plus("resnet18", encoder_weights=None, classes=2)
+    return model, (torch.randn(2, 3, 32, 32),), {}
+
+
+def timm_mobilevitv2() -> Example:
+    timm = pytest.importorskip("timm")
+    return timm.create_model("mobilevitv2_050", pretrained=False, num_classes=4), \
+        (torch.randn(1, 3, 64, 64),), {}
+
+
+def timm_coatnet() -> Example:
+    timm = pytest.importorskip("timm")
+    return timm.create_model("coatnet_nano_rw_224", pretrained=False, num_classes=4,
+                             img_size=64), (torch.randn(1, 3, 64, 64),), {}
+
+
+def monai_unet3d() -> Example:
+    nets = pytest.importorskip("monai.networks.nets")
+    model = nets.UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(8, 16, 32),
+                      strides=(2, 2), num_res_units=1)
+    return model, (torch.randn(1, 1, 16, 16, 16),), {}
+
+
+MODELS: dict[str, Callable[[], Example]] = {f.__name__: f for f in (
+    unet2d, autoencoder_kl, unet2d_condition, smp_unet, smp_deeplabv3plus, timm_mobilevitv2,
+    timm_coatnet, monai_unet3d)}
+
+
+def conv_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Convolution calls of one forward, counted by forward hooks on the modules."""
+    calls = [0]
+    handles = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+               for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    with torch.no_grad():
+        model(*args, **kwargs)
+    for h in handles:
+        h.remove()
+    return calls[0]
+
+
+def assert_same_outputs(got: Any, want: Any) -> None:
+    got, want = list(iter_tensors(got)), list(iter_tensors(want))
+    assert len(got) == len(want) and got
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_real_model_is_planned_whole_and_verified(name: str) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS[name]()
+    model.eval()
+    opt = memlayout.optimize(model, args, kwargs=kwargs, measure=False, cache=False,
+                             memory=False)
+    coverage = opt.plan.coverage
+    assert coverage.total == conv_calls(model, args, kwargs) > 0
+    assert coverage.planned >= 0.95 * coverage.total, coverage.text()
+    assert opt.plan.verification.ok
+    with torch.no_grad():
+        assert_same_outputs(opt(*args, **kwargs), model(*args, **kwargs))
+    assert list(opt.state_dict()) == list(model.state_dict())
+
+
+def test_smp_attributes_read_in_forward_and_by_callers_still_work() -> None:
+    model, args, _ = smp_deeplabv3plus()
+    opt = memlayout.optimize(model.eval(), args, measure=False, cache=False, memory=False)
+    assert opt.encoder.output_stride == model.encoder.output_stride
+    assert opt.encoder.out_channels == model.encoder.out_channels
+    assert isinstance(opt.encoder, type(model.encoder))
+    assert isinstance(opt.module, type(model))  # the planned module is the model's own class
+
+
+def test_a_diffusers_model_keeps_config_dtype_device_and_state_dict_both_ways() -> None:
+    model, args, _ = unet2d()
+    opt = memlayout.optimize(model.eval(), args, measure=False, cache=False, memory=False)
+    assert opt.config == model.config and opt.dtype == model.dtype
+    assert opt.device == model.device
+    fresh, _, _ = unet2d()
+    opt.load_state_dict(fresh.state_dict())
+    model.load_state_dict(opt.state_dict())
+    with torch.no_grad():
+        assert_same_outputs(opt(*args), fresh.eval()(*args))
+        assert_same_outputs(model(*args), fresh(*args))
+
+
+def test_a_diffusers_unet_training_step_is_planned_and_verified() -> None:
+    torch.manual_seed(0)
+    model, args, _ = unet2d()
+    opt = memlayout.optimize(model.train(), args, measure=False, cache=False, memory=False,
+                             train=True)
+    assert opt.plan.verification.ok and opt.plan.verification.train
+    assert opt.plan.coverage.planned >= 0.95 * opt.plan.coverage.total
+    out = opt(*args).sample
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in opt.parameters() if p.requires_grad)
