@@ -146,6 +146,9 @@ class Verification(Record):
     train: bool = False  # one training step (outputs, gradients, buffers), else one forward
     float64_error: float | None = None  # the float64 re-check's worst error, when it ran
     seconds: float = 0.0
+    #: tensors and parameters of the semantic checks: two calls from the caller's state
+    #: (second output, inputs and buffers after), parameter names, ties, requires_grad
+    semantics: int = 0
 
     def describe(self) -> str:
         """One line: what was compared and which check passed, with its figures."""
