@@ -365,3 +365,57 @@ def test_gradient_strides_are_compared_on_dims_of_size_above_one() -> None:
     planned.zero_grad(set_to_none=True)
     planned(torch.randn(2, 8, 4, 4)).sum().backward()
     assert w.grad.stride() == (8, 1, 8, 8) and w.stride() == (8, 1, 1, 1)  # the case is real
+
+
+def test_a_gradient_the_original_does_not_give_is_a_difference() -> None:
+    """Which parameters receive a gradient is compared, not only the values: a planned model
+    that hands an unused parameter a zero gradient (an optimizer with weight decay would
+    move it) differs from one that hands it none."""
+    from memlayout.plan.verify import verify_training
+
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.spare = nn.Parameter(torch.randn(4, 4, 1, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x)
+
+    class Touches(Unused):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x) + 0 * self.spare.sum()
+
+    reference = Unused()
+    planned = Touches()
+    planned.load_state_dict(reference.state_dict())
+    with pytest.raises(LayoutVerificationError, match="gradient of spare"):
+        verify_training(reference, planned, (torch.randn(2, 3, 6, 6),))
+
+
+def test_a_training_plan_keeps_tied_weights_one_parameter(db) -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Conv2d(3, 3, 3, padding=1)
+            self.b = nn.Conv2d(3, 3, 3, padding=1)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    model = Tied()
+    reference = copy.deepcopy(model)
+    opt = optimize(model, _x(), train=True, measure=False, cache=db, input_format="channels_last")
+    assert opt.module.a.weight is opt.module.b.weight
+    assert len(list(opt.parameters())) == len(list(reference.parameters())) == 3
+    sgd, ref_sgd = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (opt, reference))
+    for _ in range(2):
+        x = _x()
+        opt(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        sgd.step()
+        ref_sgd.step()
+        sgd.zero_grad()
+        ref_sgd.zero_grad()
+    assert _close(opt.module.a.weight, reference.a.weight)

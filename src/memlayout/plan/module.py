@@ -108,7 +108,9 @@ class OptimizedModule(nn.Module):
         held: dict[Signature, Plan] = {}
         if self._signature is not None:
             held[self._signature] = self.plan
-        held.update((sig, plan) for sig, (_, plan) in self._shapes.items() if plan is not None)
+        # a plan for the other mode is held under its shapes too (its ``plan.train`` says which)
+        held.update((tuple(e for e in sig if e[2] != "mode"), plan)
+                    for sig, (_, plan) in self._shapes.items() if plan is not None)
         return held
 
     def prepare_inputs(self, *args: Any) -> tuple[Any, ...]:
@@ -146,13 +148,12 @@ class OptimizedModule(nn.Module):
             # not depend on the shape; dynamo recompiles per shape): no planning traced
             return self.module, self.plan
         sig = _call_signature(args, kwargs)
-        if _mode_specific(self.plan):
-            # an exported graph holds the train/eval behaviour it was captured in
-            # (BatchNorm, Dropout, grad-mode regions): the other mode is another plan
-            if sig == self._signature and self.module.training == self.plan.train:
-                return self.module, self.plan
-            sig = (*sig, ((int(self.module.training),), "train mode", ""))
-        elif sig == self._signature:
+        if self.training != self.plan.train:
+            # a plan is made and verified for one mode (an inference plan's padded weights do
+            # not train; a trace can hold ``self.training`` as a constant): the other mode is
+            # planned on first sight like another shape
+            sig = (*sig, ((), "train" if self.training else "eval", "mode"))
+        if sig == self._signature:
             return self.module, self.plan
         entry = self._shapes.get(sig)
         if entry is not None:
@@ -183,10 +184,6 @@ class OptimizedModule(nn.Module):
         super()._apply(fn, *args, **kwargs)
         self._shapes.clear()
         return self
-
-
-def _mode_specific(plan: Plan) -> bool:
-    return plan.coverage is not None and "torch.export" in plan.coverage.methods
 
 
 class KeywordCall(nn.Module):

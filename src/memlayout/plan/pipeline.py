@@ -87,7 +87,20 @@ from memlayout.plan.result import (
 )
 from memlayout.plan.rewrite import PlannedGraph, rewrite
 from memlayout.plan.solve import Problem, objective
-from memlayout.plan.verify import TOLERANCE, compare, verify, verify_training
+from memlayout.plan.verify import (
+    TOLERANCE,
+    ModuleState,
+    call_twice,
+    compare,
+    inplace_on_inputs,
+    module_state,
+    mutates_in_place,
+    restore_state,
+    state_changes,
+    verify,
+    verify_semantics,
+    verify_training,
+)
 from memlayout.tensors import convert_batch, iter_tensors
 
 
@@ -165,6 +178,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     inputs = example_inputs_of(example_inputs)
     name = name or type(model).__name__
     model, inputs = keyword_call(model, inputs, dict(kwargs or {}))
+    check_materialized(model, inputs)
     options = plan_options(
         model, inputs, dtype=dtype, input_format=input_format, output_format=output_format,
         measure=measure, cache=cache, progress=progress, rounds=rounds, name=name, guard=guard,
@@ -175,7 +189,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         inputs = inputs_in(inputs, options.input_label, options.ranks)
     work = working_copy(model, options.train)
     plan, planned = plan_model(work, inputs, options, start=start)
-    return wrap(work, planned, plan, inputs, options)
+    # an inference plan comes back in the caller's mode (a train-mode call is planned for
+    # training on first sight); a training plan in train mode, as asked
+    return wrap(work, planned, plan, inputs, options, mode=options.train or model.training)
 
 
 def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torch.dtype | None,
@@ -204,10 +220,13 @@ def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torc
 def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *,
                start: float) -> tuple[Plan, nn.Module]:
     """The steps, in order, on ``work`` (the caller's model is never touched). Planning runs
-    the model many times (a training-mode BatchNorm updates its statistics, Dropout draws):
-    the buffers ``work`` had and the caller's RNG state are restored afterwards."""
+    the model many times (a training-mode BatchNorm updates its statistics, a forward counts
+    its calls, Dropout draws, a forward changes its input in place): verification starts
+    from the state ``work`` had and copies of the example as given, and the planned model is
+    returned in that state, with the caller's RNG state as it was."""
     store = open_cache(options.cache, refresh=options.refresh) if options.measure else None
-    saved_state = {k: b.detach().clone() for k, b in work.named_buffers()}
+    state = module_state(work)
+    example = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
     rng_state = _rng_state()
     try:
         captured = capture(work, inputs, dtype=options.dtype, ranks=options.ranks,
@@ -228,8 +247,7 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
         memory = memory_step(work, captured, solution, decision, inputs, padded, options,
                              store, signature)
         blocked = blocked_step(memory.build, inputs, options, store, signature)
-        _restore_buffers(saved_state, work, memory.build.module)
-        verification = verify_step(work, captured, memory.build, inputs, options)
+        verification = verify_step(work, captured, memory.build, example, options, state)
         plan = make_plan(captured, solution, decision, memory, inputs, options,
                          verification=verification, padding=padded, blocked=blocked,
                          seconds=time.perf_counter() - start)
@@ -241,14 +259,15 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
 
 
 def wrap(work: nn.Module, planned: nn.Module, plan: Plan, inputs: tuple[Any, ...],
-         options: PlanOptions) -> OptimizedModule:
-    """The planned model as the caller gets it, planning other input shapes on first sight."""
+         options: PlanOptions, *, mode: bool) -> OptimizedModule:
+    """The planned model as the caller gets it, in train mode ``mode``, planning other input
+    shapes (and the other mode) on first sight."""
     if options.train:
         planned.zero_grad(set_to_none=True)
     optimized = OptimizedModule(planned, plan, options.dtype, replan=Replanner(work, planned, options),
                                 max_plans=options.max_plans, signature=shape_signature(inputs),
                                 ranks=options.ranks)
-    return optimized.train(options.train)
+    return optimized.train(mode)
 
 
 # ---------------------------------------------------------------- steps
@@ -282,6 +301,8 @@ def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Sol
                          output_label=options.output_label if top else "keep")
         if options.keep_weight_formats:
             form = _pin_weight_formats(region.gm, form, options.ranks)
+        if top:
+            form = _pin_inplace_on_inputs(region.gm, form)
         labels = solve_labels(form.integer)
         relaxed = Problem(form.seconds.unary, form.seconds.tensors)
         predicted["planned"] += objective(relaxed, labels) or 0.0
@@ -408,14 +429,51 @@ def blocked_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
 
 
 def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple[Any, ...],
-                options: PlanOptions) -> Verification:
-    """The planned model against the original (one training step when training); raises
-    ``LayoutVerificationError`` naming the first divergent node."""
+                options: PlanOptions, state: ModuleState) -> Verification:
+    """The planned model against the original, both from ``state`` (the caller's) on
+    ``inputs`` (the example as given): one call (one training step when training) compared
+    value by value, then two calls each (the second call's output, the inputs and buffers
+    after them) and the parameters (names, ties, ``requires_grad``). Raises
+    ``LayoutVerificationError`` naming the first divergent node or what else differs; leaves
+    both models in ``state``."""
     start = time.perf_counter()
-    if options.train:
-        verification = _verify_training(work, built, inputs, options)
-    else:
-        verification = _verify(built, inputs, options, expected=captured.output)
+    planned = built.module
+    inplace = [f for r in captured.regions if r.path == "" for f in inplace_on_inputs(r.gm)]
+    if inplace and (options.input_label is not None or options.auto_input):
+        raise LayoutVerificationError(
+            f"the forward changes its input in place ({', '.join(inplace)}), and with "
+            "input_format the planned model converts inputs that arrive in another format on "
+            "entry: the change would land on that copy, not on the caller's tensor. Plan "
+            "without input_format (inputs taken as they come), or make the op out of place "
+            "(x = x * 2 instead of x.mul_(2)); the plan was not applied")
+    restore_state(work, state)
+    want = call_twice(work, inputs, dtype=options.dtype, device=options.device)
+    changes = state_changes(state, work)
+    try:
+        restore_state(work, state)
+        restore_state(planned, state)
+        verification = (_verify_training(work, built, inputs, options) if options.train
+                        else _verify(built, inputs, options, expected=want.outputs[0]))
+        count = verify_semantics(work, planned, inputs, state, want, dtype=options.dtype,
+                                 device=options.device, inplace=tuple(inplace))
+    except LayoutVerificationError as exc:
+        if changes:  # a likelier cause than a wrong conversion
+            raise LayoutVerificationError(
+                f"{exc}. The original's forward changes {', '.join(changes[:3])} on every "
+                "call, which the captured graph does not repeat (torch.fx runs such an update "
+                "once, while tracing, and keeps a Python attribute as a constant): keep "
+                "per-call state out of the planned forward, or update a buffer with a tensor "
+                "op") from exc
+        if inplace:
+            raise LayoutVerificationError(
+                f"{exc}. The forward changes its input in place ({', '.join(inplace)}), and a "
+                "conversion in the plan separates that input from its copy: make the op out "
+                "of place (x = x * 2 instead of x.mul_(2))") from exc
+        raise
+    finally:
+        restore_state(work, state)
+        restore_state(planned, state)
+    verification = dataclasses.replace(verification, semantics=count)
     return dataclasses.replace(verification, seconds=time.perf_counter() - start)
 
 
@@ -463,11 +521,12 @@ def build(work: nn.Module, solution: Solution, options: PlanOptions) -> Build:
     nodes: list[NodeChoice] = []
     conversions: list[Conversion] = []
     checks = []
+    converted: dict[int, torch.Tensor] = {}  # a tensor shared by several modules: one conversion
     for s in solution.regions:
         region = s.region
         sub = planned_tree.get_submodule(region.path) if region.path else planned_tree
         gm = _graph_module_on(sub, region.gm)
-        planned, made = rewrite(sub, gm, s.form, s.labels)
+        planned, made = rewrite(sub, gm, s.form, s.labels, converted)
         if region.path:
             parent_path, _, child = region.path.rpartition(".")
             parent = planned_tree.get_submodule(parent_path) if parent_path else planned_tree
@@ -565,6 +624,25 @@ def _graph_module_on(root: nn.Module, traced: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(root, graph)
 
 
+def _pin_inplace_on_inputs(gm: fx.GraphModule, form: Any) -> Any:
+    """``form`` with every node that changes a graph input in place pinned to the format that
+    input arrives in: run in the other, it would change a converted copy and the caller's
+    tensor would not see the change."""
+    pins: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        first = n.args[0] if n.args else None
+        if (isinstance(first, fx.Node) and first.op == "placeholder" and n.name in form.seconds.unary
+                and n.name not in form.integer.pins and mutates_in_place(gm, n)):
+            arrives = form.producers.get(first.name)
+            if arrives in (0, 1):
+                pins[n.name] = int(arrives)
+    if not pins:
+        return form
+    return dataclasses.replace(
+        form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
+        seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
+
+
 def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -> Any:
     """``form`` with every node that owns (or reads) layout-rank parameters pinned to the
     format those parameters have (canonical strides), where exactly one format fits."""
@@ -600,15 +678,15 @@ def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -
 
 def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
             expected: Any) -> Verification:
-    """Run the planned model once and compare with ``expected`` (the original's output from
-    the capture run). A whole-model plan is one region: compared (and on a mismatch bisected)
+    """Run the planned model once and compare with ``expected`` (the original's output on
+    the same inputs, from the same state). A whole-model plan is one region: compared (and on a mismatch bisected)
     directly. Planned submodules: the whole model is compared; on a mismatch each region is
     checked on its own inputs to name the first divergent node."""
     dtype, checks = options.dtype, built.checks
     if len(checks) == 1 and checks[0].region.path == "":
         region, planned = checks[0].region, checks[0].planned
-        v = verify(region.gm, planned, region.inputs, dtype=dtype, planned_graph=planned.graph,
-                   expected=region.output, device=options.device)
+        v = verify(region.gm, planned, inputs, dtype=dtype, planned_graph=planned.graph,
+                   expected=expected, device=options.device)
         return Verification(True, DTYPE_TOLERANCE, v.max_error, v.tolerance, v.tensors)
     with torch.no_grad(), dtypes.autocast(options.device, dtype):
         got = built.module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
@@ -655,6 +733,23 @@ def _verify_training(work: nn.Module, built: Build, inputs: tuple[Any, ...],
 
 
 # ---------------------------------------------------------------- inputs, state, replanning
+
+
+def check_materialized(model: nn.Module, inputs: tuple[Any, ...]) -> None:
+    """``PlanError`` before any work for a model or input on the meta device: it has shapes
+    but no values, so nothing can be measured or verified."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    meta = [name for name, t in tensors if t.is_meta]
+    if meta:
+        raise PlanError(
+            f"{type(model).__name__} has {len(meta)} of {len(tensors)} parameters and buffers on "
+            f"the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): they "
+            "have shapes but no values, so nothing can be measured or verified. Materialize "
+            "the weights first, e.g. model.to_empty(device='cpu') then initialize them "
+            "(reset_parameters() per module, or load_state_dict from a checkpoint)")
+    if any(t.is_meta for t in iter_tensors(inputs)):
+        raise PlanError("example_inputs are on the meta device (shapes without values): pass "
+                        "real tensors, e.g. torch.randn(shape), on the model's device")
 
 
 def example_inputs_of(example_inputs: Any) -> tuple[Any, ...]:
@@ -749,14 +844,6 @@ def _share_tensors(dst: nn.Module, src: nn.Module) -> None:
                 continue
             owner, _, attr = name.rpartition(".")
             getattr(dst.get_submodule(owner) if owner else dst, kind)[attr] = other
-
-
-def _restore_buffers(saved: dict[str, torch.Tensor], *modules: nn.Module) -> None:
-    with torch.no_grad():
-        for module in modules:
-            for name, b in module.named_buffers():
-                if name in saved and saved[name].shape == b.shape:
-                    b.copy_(saved[name])
 
 
 def _rng_state() -> tuple[torch.Tensor, Any]:

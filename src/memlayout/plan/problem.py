@@ -107,6 +107,10 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | 
             continue
         if n.op == "call_module":
             by_owner.setdefault("module:" + n.target, []).append(n.name)
+            # a tensor several modules share (tied weights) is one tensor in one format
+            for t in gm.get_submodule(n.target).parameters(recurse=False):
+                if t.dim() >= 3:
+                    by_owner.setdefault(f"tensor:{id(t)}", []).append(n.name)
         for m in n.all_input_nodes:
             if input_kind(gm, m) == "param":
                 by_owner.setdefault("attr:" + m.target, []).append(n.name)

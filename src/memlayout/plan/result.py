@@ -20,10 +20,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from memlayout.errors import PlanError
 from memlayout.machine import Conditions
 from memlayout.plan.label import LABELS
 
 SCHEMA = 1  # the version of the plan's JSON
+AUTOCAST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # Plan.dtype names
 UNPADDED = "unpadded"  # a padding candidate's variant name when left as is
 
 #: how a verification passed: every value within the dtype's tolerance, or (a training step)
@@ -41,37 +43,93 @@ class Record:
         return decode(cls, data)
 
 
-def decode(tp: Any, value: Any) -> Any:
+def decode(tp: Any, value: Any, where: str = "") -> Any:
     """``value`` (parsed JSON) as the type ``tp`` says: dataclasses, tuples, dicts and lists
-    rebuilt field by field; unknown keys ignored, so older records with extra fields load.
+    rebuilt field by field; unknown keys ignored (a field appended later with a default loads
+    from a plan written without it). A value that does not fit raises ``PlanError`` naming
+    the field (``where``), what it expected and what it got; an absent record (``None`` at
+    the top) is ``None``.
 
     >>> decode(tuple[int, ...], [1, 2]), decode(dict[str, Conditions], {})
     ((1, 2), {})
+    >>> decode(list[int], [1, "2"], "plan.sizes")
+    Traceback (most recent call last):
+    ...
+    memlayout.errors.PlanError: plan.sizes[1]: expected int, got '2' (str)
     """
-    if value is None:
+    if value is None and not where:
         return None
+    return _decode(tp, value, where or type_name(tp))
+
+
+def _decode(tp: Any, value: Any, where: str) -> Any:
+    if tp is Any:
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            if len(args) < len(typing.get_args(tp)):
+                return None
+            raise _mismatch(where, tp, value)
+        errors = []
         for a in args:
-            if dataclasses.is_dataclass(a) and isinstance(value, dict):
-                return decode(a, value)
-        return decode(args[0], value) if len(args) == 1 else value
+            try:
+                return _decode(a, value, where)
+            except PlanError as exc:
+                errors.append(exc)
+        raise errors[0] if len(args) == 1 else _mismatch(where, tp, value)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, dict):
+            raise _mismatch(where, tp, value)
         hints = typing.get_type_hints(tp)
-        return tp(**{f.name: decode(hints[f.name], value[f.name])
-                     for f in dataclasses.fields(tp) if f.name in value})
+        missing = [f.name for f in dataclasses.fields(tp) if f.name not in value and f.init
+                   and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise PlanError(f"{where}: missing field {missing[0]!r} ({type_name(hints[missing[0]])})"
+                            f" of {tp.__name__}; the plan is truncated or not a memlayout plan")
+        return tp(**{f.name: _decode(hints[f.name], value[f.name], f"{where}.{f.name}")
+                     for f in dataclasses.fields(tp) if f.name in value and f.init})
     if origin is dict:
+        if not isinstance(value, dict):
+            raise _mismatch(where, tp, value)
         _, v = typing.get_args(tp)
-        return {k: decode(v, x) for k, x in value.items()}
-    if origin is tuple:
+        return {k: _decode(v, x, f"{where}[{k!r}]") for k, x in value.items()}
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            raise _mismatch(where, tp, value)
         args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(decode(args[0], x) for x in value)
-        return tuple(decode(a, x) for a, x in zip(args, value, strict=True))
-    if origin is list:
-        return [decode(typing.get_args(tp)[0], x) for x in value]
+        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+            items = [_decode(args[0], x, f"{where}[{i}]") for i, x in enumerate(value)]
+            return items if origin is list else tuple(items)
+        if len(args) != len(value):
+            raise _mismatch(where, tp, value)
+        return tuple(_decode(a, x, f"{where}[{i}]")
+                     for i, (a, x) in enumerate(zip(args, value, strict=True)))
+    if tp is float:  # JSON writes 1.0 as 1.0, but a hand-edited plan may say 1
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _mismatch(where, tp, value)
+    if tp in (int, str, bool):
+        if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+            return value
+        raise _mismatch(where, tp, value)
     return value
+
+
+def type_name(tp: Any) -> str:
+    """How a field's type reads in an error: ``int``, ``list[NodeChoice]``, ``str | None``."""
+    if isinstance(tp, type) and not typing.get_args(tp):
+        return tp.__name__
+    return str(tp).replace("typing.", "").replace("memlayout.plan.result.", "").replace(
+        "memlayout.machine.", "").replace("NoneType", "None")
+
+
+def _mismatch(where: str, tp: Any, value: Any) -> PlanError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return PlanError(f"{where}: expected {type_name(tp)}, got {shown} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -88,6 +146,9 @@ class Verification(Record):
     train: bool = False  # one training step (outputs, gradients, buffers), else one forward
     float64_error: float | None = None  # the float64 re-check's worst error, when it ran
     seconds: float = 0.0
+    #: tensors and parameters of the semantic checks: two calls from the caller's state
+    #: (second output, inputs and buffers after), parameter names, ties, requires_grad
+    semantics: int = 0
 
     def describe(self) -> str:
         """One line: what was compared and which check passed, with its figures."""
@@ -374,13 +435,54 @@ class Plan:
         return json.dumps({"schema": SCHEMA, **dataclasses.asdict(self)}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes) -> Plan:
+        """The plan ``to_json`` wrote. ``PlanError`` for text that is not one: not JSON
+        (truncated, corrupt), another schema (older: plan the model again; newer: upgrade
+        memlayout), or a field missing, of the wrong type, or naming no format."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PlanError(f"plan JSON: not valid JSON ({exc}); the file is truncated or "
+                            "corrupt: save the plan again (Plan.to_json, --save)") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"plan JSON: expected an object with the plan's fields, got "
+                            f"{type(data).__name__}; this is not a memlayout plan")
         schema = data.pop("schema", None)
-        if schema != SCHEMA:
-            raise ValueError(f"plan JSON schema {schema!r}: this memlayout reads schema {SCHEMA} "
-                             "only; plan the model again")
-        return decode(cls, data)
+        if schema is None:
+            raise PlanError(f"plan JSON schema None: the plan has no \"schema\" (written by a "
+                            f"memlayout older than plan schema {SCHEMA}, or not a plan); plan "
+                            "the model again with this memlayout")
+        if not isinstance(schema, int) or isinstance(schema, bool):
+            raise PlanError(f"plan JSON schema {schema!r}: expected an int; not a memlayout plan")
+        if schema < SCHEMA:
+            raise PlanError(f"plan JSON schema {schema}: written by an older memlayout (this one "
+                            f"reads schema {SCHEMA}); plan the model again with this memlayout")
+        if schema > SCHEMA:
+            raise PlanError(f"plan JSON schema {schema}: written by a newer memlayout (this one "
+                            f"reads schema {SCHEMA}); upgrade memlayout to read it, or plan the "
+                            "model again with this one")
+        plan = decode(cls, data, "plan")
+        plan.check_formats()
+        return plan
+
+    def check_formats(self) -> None:
+        """``PlanError`` for a format or dtype name this memlayout does not know (a plan
+        edited by hand or written by another tool): nothing would say what to apply."""
+        labels = tuple(lb.text for lb in LABELS)
+        names: list[tuple[str, Any, tuple[Any, ...]]] = [
+            ("plan.input_format", self.input_format, (None, *labels)),
+            ("plan.output_format", self.output_format, (None, "keep", *labels)),
+            ("plan.dtype", self.dtype, (None, *AUTOCAST_DTYPES))]
+        for i, n in enumerate(self.nodes):
+            names.append((f"plan.nodes[{i}].format", n.format, labels))
+            names += [(f"plan.nodes[{i}].seconds", k, labels) for k in n.seconds]
+        names += [(f"plan.conversions[{i}].to", c.to, labels)
+                  for i, c in enumerate(self.conversions)]
+        for where, value, allowed in names:
+            if value not in allowed:
+                raise PlanError(f"{where}: expected one of {', '.join(map(repr, allowed))}, got "
+                                f"{value!r}; the plan was edited or written by another tool: "
+                                "plan the model again")
 
     def summary(self) -> str:
         """Plain text: counts, conversions, predictions, and one line per check."""

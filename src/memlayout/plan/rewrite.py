@@ -65,17 +65,21 @@ def planned_graph(root: nn.Module, gm: fx.GraphModule) -> nn.Module:
     return root
 
 
-def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
-            labels: dict[str, int]) -> tuple[nn.Module, list[tuple[str, int, tuple[str, ...]]]]:
+def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation, labels: dict[str, int],
+            weights: dict[int, torch.Tensor] | None = None,
+            ) -> tuple[nn.Module, list[tuple[str, int, tuple[str, ...]]]]:
     """Insert conversions into ``gm`` (traced from ``root``; both are modified: pass copies)
     and convert weights. Returns the planned module and the conversions made
     ``(value, to label, consumers served)``. The layout ranks are the captured graph's; the
-    conversions inserted carry them, so the planned forward depends on nothing else."""
+    conversions inserted carry them, so the planned forward depends on nothing else.
+    ``weights`` (a tensor's id -> its converted tensor, one dict for every region of a
+    model): a tensor several modules share (tied weights) is converted once, one tensor."""
     ranks = graph_ranks(gm)
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
     made: list[tuple[str, int, tuple[str, ...]]] = []
+    weights = {} if weights is None else weights
     output = next(n for n in graph.nodes if n.op == "output")
     for value, users in form.consumers.items():
         producer = form.producers[value]
@@ -98,10 +102,10 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation,
         if n.name not in labels:
             continue
         if n.op == "call_module" and module_has_layout_params(gm, n):
-            _convert_tensors(root.get_submodule(n.target), labels[n.name], ranks)
+            _convert_tensors(root.get_submodule(n.target), labels[n.name], ranks, weights)
         for m in n.all_input_nodes:
             if m.op == "get_attr":
-                _convert_attr(root, m.target, labels[n.name], ranks)
+                _convert_attr(root, m.target, labels[n.name], ranks, weights)
     graph.lint()
     gm.recompile()
     return planned_graph(root, gm), made
@@ -138,25 +142,34 @@ def _has_rank3(node: fx.Node) -> bool:
     return meta is not None and any(len(t.shape) == 3 for t in meta.layout_tensors)
 
 
-def _convert_tensors(module: nn.Module, label: int, ranks: tuple[int, ...]) -> None:
+def _convert_tensors(module: nn.Module, label: int, ranks: tuple[int, ...],
+                     converted: dict[int, torch.Tensor]) -> None:
     """``module``'s own parameters and buffers of the layout ``ranks`` in ``label``'s format,
     as new tensors (the originals may be shared with the unplanned copy)."""
     for name in [*module._parameters, *module._buffers]:
-        _convert_attr(module, name, label, ranks)
+        _convert_attr(module, name, label, ranks, converted)
 
 
-def _convert_attr(root: nn.Module, target: str, label: int, ranks: tuple[int, ...]) -> None:
+def _convert_attr(root: nn.Module, target: str, label: int, ranks: tuple[int, ...],
+                  converted: dict[int, torch.Tensor]) -> None:
     owner_path, _, name = target.rpartition(".")
     owner = root.get_submodule(owner_path) if owner_path else root
     value = getattr(owner, name, None)
     if not isinstance(value, torch.Tensor) or value.dim() not in ranks:
         return
-    converted = convert_value(value.detach(), label, ranks)
-    if converted is value.detach() or converted.stride() == value.stride():
-        return
+    new = converted.get(id(value))
+    if new is None:
+        # a shared tensor keeps the format its first user wanted: the min cut ties the users
+        # of one tensor, so they differ only where a format fails for one of them
+        new = convert_value(value.detach(), label, ranks)
+        if new is value.detach() or new.stride() == value.stride():
+            return
+        if isinstance(value, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=value.requires_grad)
+        converted[id(value)] = new
     if isinstance(value, nn.Parameter):
-        owner._parameters[name] = nn.Parameter(converted, requires_grad=value.requires_grad)
+        owner._parameters[name] = new
     elif name in owner._buffers:
-        owner._buffers[name] = converted
+        owner._buffers[name] = new
     else:
-        setattr(owner, name, converted)
+        setattr(owner, name, new)

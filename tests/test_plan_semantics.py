@@ -1,0 +1,332 @@
+"""A plan changes no result: a model whose forward updates state, shares weights, is given in
+train mode, changes its input in place or sits on the meta device is planned equal to the
+original (repeated calls, state, gradients, parameters) or refused with a ``MemlayoutError``
+that says why; never returned different."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from memlayout.errors import LayoutVerificationError, MemlayoutError, PlanError
+from memlayout.plan.pipeline import optimize
+from memlayout.tensors import iter_tensors
+
+
+class CallCounter(nn.Module):
+    """A buffer counting calls that scales the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.conv(x) * self.calls
+
+
+class AttributeCounter(nn.Module):
+    """The same with a plain Python int (a trace holds it as a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.conv(x) * self.calls
+
+
+class Tied(nn.Module):
+    """Two convolutions sharing one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.a = nn.Conv2d(8, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(self.stem(x))))
+
+
+class InPlaceInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.conv(x)
+
+
+class InPlaceAdd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x += 1
+        return self.conv(F.relu(x, inplace=True))
+
+
+class ReturnsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.conv(x)
+
+
+class ReadOnlyBuffer(nn.Module):
+    """A rank-4 buffer read, never written (the rewrite may convert it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.register_buffer("scale", torch.rand(1, 8, 1, 1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) * self.scale
+
+
+class UnusedWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.unused = nn.Parameter(torch.randn(8, 8, 3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class Frozen(nn.Module):
+    """A frozen stem (``requires_grad=False``) before a trained convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1).requires_grad_(False)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.relu(self.stem(x)))
+
+
+def _batchnorm_in_train_mode() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 1)).train()
+
+
+def _cumulative_batchnorm() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None)).train()
+
+
+#: adversarial models: each must come back equal to the original or be refused
+ADVERSARIAL: dict[str, Callable[[], nn.Module]] = {
+    "call counter buffer": CallCounter,
+    "call counter attribute": AttributeCounter,
+    "tied weights": Tied,
+    "train mode batchnorm": _batchnorm_in_train_mode,
+    "cumulative batchnorm": _cumulative_batchnorm,
+    "in-place input mul_": InPlaceInput,
+    "in-place input += and relu": InPlaceAdd,
+    "returns its input": ReturnsInput,
+    "read-only rank-4 buffer": ReadOnlyBuffer,
+    "unused rank-4 parameter": UnusedWeight,
+    "requires_grad=False conv": Frozen,
+}
+
+#: how it is planned: analytic costs as given, a channels-last plan (conversions on every
+#: boundary), and measured costs with the guard (every candidate run many times)
+HOW: dict[str, dict[str, Any]] = {
+    "analytic": {"measure": False},
+    "channels_last": {"measure": False, "input_format": "channels_last"},
+    "guarded": {"measure": True, "guard": True, "rounds": 1, "guard_rounds": 1,
+                "padding": False, "memory": False},
+}
+
+
+def _x(n: int = 2, size: int = 8) -> torch.Tensor:
+    return torch.randn(n, 3, size, size)
+
+
+def _close(a: Any, b: Any) -> bool:
+    ts, us = list(iter_tensors(a)), list(iter_tensors(b))
+    return len(ts) == len(us) and all(
+        t.shape == u.shape and bool((t.detach().float() - u.detach().float()).abs().max()
+                                    <= 1e-4 * max(t.detach().abs().max().item(), 1e-3))
+        for t, u in zip(ts, us, strict=True))
+
+
+def _equivalent(reference: nn.Module, opt: nn.Module, x: torch.Tensor) -> None:
+    """Same mode, parameters (count, ties, requires_grad), state, two calls (outputs, the
+    inputs after them, buffers), gradients (which parameters get one, and their values),
+    and one SGD step later the same again."""
+    assert opt.training == reference.training
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    got_params = {k.removeprefix("module."): p
+                  for k, p in opt.named_parameters(remove_duplicate=False)}
+    assert got_params.keys() == ref_params.keys()
+    assert len(list(opt.parameters())) == len(list(reference.parameters()))
+    for k, p in ref_params.items():
+        assert got_params[k].requires_grad == p.requires_grad
+        twins = [j for j, q in ref_params.items() if q is p]
+        assert all(got_params[j] is got_params[k] for j in twins), f"{k} untied"
+    for k, v in reference.state_dict().items():
+        assert torch.equal(opt.state_dict()[k], v), f"{k} is not the caller's state"
+    sgd_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sgd_opt = torch.optim.SGD(opt.parameters(), lr=0.1)
+    for _ in range(2):  # a call, a step, a call: every call compared
+        for _call in range(2):
+            xr, xo = x.clone(), x.clone()
+            want, got = reference(xr), opt(xo)
+            assert _close(want, got)
+            assert torch.equal(xr, xo), "the caller's input differs after the call"
+        for k, b in reference.named_buffers():
+            assert _close(b, opt.state_dict()[k]), f"buffer {k}"
+        loss_ref = sum(t.float().square().mean() for t in iter_tensors(want) if t.requires_grad)
+        loss_opt = sum(t.float().square().mean() for t in iter_tensors(got) if t.requires_grad)
+        if not isinstance(loss_ref, torch.Tensor):
+            return  # nothing trains
+        loss_ref.backward()
+        loss_opt.backward()
+        for k, p in ref_params.items():
+            g = got_params[k].grad
+            assert (p.grad is None) == (g is None), f"gradient of {k}"
+            assert p.grad is None or _close(p.grad, g), f"gradient of {k}"
+        sgd_ref.step()
+        sgd_opt.step()
+        sgd_ref.zero_grad()
+        sgd_opt.zero_grad()
+
+
+@pytest.mark.parametrize("how", list(HOW))
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_an_adversarial_model_is_planned_equal_or_refused(name: str, how: str, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = ADVERSARIAL[name]()
+    reference = copy.deepcopy(model)
+    x = _x()
+    try:
+        opt = optimize(model, x, cache=tmp_path / "costs.sqlite", **HOW[how])
+    except MemlayoutError as exc:
+        assert "please report" not in str(exc) or "changes" in str(exc), str(exc)
+        return
+    for k, v in reference.state_dict().items():  # the caller's model is untouched
+        assert torch.equal(model.state_dict()[k], v)
+    _equivalent(reference, opt, x)
+
+
+def test_a_call_counter_starts_from_the_caller_s_state_after_guarded_planning(tmp_path) -> None:
+    """Capture, cost measurement, the guard's timing and verification all ran the model:
+    none of those calls shows in the returned model."""
+    model = CallCounter().eval()
+    opt = optimize(model, _x(), cache=tmp_path / "c.sqlite", **HOW["guarded"])
+    assert opt.plan.guard is not None  # the guard ran (it calls each candidate many times)
+    assert float(opt.state_dict()["calls"]) == 0.0 == float(model.calls)
+    x = _x()
+    with torch.no_grad():
+        for _ in range(3):
+            assert _close(model(x), opt(x))
+
+
+def test_a_state_update_the_graph_drops_is_refused_naming_the_state() -> None:
+    # torch.fx runs ``self.calls += 1`` once while tracing and records no update: refused
+    with pytest.raises(LayoutVerificationError, match="changes calls on every call"):
+        optimize(CallCounter().eval(), _x(), measure=False, cache=False)
+
+
+def test_a_trace_that_freezes_an_attribute_is_refused_on_the_second_call() -> None:
+    with pytest.raises(LayoutVerificationError, match="calls"):
+        optimize(AttributeCounter().eval(), _x(), measure=False, cache=False)
+
+
+def test_tied_weights_stay_one_parameter_through_a_channels_last_plan() -> None:
+    torch.manual_seed(0)
+    model = Tied().eval()
+    opt = optimize(model, _x(), measure=False, cache=False, input_format="channels_last")
+    assert opt.plan.counts["channels_last"] > 0
+    assert len(list(opt.parameters())) == len(list(model.parameters())) == 5
+    assert opt.module.a.weight is opt.module.b.weight
+    assert opt.module.a.weight.stride() == (72, 1, 24, 8)  # converted once, channels-last
+    _equivalent(copy.deepcopy(model), opt, _x())
+
+
+def test_an_inference_plan_comes_back_in_the_caller_s_mode() -> None:
+    model = _batchnorm_in_train_mode()
+    opt = optimize(model, _x(), measure=False, cache=False)
+    assert model.training and opt.training and not opt.plan.train
+    reference = copy.deepcopy(model)
+    x = _x()
+    assert _close(reference(x), opt(x))  # train mode: batch statistics, as the original
+    assert _close(reference[1].running_mean, opt.state_dict()["1.running_mean"])
+    assert any(p.train for p in opt.plans.values())  # the train-mode call was planned so
+    opt.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert _close(reference(x), opt(x))
+
+
+def test_an_eval_model_stays_in_eval_mode() -> None:
+    model = _batchnorm_in_train_mode().eval()
+    assert not optimize(model, _x(), measure=False, cache=False).training
+
+
+def test_an_in_place_change_of_the_input_reaches_the_caller_s_tensor() -> None:
+    torch.manual_seed(0)
+    model = InPlaceInput().eval()
+    opt = optimize(model, _x(), measure=False, cache=False)
+    x = _x()
+    xr, xo = x.clone(), x.clone()
+    with torch.no_grad():
+        assert _close(model(xr), opt(xo))
+    assert torch.equal(xr, xo) and torch.equal(xo, 2 * x)
+
+
+def test_an_in_place_change_hidden_by_a_conversion_is_refused_naming_the_op(monkeypatch) -> None:
+    """Planted: the in-place op is pinned to the other format than its input arrives in, so
+    it runs on a converted copy; verification names the in-place op on the input."""
+    from memlayout.plan import pipeline
+
+    def pin_to_channels_last(gm, form):  # noqa: ANN001, ANN202
+        pins = {n.name: 1 for n in gm.graph.nodes if n.name == "mul_"}
+        return dataclasses.replace(
+            form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
+            seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
+
+    monkeypatch.setattr(pipeline, "_pin_inplace_on_inputs", pin_to_channels_last)
+    with pytest.raises(LayoutVerificationError, match=r"in place \(mul_ \(\.mul_\) on input x\)"):
+        optimize(InPlaceInput().eval(), _x(), measure=False, cache=False)
+
+
+def test_an_in_place_change_with_an_input_format_is_refused_naming_the_op() -> None:
+    with pytest.raises(LayoutVerificationError, match=r"mul_ \(\.mul_\) on input x.*input_format"):
+        optimize(InPlaceInput().eval(), _x(), measure=False, cache=False,
+                 input_format="channels_last")
+
+
+@pytest.mark.parametrize("where", ["weights", "inputs"])
+def test_a_meta_device_model_is_one_clear_error_before_any_work(where: str) -> None:
+    with torch.device("meta" if where == "weights" else "cpu"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+    x = _x().to("meta") if where == "inputs" else _x()
+    with pytest.raises(PlanError, match="meta device") as info:
+        optimize(model, x, measure=False, cache=False)
+    if where == "weights":
+        assert "to_empty" in str(info.value)
+
+
+def test_verification_records_the_semantic_checks() -> None:
+    opt = optimize(Tied().eval(), _x(), measure=False, cache=False)
+    assert opt.plan.verification.semantics > 0
