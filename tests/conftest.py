@@ -15,3 +15,15 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_machine(monkeypatch):
+    """The machine reads quiet: what a test checks must not depend on what else runs on this
+    machine. Its load reads 0.5, and only rounds spread 10x are noisy (real rounds beside
+    other jobs spread 1-18x; a test of the noise rules injects a clock with 30x rounds, or
+    its own load reading)."""
+    from memlayout import machine
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    monkeypatch.setattr(machine, "SPREAD_LIMIT", 10.0)

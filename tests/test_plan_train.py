@@ -109,7 +109,7 @@ def test_train_costs_are_cached_under_their_own_keys(db) -> None:
     again = optimize(model, _x(), train=True, cache=db, rounds=1, guard=False)
     assert (again.plan.measured, again.plan.cached > 0) == (0, True)
     with sqlite3.connect(db) as con:
-        keys = [json.loads(k) for (k,) in con.execute("SELECT key FROM costs")]
+        keys = [json.loads(k) for (k,) in con.execute("SELECT key FROM entries")]
     timed = [n.name for n in first.plan.nodes if n.timed]
     node_keys = [k for k in keys if k[0] == "node"]
     assert timed and node_keys and all("train" in k for k in node_keys)

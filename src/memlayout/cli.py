@@ -128,6 +128,20 @@ def _print_conditions(conditions: Conditions) -> None:
         console.print(f"[yellow]warning[/yellow]: {escape(warning)}")
 
 
+def _print_measuring_conditions(measure: bool) -> None:
+    """``optimize``'s first words before it measures: the conditions, and what the planner
+    does with numbers taken on a busy machine."""
+    conditions = Conditions.now()
+    _print_conditions(conditions)
+    if measure and conditions.busy:
+        console.print(
+            "costs measured now are marked noisy (a cost whose rounds spread too far is taken "
+            "again, at most twice) and counted in the plan's summary; a later run on a quiet "
+            "machine measures them again instead of reading them from the cache, and a plan "
+            "whose predicted time disagrees with the guard's measurement by more than 3x "
+            "measures its costs once more", markup=False, highlight=False)
+
+
 def _on_device(value: Any, device: str) -> Any:
     """A tensor, or a tuple / list / dict of them, on ``device``."""
     if isinstance(value, dict):
@@ -430,6 +444,7 @@ def optimize(
                       f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
         if spec.note:
             console.print(f"note: {spec.note}", markup=False, highlight=False)
+        _print_measuring_conditions(measure)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("measuring", total=None)
 
@@ -651,6 +666,87 @@ def train(
     else:
         render_run(run, out)
     shutdown(info)
+
+
+cache_app = typer.Typer(help="The measurement cache: show, prune, clear.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+CACHE_HELP = "The cache file. Default: $MEMLAYOUT_CACHE_DIR/costs.sqlite, else $XDG_CACHE_HOME/memlayout/costs.sqlite."
+
+
+def _cache_file(path: str | None) -> Path:
+    from memlayout.plan.cache import cache_path
+
+    return Path(path) if path else cache_path()
+
+
+@cache_app.command("show")
+def cache_show(
+    path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
+) -> None:
+    """The cache's file and its entries, grouped by machine, kind and quality, with ages."""
+    from memlayout.plan.cache import CostCache, render
+
+    file = _cache_file(path)
+    if not file.is_file():
+        console.print(f"no cache at {file}", markup=False, highlight=False)
+        return
+    store = CostCache(file)
+    try:
+        render(store.summary(), console)
+    finally:
+        store.close()
+
+
+@cache_app.command("prune")
+def cache_prune(
+    older_than: Annotated[float | None, typer.Option(help="Drop entries older than this many days. Default: none.")] = None,
+    noisy: Annotated[bool, typer.Option("--noisy", help="Drop noisy entries (busy machine, or rounds spread too far). Default: off.")] = False,
+    other_machines: Annotated[bool, typer.Option("--other-machines", help="Drop entries of another machine fingerprint (CPU, threads, torch, OpenMP wait policy). Default: off.")] = False,
+    path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
+) -> None:
+    """Drop entries older than --older-than days, noisy ones, or another machine's."""
+    from memlayout.plan.cache import CostCache
+
+    try:
+        if older_than is None and not noisy and not other_machines:
+            raise UsageError("cache prune: give --older-than DAYS, --noisy and/or "
+                             "--other-machines (memlayout cache clear drops everything)")
+        if older_than is not None and older_than < 0:
+            raise UsageError(f"--older-than {older_than}: give a number of days >= 0")
+    except MemlayoutError as exc:
+        _fail(exc)
+    file = _cache_file(path)
+    if not file.is_file():
+        console.print(f"no cache at {file}", markup=False, highlight=False)
+        return
+    store = CostCache(file)
+    try:
+        dropped = store.prune(older_than_days=older_than, noisy_only=noisy,
+                              other_machines=other_machines)
+        left = store.summary().count
+    finally:
+        store.close()
+    console.print(f"pruned {dropped} entries from {file}; {left} left", markup=False,
+                  highlight=False)
+
+
+@cache_app.command("clear")
+def cache_clear(
+    path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
+) -> None:
+    """Drop every entry: the next plan measures everything."""
+    from memlayout.plan.cache import CostCache
+
+    file = _cache_file(path)
+    if not file.is_file():
+        console.print(f"no cache at {file}", markup=False, highlight=False)
+        return
+    store = CostCache(file)
+    try:
+        dropped = store.clear()
+    finally:
+        store.close()
+    console.print(f"cleared {dropped} entries from {file}", markup=False, highlight=False)
 
 
 if __name__ == "__main__":

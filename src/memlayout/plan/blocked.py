@@ -97,7 +97,9 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
     if cache is not None and signature is not None:
         whole_key = json.dumps(["mkldnn-plan", device_name(device), torch.__version__,
                                 signature, rounds])
-        cached = cache.get(whole_key)
+        cached = cache.get(whole_key, lambda r: isinstance(r, dict)
+                           and isinstance(r.get("chains"), list)
+                           and all(isinstance(c, dict) for c in r["chains"]))
         if cached is not None:
             cached["chains"] = [{**c, "source": "cache"} for c in cached["chains"]]
             return BlockedReport.from_dict(cached)
@@ -119,7 +121,7 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
             break
         entry: dict[str, Any] = {"module": path, "children": names, "input_shape": list(x.shape),
                                  "ops": [type(m).__name__ for m in mods]}
-        record = cache.get(key) if cache is not None else None
+        record = cache.get(key, lambda r: isinstance(r, dict)) if cache is not None else None
         if record is None:
             record = _measure(mods, x, rounds)
             if cache is not None and "error" not in record:

@@ -119,7 +119,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     key = _cache_key(model, inputs, run_dtype, plan, compile_kwargs)
     compiled: dict[str, Any] = {}
     try:
-        cached = store.get(key) if store is not None else None
+        cached = store.get(key, g.valid_record) if store is not None else None
         module = None
         if cached is not None:
             kept = _decide(cached, margin)
@@ -137,8 +137,10 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
                                         rounds=rounds, margin=margin, record=record,
                                         timed=measure)
             if store is not None and compiled.get("ratios") is not None:
-                store.put(key, {"ratios": compiled["ratios"], "rounds": compiled["rounds"],
-                                "repeat": compiled.get("repeat", 1)})
+                g.save(store, key, {"ratios": compiled["ratios"], "rounds": compiled["rounds"],
+                                    "repeat": compiled.get("repeat", 1),
+                                    "conditions": compiled.get("conditions"),
+                                    "spread": compiled.get("spread")})
     finally:
         if store is not None:
             store.close()
@@ -185,7 +187,8 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
     errors.update(times["errors"])
     kept = _decide(times, margin)
     return built[kept], {**out, **_describe(times), "kept": kept, "source": "measured",
-                         "ratios": times["ratios"]}
+                         "ratios": times["ratios"], "conditions": times["conditions"],
+                         "spread": times["spread"]}
 
 
 def _decide(record: Mapping[str, Any], margin: float) -> str:

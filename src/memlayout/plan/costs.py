@@ -9,11 +9,15 @@ activations: same kernel either way), how long it takes, through ``memlayout.tim
 value in a definite format gets the time of converting it either way.
 
 Each op's time is the fastest of its interleaved rounds: on a shared machine the noise only ever
-adds time, so the minimum is the least disturbed estimate of the op itself.
+adds time, so the minimum is the least disturbed estimate of the op itself. A measurement whose
+rounds spread more than ``machine.SPREAD_LIMIT`` is taken again (at most ``RETRIES`` times);
+one still spread that far, or taken while the machine was busy (load above the cores), is
+*noisy*: ``NodeCost.noisy`` / ``ConversionCost.noisy`` say so, and the plan counts them.
 
-Measurements are cached in SQLite (``cache_path()``), keyed by device name, thread count,
-torch version, autocast dtype, op, shapes, strides and dtype: a second plan of the same model
-measures nothing. ``measure=False`` runs each layout node once per format (formats only) and
+Measurements are cached (``memlayout.plan.cache``), keyed by device name, torch version,
+autocast dtype, op, shapes, strides and dtype, and the machine's fingerprint, with the
+conditions they were taken under: a second plan of the same model measures nothing, except what
+was noisy, when the machine is quiet now. ``measure=False`` runs each layout node once per format (formats only) and
 uses an analytical cost model instead of timing.
 """
 
@@ -22,13 +26,10 @@ from __future__ import annotations
 import copy
 import json
 import operator
-import os
 import platform
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ from torch import fx, nn
 
 from memlayout.dtypes import autocast
 from memlayout.layout import Format, strides_for
+from memlayout.machine import Conditions, noisy
+from memlayout.plan.cache import CostCache
 from memlayout.plan.capture import (
     FREE,
     META_KEY,
@@ -48,10 +51,14 @@ from memlayout.plan.capture import (
 )
 from memlayout.plan.label import Label
 from memlayout.tensors import convert_module, iter_tensors, to_format
-from memlayout.timing import device_sync, interleaved
+from memlayout.timing import Comparison, device_sync, interleaved
 
 #: ``progress(done, total, what)``, called while measuring
 Progress = Callable[[int, int, str], None]
+
+#: how many times a measurement whose rounds spread beyond ``machine.SPREAD_LIMIT`` is taken
+#: again before it is kept as noisy (a burst of another job passes; a steady load does not)
+RETRIES = 2
 
 # Ops whose kernel does the same work in either format: not timed, only run to see the format
 # of their output. Binary ops among them get their inputs in one format (a mismatch is a
@@ -84,6 +91,7 @@ class NodeCost:
     seconds: tuple[float | None, float | None]
     out: tuple[int | str | None, int | str | None]
     timed: bool
+    noisy: bool = False  # measured on a busy machine, or its rounds spread too far
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,8 @@ class ConversionCost:
     to_0: float
     nbytes: int
     shapes: tuple[tuple[int, ...], ...]
+    timed: bool = True  # ``False``: the analytical model
+    noisy: bool = False
 
 
 @dataclass
@@ -101,6 +111,18 @@ class CostTable:
     conversions: dict[str, ConversionCost] = field(default_factory=dict)
     measured: int = 0  # timings taken in this call
     cached: int = 0  # records read from the cache
+
+    @property
+    def timed_costs(self) -> int:
+        """Timed node costs and conversions (agnostic and analytical ones excluded)."""
+        return (sum(n.timed for n in self.nodes.values())
+                + sum(c.timed for c in self.conversions.values()))
+
+    @property
+    def noisy_costs(self) -> int:
+        """Of ``timed_costs``, those measured on a busy machine or with rounds spread too far."""
+        return (sum(n.noisy for n in self.nodes.values())
+                + sum(c.noisy for c in self.conversions.values()))
 
 
 # ---------------------------------------------------------------- what is a layout node
@@ -201,47 +223,6 @@ def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...]) -> 
 # ---------------------------------------------------------------- the cache
 
 
-def cache_path() -> Path:
-    """``$MEMLAYOUT_CACHE_DIR/costs.sqlite``, else ``$XDG_CACHE_HOME/memlayout/costs.sqlite``
-    (``~/.cache`` when unset)."""
-    root = os.environ.get("MEMLAYOUT_CACHE_DIR")
-    if root:
-        return Path(root) / "costs.sqlite"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "memlayout" / "costs.sqlite"
-
-
-class CostCache:
-    """A key -> JSON record store in SQLite.
-
-    ``refresh=True``: records written before this store was opened read as missing, so every
-    cost and whole-model decision is measured again and overwrites the old record (after a
-    run on a busy machine, say); what this store itself wrote reads back as usual.
-    """
-
-    def __init__(self, path: Path | str | None = None, *, refresh: bool = False) -> None:
-        self.path = Path(path) if path is not None else cache_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.refresh = refresh
-        self._written: set[str] = set()
-        self._db = sqlite3.connect(self.path)
-        self._db.execute("CREATE TABLE IF NOT EXISTS costs (key TEXT PRIMARY KEY, value TEXT)")
-
-    def get(self, key: str) -> Any:
-        if self.refresh and key not in self._written:
-            return None
-        row = self._db.execute("SELECT value FROM costs WHERE key = ?", (key,)).fetchone()
-        return json.loads(row[0]) if row else None
-
-    def put(self, key: str, value: Any) -> None:
-        self._db.execute("INSERT OR REPLACE INTO costs VALUES (?, ?)", (key, json.dumps(value)))
-        self._db.commit()
-        self._written.add(key)
-
-    def close(self) -> None:
-        self._db.close()
-
-
 def device_name(device: torch.device) -> str:
     """What the timings depend on: the accelerator or CPU model, and torch's thread count."""
     if device.type == "cuda":
@@ -265,13 +246,17 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                   dtype: torch.dtype | None = None, measure: bool = True,
                   cache: CostCache | None = None, rounds: int = 5,
                   progress: Progress | None = None, train: bool = False,
-                  device: torch.device | None = None) -> CostTable:
+                  device: torch.device | None = None,
+                  clock: Callable[[], float] = time.perf_counter,
+                  conditions: Callable[[], Conditions] = Conditions.now) -> CostTable:
     """The cost table of every layout node and definite-format value of a captured graph.
 
     ``train``: a node's cost is its forward plus its backward (gradients of its inputs and
     parameters for a gradient of its output's strides), cached under keys that say so; a
     conversion costs its forward copy plus the reverse copy of its gradient in the backward
-    (``to_1 + to_0`` either way). ``device``: where it runs (default: the inputs')."""
+    (``to_1 + to_0`` either way). ``device``: where it runs (default: the inputs').
+    ``clock`` and ``conditions`` (the machine's load) are injectable, so tests decide what a
+    measurement sees."""
     device = device_of(inputs, gm) if device is None else device
     context = [device_name(device), torch.__version__, str(dtype)]
     node_context = [*context, "train"] if train else context
@@ -284,10 +269,12 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     for n in layout_nodes:
         keys = [json.dumps(["node", *node_context, _describe(gm, n, label), label])
                 for label in (0, 1)]
-        records = [cache.get(k) for k in keys] if cache is not None and measure else [None, None]
-        if all(r is not None for r in records):
+        entries = ([cache.entry(k, valid_node_record) for k in keys]
+                   if cache is not None and measure else [None, None])
+        if all(e is not None for e in entries):
             table.cached += 1
-            table.nodes[n.name] = _node_cost(gm, n, records, True)
+            table.nodes[n.name] = _node_cost(gm, n, [e.value for e in entries], True,
+                                             noisy=any(e.noisy for e in entries))
         else:
             todo_nodes[n.name] = keys
     for v in values:
@@ -299,22 +286,25 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
             continue
         shapes = [[list(t.shape), t.dtype] for t in meta.layout_tensors]
         keys = [json.dumps(["convert", *context, shapes, to]) for to in (1, 0)]
-        records = [cache.get(k) for k in keys] if cache is not None else [None, None]
-        if all(r is not None for r in records):
+        entries = ([cache.entry(k, valid_conversion_record) for k in keys]
+                   if cache is not None else [None, None])
+        if all(e is not None for e in entries):
             table.cached += 1
-            table.conversions[v.name] = _conversion_cost(v.name, meta, records)
+            table.conversions[v.name] = _conversion_cost(v.name, meta, [e.value for e in entries],
+                                                         noisy=any(e.noisy for e in entries))
         else:
             todo_values[v.name] = keys
     total = len(todo_nodes) + len(todo_values)
     if total:
         runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
                            rounds=rounds, sync=device_sync(str(device)), progress=progress,
-                           total=total, train=train)
+                           total=total, train=train, clock=clock, conditions=conditions)
         with torch.no_grad(), autocast(device, dtype):
             runner.run(*inputs)
     if train:  # the gradient of a converted value is converted back in the backward
         table.conversions = {
-            name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes)
+            name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes,
+                                 c.timed, c.noisy)
             for name, c in table.conversions.items()}
     return table
 
@@ -323,16 +313,39 @@ def _consumed(gm: fx.GraphModule, v: fx.Node) -> bool:
     return any(u.op == "output" or is_layout_node(gm, u) for u in v.users)
 
 
-def _node_cost(gm: fx.GraphModule, n: fx.Node, records: list[Any], timed: bool) -> NodeCost:
+def valid_node_record(record: Any) -> bool:
+    """A node's cached record as this code writes it: ``{"s": seconds or None, "out": label}``.
+
+    >>> valid_node_record({"s": 0.1, "out": 1}), valid_node_record({"s": "fast"})
+    (True, False)
+    """
+    return (isinstance(record, dict) and "out" in record and _seconds_or_none(record.get("s"))
+            and (record["out"] is None or isinstance(record["out"], (int, str))))
+
+
+def valid_conversion_record(record: Any) -> bool:
+    """A conversion's cached record: ``{"s": seconds}``."""
+    return isinstance(record, dict) and record.get("s") is not None and _seconds_or_none(record["s"])
+
+
+def _seconds_or_none(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and value >= 0)
+
+
+def _node_cost(gm: fx.GraphModule, n: fx.Node, records: list[Any], timed: bool, *,
+               noisy: bool = False) -> NodeCost:
     seconds = tuple(r["s"] for r in records)
     out = tuple(r["out"] for r in records)
+    timed = timed and not is_agnostic(gm, n)
     return NodeCost(n.name, node_target_name(gm, n), seconds, out,  # type: ignore[arg-type]
-                    timed and not is_agnostic(gm, n))
+                    timed, noisy and timed)
 
 
-def _conversion_cost(name: str, meta: ValueMeta, records: list[Any]) -> ConversionCost:
+def _conversion_cost(name: str, meta: ValueMeta, records: list[Any], *,
+                     noisy: bool = False) -> ConversionCost:
     return ConversionCost(name, records[0]["s"], records[1]["s"], meta.nbytes,
-                          tuple(t.shape for t in meta.layout_tensors))
+                          tuple(t.shape for t in meta.layout_tensors), True, noisy)
 
 
 def _describe(gm: fx.GraphModule, n: fx.Node, label: int) -> str:
@@ -368,14 +381,18 @@ class _Measurer(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, todo_nodes: dict[str, list[str]],
                  todo_values: dict[str, list[str]], table: CostTable, *, measure: bool,
                  cache: CostCache | None, rounds: int, sync: Callable[[], None],
-                 progress: Progress | None, total: int, train: bool = False) -> None:
+                 progress: Progress | None, total: int, train: bool = False,
+                 clock: Callable[[], float] = time.perf_counter,
+                 conditions: Callable[[], Conditions] = Conditions.now) -> None:
         super().__init__(gm)
+        self.clock, self.conditions = clock, conditions
         self.ranks = graph_ranks(gm)
         self.train = train
         self.todo_nodes, self.todo_values, self.table = todo_nodes, todo_values, table
         self.measure, self.cache, self.rounds, self.sync = measure, cache, rounds, sync
         self.progress, self.total, self.done = progress, total, 0
         self.memo: dict[str, Any] = {}  # key -> record measured in this run
+        self.memo_noisy: set[str] = set()  # of those, the noisy ones
 
     def _step(self, what: str) -> None:
         self.done += 1
@@ -387,8 +404,9 @@ class _Measurer(fx.Interpreter):
         if n.name in self.todo_nodes:
             keys = self.todo_nodes[n.name]
             if all(k in self.memo for k in keys):  # an identical op measured in this run
-                self.table.nodes[n.name] = _node_cost(self.module, n, [self.memo[k] for k in keys],
-                                                      self.measure)
+                self.table.nodes[n.name] = _node_cost(
+                    self.module, n, [self.memo[k] for k in keys], self.measure,
+                    noisy=any(k in self.memo_noisy for k in keys))
             else:
                 self._measure_node(n)
             self._step(n.name)
@@ -396,7 +414,8 @@ class _Measurer(fx.Interpreter):
             keys = self.todo_values[n.name]
             if all(k in self.memo for k in keys):
                 self.table.conversions[n.name] = _conversion_cost(
-                    n.name, n.meta[META_KEY], [self.memo[k] for k in keys])
+                    n.name, n.meta[META_KEY], [self.memo[k] for k in keys],
+                    noisy=any(k in self.memo_noisy for k in keys))
             else:
                 self._measure_conversion(n, result)
             self._step(f"{n.name} (conversion)")
@@ -453,10 +472,10 @@ class _Measurer(fx.Interpreter):
             try:
                 fn = self._call(n, label)
                 self.sync()
-                start = time.perf_counter()
+                start = self.clock()
                 out = fn()
                 self.sync()
-                first[str(label)] = time.perf_counter() - start
+                first[str(label)] = self.clock() - start
                 records.append({"s": 0.0, "out": value_meta(out, self.ranks).label})
                 calls[str(label)] = fn
             except Exception as exc:  # this format does not work for this op: a fact
@@ -469,10 +488,10 @@ class _Measurer(fx.Interpreter):
                         record["note"] = "forward only: its backward could not run alone"
             else:
                 calls = steps
+        quality = _Quality(None, None)
         if timed and calls:
             repeat = max(1, min(50, int(0.004 / max(min(first.values()), 1e-6))))
-            result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat,
-                                 sync=self.sync)
+            result, quality = self._timed(calls, repeat=repeat)
             for label, timing in result.modes.items():
                 records[int(label)]["s"] = timing.min if timing.ok else None
             self.table.measured += 1
@@ -481,11 +500,9 @@ class _Measurer(fx.Interpreter):
                 # a backward does about twice the work of the forward
                 scale = 3.0 if self.train else 1.0
                 records[int(label)]["s"] = scale * _analytical_seconds(gm, n, int(label))
-        self.table.nodes[n.name] = _node_cost(gm, n, records, self.measure)
+        self.table.nodes[n.name] = _node_cost(gm, n, records, self.measure, noisy=quality.noisy)
         for key, record in zip(self.todo_nodes[n.name], records, strict=True):
-            self.memo[key] = record
-            if self.cache is not None and self.measure:
-                self.cache.put(key, record)
+            self._remember(key, record, quality)
 
     def _train_calls(self, n: fx.Node, calls: dict[str, Callable[[], Any]],
                      first: dict[str, float]) -> dict[str, Callable[[], Any]] | None:
@@ -496,10 +513,10 @@ class _Measurer(fx.Interpreter):
             try:
                 step = self._call(n, int(label), grad=True)
                 self.sync()
-                start = time.perf_counter()
+                start = self.clock()
                 step()
                 self.sync()
-                first[label] = time.perf_counter() - start
+                first[label] = self.clock() - start
             except Exception:
                 return None
             steps[label] = step
@@ -511,17 +528,51 @@ class _Measurer(fx.Interpreter):
         v0, v1 = fresh_value(value, 0, ranks), fresh_value(value, 1, ranks)
         calls = {"to_1": lambda: convert_value(v0, 1, ranks),
                  "to_0": lambda: convert_value(v1, 0, ranks)}
-        probe = interleaved(calls, rounds=1, warmup=1, sync=self.sync)
+        probe = interleaved(calls, rounds=1, warmup=1, sync=self.sync, clock=self.clock)
         quick = min(t.median for t in probe.modes.values())
         repeat = max(1, min(50, int(0.004 / max(quick, 1e-6))))
-        result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat, sync=self.sync)
+        result, quality = self._timed(calls, repeat=repeat)
         records = [{"s": result["to_1"].min}, {"s": result["to_0"].min}]
         self.table.measured += 1
-        self.table.conversions[n.name] = _conversion_cost(n.name, meta, records)
+        self.table.conversions[n.name] = _conversion_cost(n.name, meta, records,
+                                                          noisy=quality.noisy)
         for key, record in zip(self.todo_values[n.name], records, strict=True):
-            self.memo[key] = record
-            if self.cache is not None:
-                self.cache.put(key, record)
+            self._remember(key, record, quality)
+
+    def _timed(self, calls: dict[str, Callable[[], Any]], *,
+               repeat: int) -> tuple[Comparison, _Quality]:
+        """``calls`` timed interleaved; taken again (at most ``RETRIES`` times) while the
+        rounds of a call spread beyond ``machine.SPREAD_LIMIT``. Returns the last comparison
+        and its quality: the widest spread, and the busier conditions of before and after."""
+        before = self.conditions()
+        for _ in range(1 + RETRIES):
+            result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat,
+                                 sync=self.sync, clock=self.clock)
+            spread = max((t.spread for t in result.modes.values() if t.ok), default=0.0)
+            if not noisy(spread):
+                break
+        after = self.conditions()
+        return result, _Quality(spread, after if after.busy or not before.busy else before)
+
+    def _remember(self, key: str, record: dict[str, Any], quality: _Quality) -> None:
+        self.memo[key] = record
+        if quality.noisy:
+            self.memo_noisy.add(key)
+        if self.cache is not None and self.measure:
+            self.cache.put(key, record, spread=quality.spread, conditions=quality.conditions)
+
+
+@dataclass(frozen=True)
+class _Quality:
+    """How far a measurement's rounds spread and what the machine was doing meanwhile
+    (``None``: not timed, nothing to judge)."""
+
+    spread: float | None
+    conditions: Conditions | None
+
+    @property
+    def noisy(self) -> bool:
+        return noisy(self.spread) or (self.conditions is not None and self.conditions.busy)
 
 
 def _iter_float_tensors(value: Any) -> list[torch.Tensor]:
@@ -579,4 +630,4 @@ def _analytical_seconds(gm: fx.GraphModule, n: fx.Node, label: int) -> float:
 def _analytical_conversion(name: str, meta: ValueMeta) -> ConversionCost:
     seconds = 2.0 * meta.nbytes / _BANDWIDTH
     return ConversionCost(name, seconds, seconds, meta.nbytes,
-                          tuple(t.shape for t in meta.layout_tensors))
+                          tuple(t.shape for t in meta.layout_tensors), timed=False)

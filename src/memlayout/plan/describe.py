@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from memlayout.machine import SPREAD_LIMIT
 from memlayout.plan.result import (
     UNPADDED,
     BlockedReport,
@@ -43,11 +44,18 @@ def summary(plan: Plan) -> str:
     if plan.predicted:
         parts = [f"{k} {v * 1e3:.2f} ms" for k, v in plan.predicted.items()]
         step = " (training step: forward + backward)" if plan.train else ""
+        measured = plan.guard.planned_seconds if plan.guard is not None else None
+        if measured:  # what the cost table predicts against the whole model, as timed
+            parts.append(f"the planned model measured {measured * 1e3:.2f} ms by the guard")
         lines.append(f"predicted{step}: " + ", ".join(parts))
     of_which = (f" (of which verification {plan.verification.seconds:.1f} s)"
                 if plan.verification is not None else "")
     lines.append(f"measured {plan.measured}, from cache {plan.cached}, "
                  f"planning took {plan.planning_seconds:.1f} s{of_which}")
+    if plan.costs_noisy:
+        lines.append(f"warning: {plan.costs_noisy} of {plan.costs_timed} costs noisy (measured "
+                     f"on a busy machine, or their rounds spread beyond {SPREAD_LIMIT:.0%}): the plan may "
+                     "differ on a quiet machine, where they are measured again")
     if plan.guard is not None:
         lines.append(guard_summary(plan.guard))
     lines += [line for line in (memory_summary(plan.memory, train=plan.train),
@@ -111,6 +119,9 @@ def guard_summary(g: GuardRecord) -> str:
     line = (f"guard: kept {g.kept}; planned / candidate time, whole model, median of "
             f"{g.rounds} interleaved rounds ({source}; a candidate replaces the plan "
             f"above {1 + g.margin:.2f}): " + "; ".join(parts))
+    if g.spread is not None and g.spread > SPREAD_LIMIT:
+        line += (f"\nnote: the plan's whole-model rounds spread {g.spread:.0%} (beyond "
+                 f"{SPREAD_LIMIT:.0%}); the choice weighs per-round ratios, where drift cancels")
     if g.conditions is not None and g.conditions.busy:
         line += (f"\nwarning: the guard's ratios were measured on a busy machine "
                  f"({g.conditions.describe()}): its choice is noisy")

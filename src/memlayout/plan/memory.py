@@ -232,6 +232,13 @@ def plan_signature(graphs: list[tuple[str, Any, Mapping[str, int]]], extra: Any)
     return graph_signature(graphs, extra)
 
 
+def _valid_peaks(record: Any) -> bool:
+    """A cached pair of peaks as ``memory_step`` writes them (a cache read is checked)."""
+    size = len(dataclasses.fields(MemoryPeak))
+    return isinstance(record, dict) and all(
+        isinstance(record.get(k), list) and len(record[k]) == size for k in ("original", "planned"))
+
+
 def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
                 built: Build, *, solution: Solution, kept: str, predicted: dict[str, float],
                 budget: int | None, padding: Sequence[PadChoice],
@@ -249,7 +256,7 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
     if cache is not None and signature is not None:
         key = json.dumps(["memory", device_name(device), torch.__version__,
                           str(dtype), signature, [(p.module, p.chosen) for p in padding]])
-    peaks = cache.get(key) if key is not None else None
+    peaks = cache.get(key, _valid_peaks) if key is not None else None
     if peaks is not None:
         original = MemoryPeak(*peaks["original"])
         planned = MemoryPeak(*peaks["planned"])

@@ -210,7 +210,7 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
     whole_key = None
     if cache is not None and signature is not None and force is None:
         whole_key = json.dumps(["pad-plan", *context, signature, blocks, rounds, margin])
-        cached = cache.get(whole_key)
+        cached = cache.get(whole_key, _valid_choices)
         if cached is not None:
             return _reapply(model, [PadChoice.from_dict(c) for c in cached], blocks, apply)
     choices = _plan_padding(model, inputs, convs, dtype=dtype, cache=cache, rounds=rounds,
@@ -249,7 +249,7 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
         fmt = "channels_last" if _format_of(x) is torch.channels_last else "contiguous"
         key = json.dumps(["pad-v2", *context, repr(conv), list(x.shape), list(x.stride()),
                           str(x.dtype), sorted(options), rounds])
-        record = cache.get(key) if cache is not None and force is None else None
+        record = cache.get(key, _valid_measure) if cache is not None and force is None else None
         source = "cache"
         if force is not None:
             record = {"seconds": dict.fromkeys([UNPADDED, *options]), "ratios": {}}
@@ -257,7 +257,7 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
         elif record is None:
             record, source = _measure(conv, x, options, dtype, rounds, sync, interleaved), "measured"
             if cache is not None and all(v is not None for v in record["seconds"].values()):
-                cache.put(key, record)
+                cache.put(key, record, spread=record.get("spread"))
         if force is not None:
             chosen = force if force in options else UNPADDED
         else:
@@ -294,7 +294,8 @@ def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
     """Median of per-round ``unpadded / padded`` whole-model times (``memlayout.timing``,
     interleaved; modules swapped in before each call), or ``None`` when the padded model
     fails; cached under ``key``. ``model`` is left unpadded."""
-    record = cache.get(key) if cache is not None and key is not None else None
+    record = (cache.get(key, lambda r: isinstance(r, dict) and _number(r.get("ratio")))
+              if cache is not None and key is not None else None)
     if record is not None:
         return record["ratio"]
     device = device_of(inputs, model) if device is None else device
@@ -318,7 +319,7 @@ def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
             _replace(model, p, m)
     ratio = result.speedup("padded")
     if cache is not None and key is not None and ratio is not None:
-        cache.put(key, {"ratio": ratio})
+        cache.put(key, {"ratio": ratio}, spread=_spread(result.modes.values()))
     return ratio
 
 
@@ -346,7 +347,34 @@ def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int
                          baseline=UNPADDED)
     return {"seconds": {name: (t.min if t.ok else None) for name, t in result.modes.items()},
             "ratios": {name: result.speedup(name) for name in options
-                       if result.speedup(name) is not None}}
+                       if result.speedup(name) is not None},
+            "spread": _spread(result.modes.values())}
+
+
+def _spread(modes: Any) -> float | None:
+    """The widest relative spread of the rounds of the modes that ran (the cache's quality)."""
+    return max((t.spread for t in modes if t.ok), default=None)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _valid_measure(record: Any) -> bool:
+    """A cached per-convolution measurement: seconds per variant, ratios per padded one."""
+    return (isinstance(record, dict) and isinstance(record.get("seconds"), dict)
+            and isinstance(record.get("ratios"), dict) and UNPADDED in record["seconds"]
+            and all(s is None or _number(s) for s in record["seconds"].values())
+            and all(_number(r) for r in record["ratios"].values()))
+
+
+def _valid_choices(record: Any) -> bool:
+    """A cached list of a plan's padding choices that reads back as ``PadChoice`` records."""
+    try:
+        return isinstance(record, list) and all(
+            isinstance(PadChoice.from_dict(c).seconds, dict) for c in record)
+    except (TypeError, KeyError, AttributeError):
+        return False
 
 
 def decide(seconds: dict[str, float | None], ratios: dict[str, float], margin: float) -> str:

@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -126,7 +127,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       it on entry, which costs nothing when they already arrive in it.
     - ``output_format``: ``"keep"`` (as the original returns them), a format, or ``None``.
     - ``measure=False``: an analytical cost model instead of timing; ``cache``: ``True`` (the
-      user cache, see ``memlayout.plan.costs.cache_path``), ``False``, or a database path;
+      user cache, see ``memlayout.plan.cache.cache_path``), ``False``, or a database path;
       ``refresh=True`` measures everything again (costs and the guard's, padding's, memory's
       records) and overwrites what the cache held, e.g. numbers taken on a busy machine.
     - ``progress(done, total, what)`` is called while measuring.
@@ -234,6 +235,15 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
         costs = measure_regions(captured, options, store)
         solution = solve_regions(captured, costs, options)
         decision = guarded_build(work, captured, solution, inputs, options, store)
+        disagree = suspect_costs(captured, solution, decision)
+        if disagree is not None:
+            # the cost table and the whole model disagree (costs taken under load, or cached
+            # from a busier day): measure the costs, and the guard, once more
+            with store.remeasuring() if store is not None else contextlib.nullcontext():
+                costs = measure_regions(captured, options, store)
+                solution = solve_regions(captured, costs, options)
+                decision = guarded_build(work, captured, solution, inputs, options, store)
+            disagree = suspect_costs(captured, solution, decision)
         if decision.input_label is not None and options.auto_input:
             # the inputs arrive in this format from now on: a plan considered later (a memory
             # budget's candidates) must take them so
@@ -251,6 +261,10 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
         plan = make_plan(captured, solution, decision, memory, inputs, options,
                          verification=verification, padding=padded, blocked=blocked,
                          seconds=time.perf_counter() - start)
+        if disagree is not None:
+            note = g.suspect_note(solution.predicted["planned"], decision.record, disagree)
+            plan.notes.append(note)
+            warnings.warn(f"memlayout: {note}", stacklevel=3)
     finally:
         if store is not None:
             store.close()
@@ -358,7 +372,7 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
     margin = options.guard_margin
     key = g.cache_key(device_name(options.device), options.dtype, g.signature(
         solution.graphs(), [options.signature_extra, names, skipped]))
-    record = store.get(key) if store is not None else None
+    record = store.get(key, g.valid_record) if store is not None else None
     if record is not None and not g.measured_busy(record):  # a busy machine's: measure again
         kept = g.decide(record, margin=margin)
         return decided(kept, g.describe(record, kept=kept, margin=margin, source="cache",
@@ -382,10 +396,19 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
                                on_step=on_step,
                                train=options.train, margin=margin, inputs_of=inputs_of)
     if store is not None and not record["errors"]:
-        store.put(key, record)
+        g.save(store, key, record)
     kept = g.decide(record, margin=margin)
     return decided(kept, g.describe(record, kept=kept, margin=margin, source="measured",
                                     skipped=skipped, seconds=time.perf_counter() - start))
+
+
+def suspect_costs(captured: Captured, solution: Solution, decision: GuardDecision) -> float | None:
+    """How far the predicted plan time exceeds the guard's measured one, when beyond
+    ``guard.SUSPECT`` (``None`` too when the guard did not time the plan, or parts of the model
+    run eager outside the plan's prediction)."""
+    if decision.record is None or any(r.path for r in captured.regions) or captured.uncaptured:
+        return None
+    return g.suspect(solution.predicted.get("planned"), decision.record.planned_seconds)
 
 
 def padding_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
@@ -498,6 +521,8 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         padding=padding, memory=memory.record, blocked=blocked, train=options.train,
         input_shapes=[list(t.shape) for t in iter_tensors(inputs)],
         weight_formats_kept=options.keep_weight_formats, coverage=captured.coverage,
+        costs_timed=sum(s.table.timed_costs for s in solution.regions),
+        costs_noisy=sum(s.table.noisy_costs for s in solution.regions),
     )
     plan.notes.extend(conv1d_notes(plan.nodes))  # rank 3: planned, or why not
     if options.auto_input:

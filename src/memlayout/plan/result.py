@@ -192,6 +192,8 @@ class GuardRecord(Record):
     #: the machine while the ratios were measured (the busier of before and after); a cached
     #: decision measured on a busy machine is measured again, not reused
     conditions: Conditions | None = None
+    planned_seconds: float | None = None  # the plan's median time per call, whole model
+    spread: float | None = None  # (max - min) / median of the plan's rounds
 
 
 @dataclass(frozen=True)
@@ -413,6 +415,10 @@ class Plan:
     input_shapes: list[list[int]] = field(default_factory=list)
     weight_formats_kept: bool = False  # nodes owning weights ran in the weights' formats
     coverage: Coverage | None = None  # convolution calls planned, what stayed eager and why
+    #: timed costs (nodes and conversions) and, of those, the noisy ones (measured on a busy
+    #: machine, or rounds spread beyond ``machine.SPREAD_LIMIT``; ``memlayout.plan.cache``)
+    costs_timed: int = 0
+    costs_noisy: int = 0
 
     @property
     def counts(self) -> dict[str, int]:

@@ -1,0 +1,430 @@
+"""The measurement cache (L2 plan): key -> JSON record in SQLite, each with the conditions it
+was measured under.
+
+Every entry stores, beside its record, the machine's fingerprint (``machine.fingerprint()``:
+CPU model, threads, torch version, OpenMP wait policy; part of the primary key, so another
+machine's or thread count's numbers are never read), the load average against the cores, the
+relative spread of its rounds and when it was taken. An entry measured while the machine was
+busy, or whose rounds spread more than ``machine.SPREAD_LIMIT``, is *noisy*: read on a quiet
+machine it is a miss (measured again and overwritten); read on a busy one it is returned and
+said to be noisy (:class:`Entry`), so noisy and quiet numbers are never mixed silently.
+
+The cache can never stop a run. A file that is not a database, fails SQLite's quick check or
+holds another schema is moved aside (``costs.sqlite.corrupt-<UTC time>``, ``.foreign-...``) and
+an empty one is built; a read or write that fails (read-only file, a lock held past
+``timeout``) turns the cache off for the rest of the run with one :class:`CacheWarning`, and
+planning measures without it; a record that does not parse, or fails the reader's check, is a
+miss (one warning).
+
+>>> import tempfile, pathlib
+>>> path = pathlib.Path(tempfile.mkdtemp()) / "costs.sqlite"
+>>> quiet = Conditions(load_average=0.3, cpu_count=2, threads=2, omp_wait_policy="PASSIVE")
+>>> first = CostCache(path, conditions=lambda: quiet)
+>>> first.put('["node", "conv"]', {"s": 0.5}, spread=0.1)
+>>> first.put('["node", "relu"]', {"s": 0.1}, spread=8.5)  # its rounds spread 850 %
+>>> later = CostCache(path, conditions=lambda: quiet)  # the next run, on a quiet machine
+>>> later.get('["node", "conv"]'), later.get('["node", "relu"]')  # the noisy one: measure again
+({'s': 0.5}, None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import sqlite3
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memlayout.machine import SPREAD_LIMIT, Conditions, fingerprint, noisy
+
+SCHEMA = 2  # ``PRAGMA user_version`` of a cache file this code reads
+#: seconds a read or write waits for another process's lock before the cache is turned off
+#: (a planning run commits one small row at a time: a longer lock is a stuck process)
+TIMEOUT = 1.0
+_COLUMNS = ("key", "fingerprint", "kind", "value", "load_average", "cpu_count", "spread",
+            "noisy", "taken_at")
+_CREATE = """CREATE TABLE entries (
+    key TEXT NOT NULL, fingerprint TEXT NOT NULL, kind TEXT NOT NULL, value TEXT NOT NULL,
+    load_average REAL, cpu_count INTEGER, spread REAL, noisy INTEGER NOT NULL,
+    taken_at TEXT NOT NULL, PRIMARY KEY (key, fingerprint))"""
+
+
+class CacheWarning(RuntimeWarning):
+    """The cache could not be used as is (repaired, or off for this run); planning goes on."""
+
+
+def cache_path() -> Path:
+    """``$MEMLAYOUT_CACHE_DIR/costs.sqlite``, else ``$XDG_CACHE_HOME/memlayout/costs.sqlite``
+    (``~/.cache`` when unset)."""
+    root = os.environ.get("MEMLAYOUT_CACHE_DIR")
+    if root:
+        return Path(root) / "costs.sqlite"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "memlayout" / "costs.sqlite"
+
+
+def kind_of(key: str) -> str:
+    """The kind of a key (its first JSON element: ``node``, ``convert``, ``guard``, ...).
+
+    >>> kind_of('["guard", "cpu"]'), kind_of("plain")
+    ('guard', 'other')
+    """
+    try:
+        head = json.loads(key)[0]
+    except (ValueError, TypeError, KeyError, IndexError):
+        return "other"
+    return head if isinstance(head, str) else "other"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached measurement and the conditions it was taken under."""
+
+    key: str
+    kind: str
+    value: Any
+    fingerprint: str
+    load_average: float | None
+    cpu_count: int | None
+    spread: float | None  # (max - min) / median of its rounds; ``None``: not a timing
+    noisy: bool  # busy machine or spread above ``machine.SPREAD_LIMIT``
+    taken_at: str  # UTC, ISO 8601
+
+    def age_days(self, now: datetime.datetime | None = None) -> float | None:
+        """Days since it was taken (``None`` when its time does not parse)."""
+        try:
+            taken = datetime.datetime.fromisoformat(self.taken_at)
+        except ValueError:
+            return None
+        now = now or datetime.datetime.now(datetime.timezone.utc)
+        return (now - taken).total_seconds() / 86400.0
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Entries of one kind on one machine fingerprint, noisy or quiet."""
+
+    kind: str
+    fingerprint: str
+    noisy: bool
+    count: int
+    oldest: str
+    newest: str
+    max_load: float | None
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """What a cache file holds, grouped (``memlayout cache show``)."""
+
+    path: Path
+    bytes: int
+    fingerprint: str  # this machine's
+    groups: tuple[CacheGroup, ...]
+    error: str | None = None  # why it could not be read
+
+    @property
+    def count(self) -> int:
+        return sum(g.count for g in self.groups)
+
+
+class CostCache:
+    """Measurements in SQLite with their conditions (module docstring).
+
+    ``refresh=True``: records written before this store was opened read as missing, so every
+    cost and whole-model decision is measured again and overwrites the old record; what this
+    store itself wrote reads back as usual. ``conditions``: where the machine's load is read
+    (``Conditions.now``; tests inject one).
+    """
+
+    def __init__(self, path: Path | str | None = None, *, refresh: bool = False,
+                 timeout: float = TIMEOUT,
+                 conditions: Callable[[], Conditions] | None = None) -> None:
+        self.path = Path(path) if path is not None else cache_path()
+        self.refresh = refresh
+        self.fingerprint = fingerprint()
+        self.timeout = timeout
+        self._conditions = conditions or Conditions.now
+        self._written: set[str] = set()
+        self._warned = False
+        self._reads, self._writes = True, True
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._db = self._open()
+        except (sqlite3.Error, OSError) as exc:
+            self._off(exc, "opening it", reads=True)
+
+    # ------------------------------------------------------------ opening and repairing
+
+    def _connect(self) -> sqlite3.Connection:
+        if self.path.exists() and not os.access(self.path, os.W_OK):
+            # read what it holds; a write turns writing off (one warning)
+            return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=self.timeout)
+        return sqlite3.connect(self.path, timeout=self.timeout)
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = self._connect()
+        try:
+            problem = _schema_problem(db)
+        except sqlite3.OperationalError:
+            db.close()
+            raise  # locked, unreadable: off for this run, the file is left as it is
+        except sqlite3.DatabaseError:
+            problem = "corrupt"
+        if problem == "empty":
+            with db:
+                db.execute(_CREATE)
+                db.execute(f"PRAGMA user_version = {SCHEMA}")
+            return db
+        if problem is None:
+            return db
+        db.close()
+        aside = self._move_aside(problem)
+        self._warn(f"memlayout: the measurement cache {self.path} was {_PROBLEMS[problem]}; "
+                   f"moved to {aside.name} and started afresh (everything is measured again)")
+        db = self._connect()
+        with db:
+            db.execute(_CREATE)
+            db.execute(f"PRAGMA user_version = {SCHEMA}")
+        return db
+
+    def _move_aside(self, problem: str) -> Path:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        aside = self.path.with_name(f"{self.path.name}.{problem}-{stamp}")
+        self.path.rename(aside)
+        for suffix in ("-journal", "-wal", "-shm"):  # SQLite's side files belong to the old one
+            side = self.path.with_name(self.path.name + suffix)
+            if side.exists():
+                side.rename(aside.with_name(aside.name + suffix))
+        return aside
+
+    # ------------------------------------------------------------ failing softly
+
+    def _warn(self, text: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(text, CacheWarning, stacklevel=3)
+
+    def _off(self, exc: BaseException, doing: str, *, reads: bool) -> None:
+        self._writes = False
+        if reads:
+            self._reads = False
+        what = "off for this run" if reads else "read-only for this run"
+        self._warn(f"memlayout: the measurement cache {self.path} failed while {doing} "
+                   f"({type(exc).__name__}: {exc}); it is {what} and planning measures "
+                   "without it")
+
+    @property
+    def usable(self) -> bool:
+        """Reads still work (``False`` after a failure turned the cache off)."""
+        return self._reads and self._db is not None
+
+    # ------------------------------------------------------------ reading and writing
+
+    def entry(self, key: str, check: Callable[[Any], bool] | None = None) -> Entry | None:
+        """The entry under ``key`` for this machine's fingerprint, or ``None``: missing,
+        refreshed, not valid (``check(value)`` false or not JSON), or noisy while the machine
+        is quiet now (measure it again)."""
+        if not self.usable or (self.refresh and key not in self._written):
+            return None
+        assert self._db is not None
+        try:
+            row = self._db.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM entries WHERE key = ? AND fingerprint = ?",
+                (key, self.fingerprint)).fetchone()
+        except sqlite3.Error as exc:
+            self._off(exc, "reading", reads=True)
+            return None
+        if row is None:
+            return None
+        try:
+            found = _entry(row)
+            valid = check is None or bool(check(found.value))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            valid = False
+        if not valid:
+            self._warn(f"memlayout: a record of unexpected shape in the measurement cache "
+                       f"{self.path} ({kind_of(key)}) was ignored and is measured again")
+            return None
+        if found.noisy and key not in self._written and not self._conditions().busy:
+            return None  # a busy machine's number, read on a quiet one: measure it again
+        return found
+
+    def get(self, key: str, check: Callable[[Any], bool] | None = None) -> Any:
+        """The record under ``key`` (see :meth:`entry`), or ``None``."""
+        found = self.entry(key, check)
+        return None if found is None else found.value
+
+    def put(self, key: str, value: Any, *, spread: float | None = None,
+            conditions: Conditions | None = None, is_noisy: bool | None = None) -> None:
+        """Store ``value`` with the conditions it was measured under (default: now) and the
+        spread of its rounds; noisy when the machine was busy or the spread is beyond
+        ``machine.SPREAD_LIMIT``, unless ``is_noisy`` says otherwise (a decision from
+        interleaved ratios weighs its own spread)."""
+        if not self._writes or self._db is None:
+            return
+        conditions = conditions or self._conditions()
+        row = (key, self.fingerprint, kind_of(key), json.dumps(value),
+               conditions.load_average, conditions.cpu_count, spread,
+               int(conditions.busy or noisy(spread) if is_noisy is None else is_noisy),
+               conditions.taken_at or _now())
+        try:
+            with self._db:
+                self._db.execute(f"INSERT OR REPLACE INTO entries ({', '.join(_COLUMNS)}) "
+                                 f"VALUES ({', '.join('?' * len(_COLUMNS))})", row)
+        except sqlite3.Error as exc:
+            # a read-only file still serves reads; anything else (a lock) turns it off
+            readonly = "readonly" in str(exc).lower()
+            self._off(exc, "writing", reads=not readonly)
+            return
+        self._written.add(key)
+
+    @contextlib.contextmanager
+    def remeasuring(self) -> Iterator[CostCache]:
+        """Within it, every record read is missing until written again (as ``refresh``)."""
+        saved = self.refresh, self._written
+        self.refresh, self._written = True, set()
+        try:
+            yield self
+        finally:
+            self.refresh, self._written = saved[0], saved[1] | self._written
+
+    # ------------------------------------------------------------ the file as a whole
+
+    def summary(self) -> CacheSummary:
+        """The entries grouped by kind, fingerprint and noise, with their ages and loads."""
+        size = self.path.stat().st_size if self.path.is_file() else 0
+        if not self.usable:
+            return CacheSummary(self.path, size, self.fingerprint, (), "could not be read")
+        assert self._db is not None
+        try:
+            rows = self._db.execute(
+                "SELECT kind, fingerprint, noisy, COUNT(*), MIN(taken_at), MAX(taken_at), "
+                "MAX(load_average) FROM entries GROUP BY kind, fingerprint, noisy "
+                "ORDER BY fingerprint, kind, noisy").fetchall()
+        except sqlite3.Error as exc:
+            return CacheSummary(self.path, size, self.fingerprint, (), str(exc))
+        return CacheSummary(self.path, size, self.fingerprint,
+                            tuple(CacheGroup(k, f, bool(n), c, lo, hi, load)
+                                  for k, f, n, c, lo, hi, load in rows))
+
+    def prune(self, *, older_than_days: float | None = None, noisy_only: bool = False,
+              other_machines: bool = False) -> int:
+        """Delete entries older than ``older_than_days``, noisy ones, and/or those of another
+        fingerprint (any of the criteria given); returns how many."""
+        clauses: list[str] = []
+        args: list[Any] = []
+        if older_than_days is not None:
+            cutoff = (datetime.datetime.now(datetime.timezone.utc)
+                      - datetime.timedelta(days=older_than_days))
+            clauses.append("taken_at < ?")
+            args.append(cutoff.isoformat(timespec="seconds"))
+        if noisy_only:
+            clauses.append("noisy = 1")
+        if other_machines:
+            clauses.append("fingerprint != ?")
+            args.append(self.fingerprint)
+        if not clauses:
+            return 0
+        return self._delete(" OR ".join(clauses), args)
+
+    def clear(self) -> int:
+        """Delete every entry; returns how many."""
+        return self._delete("1 = 1", [])
+
+    def _delete(self, where: str, args: list[Any]) -> int:
+        if self._db is None or not self._writes:
+            return 0
+        try:
+            with self._db:
+                return self._db.execute(f"DELETE FROM entries WHERE {where}", args).rowcount
+        except sqlite3.Error as exc:
+            self._off(exc, "deleting", reads=False)
+            return 0
+
+    def close(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            self._db = None
+
+
+_PROBLEMS = {"corrupt": "not a readable SQLite database",
+             "foreign": "written with another schema"}
+
+
+def _schema_problem(db: sqlite3.Connection) -> str | None:
+    """``None`` (this schema), ``"empty"``, ``"corrupt"`` or ``"foreign"``; raises
+    ``OperationalError`` when the file cannot be read now (a lock)."""
+    check = db.execute("PRAGMA quick_check").fetchone()
+    if check is None or check[0] != "ok":
+        return "corrupt"
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not tables:
+        return "empty"
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    columns = {r[1] for r in db.execute("PRAGMA table_info(entries)")}
+    if version != SCHEMA or columns != set(_COLUMNS):
+        return "foreign"
+    return None
+
+
+def _entry(row: tuple[Any, ...]) -> Entry:
+    key, fp, kind, value, load, cpus, spread, is_noisy, taken = row
+    return Entry(key, str(kind), json.loads(value), str(fp),
+                 None if load is None else float(load), None if cpus is None else int(cpus),
+                 None if spread is None else float(spread), bool(is_noisy), str(taken))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def render(summary: CacheSummary, console: Any) -> None:
+    """``memlayout cache show``: the file, then one row per (machine, kind, quality) group
+    with its count, ages and highest load, never one row per entry."""
+    from rich.table import Table
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    console.print(f"cache: {summary.path} ({summary.bytes / 1e6:.2f} MB, {summary.count} "
+                  f"entries)", markup=False, highlight=False)
+    console.print(f"this machine: {summary.fingerprint}", markup=False, highlight=False)
+    if summary.error is not None:
+        console.print(f"could not be read: {summary.error}", markup=False, highlight=False)
+        return
+    if not summary.groups:
+        return
+    table = Table("machine", "kind", "quality", "entries", "newest", "oldest", "max load")
+    for g in summary.groups:
+        machine = "this one" if g.fingerprint == summary.fingerprint else g.fingerprint
+        load = "-" if g.max_load is None else f"{g.max_load:.1f}"
+        table.add_row(machine, g.kind, "noisy" if g.noisy else "quiet", str(g.count),
+                      _age(g.newest, now), _age(g.oldest, now), load)
+    console.print(table)
+    noisy_count = sum(g.count for g in summary.groups if g.noisy)
+    if noisy_count:
+        console.print(f"{noisy_count} noisy entries (busy machine or rounds spread beyond "
+                      f"{SPREAD_LIMIT:.0%}): a quiet run measures them again; "
+                      "`memlayout cache prune --noisy` drops them now", markup=False,
+                      highlight=False)
+
+
+def _age(taken_at: str, now: datetime.datetime) -> str:
+    """``3.2 h ago``, ``5.0 d ago``, ``40 s ago``."""
+    try:
+        seconds = (now - datetime.datetime.fromisoformat(taken_at)).total_seconds()
+    except (ValueError, TypeError):
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h ago"
+    return f"{seconds / 86400:.1f} d ago"

@@ -1,0 +1,174 @@
+"""The measurement cache can never stop a run: a read-only file, a lock held by another
+process, another schema, records of an unexpected shape and a corrupt file each give one
+warning and a plan; a corrupt or foreign file is moved aside and rebuilt. Entries carry the
+machine's fingerprint and conditions; ``memlayout cache`` shows, prunes and clears them."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import warnings
+
+import pytest
+from typer.testing import CliRunner
+
+import memlayout
+from memlayout.cli import app
+from memlayout.machine import Conditions
+from memlayout.plan import cache as cache_module
+from memlayout.plan.cache import CacheWarning, CostCache
+from memlayout.plan.capture import capture
+from memlayout.plan.costs import measure_costs
+from tests.test_plan_api import Branchy, Features, _x
+
+QUIET = Conditions(0.5, 2, 2, "PASSIVE", "2026-12-01T10:00:00+00:00")
+BUSY = Conditions(9.0, 2, 2, "PASSIVE", "2026-12-01T10:00:00+00:00")
+
+
+@pytest.fixture
+def db(tmp_path):
+    return tmp_path / "costs.sqlite"
+
+
+def _plan(model, db, **kwargs):
+    """Plan ``model`` with the cache at ``db``; the cache warnings it gave."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = memlayout.optimize(model, _x(), cache=db, rounds=1, guard_rounds=2, **kwargs)
+    assert opt.plan.verification.ok
+    return opt, [w for w in seen if issubclass(w.category, CacheWarning)]
+
+
+def _aside(db, what: str) -> list:
+    return sorted(db.parent.glob(f"{db.name}.{what}-*"))
+
+
+def test_a_read_only_cache_serves_what_it_has_and_plans_the_rest(db, monkeypatch) -> None:
+    _plan(Features().eval(), db)
+    real = sqlite3.connect
+    # a file this process may read but not write (root ignores file modes: open it read-only)
+    monkeypatch.setattr(sqlite3, "connect", lambda path, **kw: real(
+        f"file:{path}?mode=ro", uri=True, **{k: v for k, v in kw.items() if k != "uri"}))
+    opt, warned = _plan(Branchy().eval(), db)  # new entries needed: writing fails
+    assert len(warned) == 1 and "read-only for this run" in str(warned[0].message)
+    assert opt.plan.measured > 0
+
+
+def test_a_lock_held_mid_run_turns_the_cache_off_with_one_warning(db) -> None:
+    gm = capture(Branchy().eval(), (_x(),)).regions[0].gm
+    store = CostCache(db, timeout=0.05)
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another process holds the file
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            table = measure_costs(gm, (_x(),), cache=store, rounds=1)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    warned = [w for w in seen if issubclass(w.category, CacheWarning)]
+    assert len(warned) == 1 and "locked" in str(warned[0].message)
+    assert table.measured > 0 and not store.usable
+    store.close()
+
+
+@pytest.mark.parametrize("create", [
+    "CREATE TABLE costs (key TEXT PRIMARY KEY, val TEXT)",  # another program's table
+    "CREATE TABLE entries (key TEXT PRIMARY KEY, value TEXT)",  # our name, other columns
+])
+def test_another_schema_is_moved_aside_and_rebuilt(db, create) -> None:
+    with sqlite3.connect(db) as con:
+        con.execute(create)
+        con.execute("INSERT INTO " + create.split()[2] + " VALUES ('k', 'v')")
+    con.close()
+    first, warned = _plan(Branchy().eval(), db)
+    assert len(warned) == 1 and "another schema" in str(warned[0].message)
+    assert len(_aside(db, "foreign")) == 1 and first.plan.measured > 0
+    again, warned = _plan(Branchy().eval(), db)  # repaired: read, no warning
+    assert not warned and again.plan.measured == 0
+
+
+def test_corrupt_bytes_are_moved_aside_once_and_the_cache_rebuilt(db) -> None:
+    db.write_bytes(b"\x00not a database\xff" * 300)
+    first, warned = _plan(Branchy().eval(), db)
+    assert len(warned) == 1 and "not a readable SQLite database" in str(warned[0].message)
+    assert _aside(db, "corrupt")[0].read_bytes().startswith(b"\x00not a database")
+    again, warned = _plan(Branchy().eval(), db)
+    assert not warned and again.plan.measured == 0 and again.plan.guard.source == "cache"
+
+
+
+@pytest.mark.parametrize("bad", ["{oops", "[1, 2]", '{"s": "fast", "out": 0}', '{"x": 1}',
+                                 "null", '{"ratios": 3, "rounds": "many"}'])
+def test_records_of_an_unexpected_shape_are_measured_again(db, bad) -> None:
+    model = Branchy().eval()
+    _plan(model, db)
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE entries SET value = ?", (bad,))
+    con.close()
+    again, warned = _plan(model, db)
+    assert len(warned) == 1 and "unexpected shape" in str(warned[0].message)
+    assert again.plan.measured > 0 and again.plan.cached == 0
+    third, warned = _plan(model, db)  # the bad records were overwritten
+    assert not warned and third.plan.measured == 0
+
+
+def test_another_machine_fingerprint_is_never_read(db, monkeypatch) -> None:
+    first = CostCache(db, conditions=lambda: QUIET)
+    first.put('["node", "conv"]', {"s": 1.0, "out": 0})
+    first.close()
+    monkeypatch.setattr(cache_module, "fingerprint", lambda: "another CPU|threads=1|torch=x|omp=default")
+    other = CostCache(db, conditions=lambda: QUIET)
+    assert other.get('["node", "conv"]') is None  # e.g. another thread count's numbers
+    other.put('["node", "conv"]', {"s": 2.0, "out": 0})
+    assert other.get('["node", "conv"]') == {"s": 2.0, "out": 0}
+    groups = other.summary().groups
+    assert len(groups) == 2 and "another CPU|threads=1|torch=x|omp=default" in {
+        g.fingerprint for g in groups}  # both kept, each for its own machine
+
+
+def test_each_entry_records_its_conditions_and_noise(db) -> None:
+    store = CostCache(db, conditions=lambda: QUIET)
+    store.put('["node", "a"]', {"s": 1.0, "out": 0}, spread=0.05)
+    store.put('["node", "b"]', {"s": 1.0, "out": 0}, spread=0.05, conditions=BUSY)
+    store.put('["guard", "c"]', {"ratios": {}, "rounds": 3}, spread=25.0)
+    a, b, c = (store.entry(k) for k in ('["node", "a"]', '["node", "b"]', '["guard", "c"]'))
+    assert (a.noisy, b.noisy, c.noisy) == (False, True, True)  # written this run: read back
+    assert (a.load_average, b.load_average, a.cpu_count, a.spread) == (0.5, 9.0, 2, 0.05)
+    assert a.taken_at == QUIET.taken_at and a.age_days() > 0
+    later = CostCache(db, conditions=lambda: QUIET)
+    assert later.get('["node", "a"]') is not None and later.get('["node", "b"]') is None
+    busy_later = CostCache(db, conditions=lambda: BUSY)  # busy now: reused, said noisy
+    assert busy_later.entry('["node", "b"]').noisy
+
+
+def test_cache_verb_shows_prunes_and_clears(db) -> None:
+    store = CostCache(db, conditions=lambda: QUIET)
+    for i in range(40):
+        store.put(json.dumps(["node", i]), {"s": 1.0, "out": 0}, spread=0.05)
+    for i in range(7):
+        store.put(json.dumps(["convert", i]), {"s": 1.0}, spread=0.05, conditions=BUSY)
+    store.put(json.dumps(["guard", 0]), {"ratios": {}, "rounds": 1},
+              conditions=Conditions(0.5, 2, 2, "PASSIVE", "2020-01-01T00:00:00+00:00"))
+    store.close()
+    runner = CliRunner()
+    shown = runner.invoke(app, ["cache", "show", "--path", str(db)])
+    assert shown.exit_code == 0, shown.output
+    assert str(db) in shown.output and "48 entries" in shown.output
+    assert len(shown.output.splitlines()) < 20  # grouped, not one line per entry
+    assert "7 noisy entries" in shown.output
+    noisy = runner.invoke(app, ["cache", "prune", "--noisy", "--path", str(db)])
+    assert noisy.exit_code == 0 and "pruned 7 entries" in noisy.output and "41 left" in noisy.output
+    old = runner.invoke(app, ["cache", "prune", "--older-than", "30", "--path", str(db)])
+    assert "pruned 1 entries" in old.output and "40 left" in old.output
+    bare = runner.invoke(app, ["cache", "prune", "--path", str(db)])
+    assert bare.exit_code == 2 and "--older-than" in bare.output
+    cleared = runner.invoke(app, ["cache", "clear", "--path", str(db)])
+    assert "cleared 40 entries" in cleared.output
+    assert CostCache(db).summary().count == 0
+
+
+def test_cache_verb_on_a_missing_file_creates_nothing(tmp_path) -> None:
+    db = tmp_path / "none.sqlite"
+    shown = CliRunner().invoke(app, ["cache", "show", "--path", str(db)])
+    assert shown.exit_code == 0 and "no cache at" in shown.output and not db.exists()
