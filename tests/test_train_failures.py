@@ -1,7 +1,7 @@
 """What a user can get wrong around ``memlayout train`` ends in one clear error, before long
 work where it can: checkpoint folders (a file, a missing or unwritable parent, a full disk,
-a second run on the same folder, a live writer's temporary file), a rank that stops answering,
-BatchNorm statistics per rank."""
+a second run on the same folder, a live writer's temporary file), a rank that stops answering
+(during an FSDP step), BatchNorm statistics per rank."""
 
 from __future__ import annotations
 
@@ -184,16 +184,23 @@ def test_the_lock_is_released_when_a_run_ends(work, tmp_path):
 # ---------------------------------------------------------------------------------------
 # A rank that stops answering
 
+# rank 0 trains a model sharded with FSDP (its parameter all-gathers are the collectives that
+# wait); DDP's all-reduce goes through the same ``collectives``
 COLLECTIVE = """
 import sys
 import torch
+from torch import nn
 from memlayout.errors import TrainError
-from memlayout.train.ddp import all_reduce_sum, collectives, init_distributed
+from memlayout.train.ddp import collectives, init_distributed
+from memlayout.train.fsdp import wrap_fsdp
 
 info = init_distributed("cpu", timeout=2)
 try:
-    with collectives(info, 2, "a test all-reduce"):
-        all_reduce_sum([1.0], torch.device("cpu"))
+    with collectives(info, 2, "an FSDP training step"):
+        model = wrap_fsdp(nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3)), nn.Flatten(),
+                                        nn.Linear(4 * 6 * 6, 2)))
+        x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+        model(x).sum().backward()
 except TrainError as exc:
     print(f"error: {exc}", flush=True)
     sys.exit(3)
@@ -224,7 +231,7 @@ def test_a_frozen_rank_is_named_within_the_timeout():
         out, _ = ranks[0].communicate(timeout=WAIT)  # torch's default would be 30 minutes
         assert ranks[0].returncode == 3, out
         text = " ".join(out.split())
-        assert "rank 0 of 2: rank 1 stopped answering while a test all-reduce" in text
+        assert "rank 0 of 2: rank 1 stopped answering while an FSDP training step" in text
         assert "--timeout 2 s" in text and "raise --timeout" in text
         assert "Traceback" not in text
     finally:

@@ -577,9 +577,10 @@ def train(
     timeout: Annotated[float, typer.Option(help="Under torchrun: seconds a rank waits for the others (joining, each collective) before the run stops with an error naming the silent rank. Default: 300.")] = 300.0,
     seed: Annotated[int, typer.Option(help="Seed of the weights, data order and dropout. Default: 0.")] = 0,
     threads: Annotated[int | None, typer.Option(help="torch.set_num_threads per process (1 is steadier on a loaded machine). Default: torch's setting (torchrun: 1).")] = None,
+    strategy: Annotated[str, typer.Option(help="Under torchrun: ddp (a replica per rank) or fsdp (FSDP2 fully_shard per block then the root, parameters contiguous, activations in --layout, mixed precision by FSDP's policy, sharded checkpoints latest.dcp). Default: ddp.")] = "ddp",
 ) -> None:
     """Train an image classifier (reference loop) in one layout, on one process or under
-    torchrun (DDP); print images/s, loss and accuracy per interval."""
+    torchrun (DDP or FSDP); print images/s, loss and accuracy per interval."""
     import contextlib
 
     from memlayout.train import (
@@ -601,7 +602,7 @@ def train(
                           lr=lr, checkpoint=checkpoint, resume=resume, image_size=image_size,
                           workers=workers, log_every=log_every, seed=seed, max_steps=max_steps,
                           device=_device(device), plan_measure=plan_costs == "measured",
-                          sync_batchnorm=sync_bn, timeout=timeout)
+                          sync_batchnorm=sync_bn, timeout=timeout, strategy=strategy)
         for name in layouts or [layout]:
             dataclasses.replace(cfg, layout=name).check()
     except MemlayoutError as exc:
@@ -618,7 +619,7 @@ def train(
                 if info.is_main:
                     make_synthetic(data, synthetic, size=image_size, seed=seed)
                 barrier(info)
-        where = (f"{info.world_size} processes (torchrun, DDP {'nccl' if cfg.device.startswith('cuda') else 'gloo'})"
+        where = (f"{info.world_size} processes (torchrun, {cfg.strategy.upper()} {'nccl' if cfg.device.startswith('cuda') else 'gloo'})"
                  if info.distributed else "1 process")
         with contextlib.ExitStack() as stack, _progress(out) as progress:
             bar = progress.add_task("building", total=None)

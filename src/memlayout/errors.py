@@ -64,3 +64,7 @@ class CheckpointError(MemlayoutError):
 
 class ExportError(MemlayoutError):
     """``torch.export`` of a (planned) model failed; the message says why and what to do."""
+
+
+class FSDPError(TrainError):
+    """A model FSDP's ``fully_shard`` cannot take as given (``memlayout.train.fsdp``)."""

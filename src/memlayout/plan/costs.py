@@ -50,6 +50,8 @@ from memlayout.plan.capture import (
     value_meta,
 )
 from memlayout.plan.label import Label
+from memlayout.plan.weights import AS_IS, CONTIGUOUS, CONVERTED, PER_CALL, can_convert_per_call
+from memlayout.plan.weights import convert_per_call as _convert_per_call
 from memlayout.tensors import convert_module, iter_tensors, to_format
 from memlayout.timing import Comparison, device_sync, interleaved
 
@@ -84,7 +86,9 @@ _AGNOSTIC_METHODS: frozenset[str] = frozenset({
 class NodeCost:
     """One layout node: seconds in label 0 / 1 (``None``: fails in that format), the label of
     its output when run in each (``FREE``/``NONE``/``None`` as in ``ValueMeta``), and whether
-    the seconds were timed (``False``: agnostic op, or the analytical model)."""
+    the seconds were timed (``False``: agnostic op, or the analytical model). ``weights``:
+    with contiguous weights, how the channels-last run reads them (``AS_IS`` or ``PER_CALL``,
+    the faster; ``None``: no weights, or weights converted once)."""
 
     name: str
     op: str
@@ -92,6 +96,7 @@ class NodeCost:
     out: tuple[int | str | None, int | str | None]
     timed: bool
     noisy: bool = False  # measured on a busy machine, or its rounds spread too far
+    weights: str | None = None
 
 
 @dataclass(frozen=True)
@@ -208,9 +213,16 @@ def fresh_value(value: Any, label: int | None, ranks: tuple[int, ...]) -> Any:
     return value
 
 
-def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...]) -> nn.Module:
+def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...], *,
+                      weights: str = CONVERTED) -> nn.Module:
     """``module``'s weights of the layout ``ranks`` in label's format, in place (returns
-    ``module``)."""
+    ``module``). ``weights=CONTIGUOUS``: every weight contiguous whatever the label, and
+    ``PER_CALL``: contiguous, converted per call to the input's format
+    (``memlayout.plan.weights``)."""
+    if weights == PER_CALL:
+        _convert_per_call(module)
+    if weights != CONVERTED:
+        label = 0
     if label == 1:
         if 3 in ranks:  # a 1-d convolution model: Conv1d weights N L C too
             convert_module(module, Format.CHANNELS_LAST_1D)
@@ -246,7 +258,7 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                   dtype: torch.dtype | None = None, measure: bool = True,
                   cache: CostCache | None = None, rounds: int = 5,
                   progress: Progress | None = None, train: bool = False,
-                  device: torch.device | None = None,
+                  device: torch.device | None = None, weights: str = CONVERTED,
                   clock: Callable[[], float] = time.perf_counter,
                   conditions: Callable[[], Conditions] = Conditions.now) -> CostTable:
     """The cost table of every layout node and definite-format value of a captured graph.
@@ -255,11 +267,15 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     parameters for a gradient of its output's strides), cached under keys that say so; a
     conversion costs its forward copy plus the reverse copy of its gradient in the backward
     (``to_1 + to_0`` either way). ``device``: where it runs (default: the inputs').
+    ``weights=CONTIGUOUS``: weights stay contiguous; a convolution's channels-last time is the
+    faster of reading them as they are and converting them per call.
     ``clock`` and ``conditions`` (the machine's load) are injectable, so tests decide what a
     measurement sees."""
     device = device_of(inputs, gm) if device is None else device
     context = [device_name(device), torch.__version__, str(dtype)]
     node_context = [*context, "train"] if train else context
+    if weights != CONVERTED:
+        node_context = [*node_context, f"weights={weights}"]
     layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
     values = [n for n in gm.graph.nodes if n.op != "get_attr"
               and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in (0, 1)]
@@ -298,7 +314,8 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     if total:
         runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
                            rounds=rounds, sync=device_sync(str(device)), progress=progress,
-                           total=total, train=train, clock=clock, conditions=conditions)
+                           total=total, train=train, weights=weights, clock=clock,
+                           conditions=conditions)
         with torch.no_grad(), autocast(device, dtype):
             runner.run(*inputs)
     if train:  # the gradient of a converted value is converted back in the backward
@@ -339,7 +356,7 @@ def _node_cost(gm: fx.GraphModule, n: fx.Node, records: list[Any], timed: bool, 
     out = tuple(r["out"] for r in records)
     timed = timed and not is_agnostic(gm, n)
     return NodeCost(n.name, node_target_name(gm, n), seconds, out,  # type: ignore[arg-type]
-                    timed, noisy and timed)
+                    timed, noisy=noisy and timed, weights=records[1].get("w"))
 
 
 def _conversion_cost(name: str, meta: ValueMeta, records: list[Any], *,
@@ -382,12 +399,14 @@ class _Measurer(fx.Interpreter):
                  todo_values: dict[str, list[str]], table: CostTable, *, measure: bool,
                  cache: CostCache | None, rounds: int, sync: Callable[[], None],
                  progress: Progress | None, total: int, train: bool = False,
+                 weights: str = CONVERTED,
                  clock: Callable[[], float] = time.perf_counter,
                  conditions: Callable[[], Conditions] = Conditions.now) -> None:
         super().__init__(gm)
         self.clock, self.conditions = clock, conditions
         self.ranks = graph_ranks(gm)
         self.train = train
+        self.weights = weights
         self.todo_nodes, self.todo_values, self.table = todo_nodes, todo_values, table
         self.measure, self.cache, self.rounds, self.sync = measure, cache, rounds, sync
         self.progress, self.total, self.done = progress, total, 0
@@ -421,10 +440,13 @@ class _Measurer(fx.Interpreter):
             self._step(f"{n.name} (conversion)")
         return result
 
-    def _call(self, n: fx.Node, label: int, *, grad: bool = False) -> Callable[[], Any]:
+    def _call(self, n: fx.Node, label: int | str, *, grad: bool = False) -> Callable[[], Any]:
         """The node run on fresh inputs in ``label``; ``grad``: a training step of it instead
-        (forward, then the gradients of its inputs and parameters, see :func:`_train_step`)."""
+        (forward, then the gradients of its inputs and parameters, see :func:`_train_step`).
+        ``"1:per_call"``: in label 1, its contiguous weights converted per call."""
         gm = self.module
+        label, _, storage = str(label).partition(":")
+        label = int(label)
         wrt: list[torch.Tensor] = []
         args, kwargs = fx.node.map_arg((n.args, n.kwargs),
                                        lambda m: self._input(m, label, wrt if grad else None))
@@ -433,7 +455,8 @@ class _Measurer(fx.Interpreter):
             if module_has_layout_params(gm, n) or grad:  # a copy: training must not touch it
                 target = copy.deepcopy(target)
             if module_has_layout_params(gm, n):
-                target = convert_module_to(target, label, self.ranks)
+                target = convert_module_to(target, label, self.ranks,
+                                           weights=storage or self.weights)
             wrt.extend(p for p in target.parameters() if p.requires_grad)
             fn: Callable[[], Any] = lambda: target(*args, **kwargs)  # noqa: E731
         elif n.op == "call_function":
@@ -445,6 +468,8 @@ class _Measurer(fx.Interpreter):
 
     def _input(self, m: fx.Node, label: int, wrt: list[torch.Tensor] | None = None) -> Any:
         kind = input_kind(self.module, m)
+        if kind == "param" and self.weights != CONVERTED:
+            kind, label = "term", 0  # weights stored contiguous whatever the node's label
         value = fresh_value(self.env[m], label if kind in ("term", "param") else None,
                             self.ranks)
         if wrt is not None and m.op != "placeholder":
@@ -468,6 +493,7 @@ class _Measurer(fx.Interpreter):
         records: list[dict[str, Any]] = []
         calls: dict[str, Callable[[], Any]] = {}
         first: dict[str, float] = {}
+        contiguous = self.weights == CONTIGUOUS and module_has_layout_params(gm, n)
         for label in (0, 1):
             try:
                 fn = self._call(n, label)
@@ -480,6 +506,22 @@ class _Measurer(fx.Interpreter):
                 calls[str(label)] = fn
             except Exception as exc:  # this format does not work for this op: a fact
                 records.append({"s": None, "out": None, "error": f"{type(exc).__name__}"})
+        if contiguous:
+            records[1]["w"] = AS_IS
+        per_call = f"1:{PER_CALL}"
+        if (contiguous and timed and "1" in calls
+                and can_convert_per_call(gm.get_submodule(n.target))):
+            # the other way to run channels-last on a contiguous weight: timed alongside
+            try:
+                fn = self._call(n, per_call)
+                self.sync()
+                start = time.perf_counter()
+                fn()
+                self.sync()
+                first[per_call] = time.perf_counter() - start
+                calls[per_call] = fn
+            except Exception:  # reading the weight as it is works: that one stays
+                pass
         if timed and calls and self.train:
             steps = self._train_calls(n, calls, first)
             if steps is None:  # no backward runs here (in place on a leaf): forward only
@@ -493,10 +535,15 @@ class _Measurer(fx.Interpreter):
             repeat = max(1, min(50, int(0.004 / max(min(first.values()), 1e-6))))
             result, quality = self._timed(calls, repeat=repeat)
             for label, timing in result.modes.items():
-                records[int(label)]["s"] = timing.min if timing.ok else None
+                if label != per_call:
+                    records[int(label)]["s"] = timing.min if timing.ok else None
+            if per_call in result.modes and result.modes[per_call].ok:
+                s = result.modes[per_call].min
+                if records[1]["s"] is None or s < records[1]["s"]:
+                    records[1].update(s=s, w=PER_CALL)
             self.table.measured += 1
         elif not self.measure and calls:
-            for label in calls:
+            for label in [c for c in calls if c != per_call]:
                 # a backward does about twice the work of the forward
                 scale = 3.0 if self.train else 1.0
                 records[int(label)]["s"] = scale * _analytical_seconds(gm, n, int(label))
@@ -511,7 +558,7 @@ class _Measurer(fx.Interpreter):
         steps: dict[str, Callable[[], Any]] = {}
         for label in calls:
             try:
-                step = self._call(n, int(label), grad=True)
+                step = self._call(n, label, grad=True)
                 self.sync()
                 start = self.clock()
                 step()

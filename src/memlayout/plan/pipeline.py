@@ -102,6 +102,7 @@ from memlayout.plan.verify import (
     verify_semantics,
     verify_training,
 )
+from memlayout.plan.weights import CONTIGUOUS, CONVERTED, WEIGHTS, storage_counts, store_weights
 from memlayout.tensors import convert_batch, iter_tensors
 
 
@@ -114,7 +115,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              guard_margin: float = 0.0, memory: bool = True,
              memory_budget: int | str | None = None, padding: bool = True,
              blocked: bool = False, refresh: bool = False,
-             kwargs: dict[str, Any] | None = None) -> OptimizedModule:
+             kwargs: dict[str, Any] | None = None,
+             weights: str = CONVERTED) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -150,6 +152,10 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       back in their strides (what DDP's gradient buckets expect).
     - ``keep_weight_formats``: every node that owns a rank-4/5 parameter runs in the format
       the parameter already has (no new parameter tensors).
+    - ``weights``: ``"converted"`` (a channels-last node's weights converted once, here) or
+      ``"contiguous"``: every parameter stays contiguous (what FSDP's ``fully_shard``
+      takes), and each channels-last convolution reads its weight as it is or converts it per
+      call, whichever measures faster (``memlayout.plan.weights``).
     - ``max_plans``: changing shapes. A call with another input shape signature (shapes,
       dtypes, devices of the tensor arguments: another batch size or image size) is planned
       on first sight, on the live weights, with their formats kept (one set of parameters
@@ -185,7 +191,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         measure=measure, cache=cache, progress=progress, rounds=rounds, name=name, guard=guard,
         guard_rounds=guard_rounds, train=train, keep_weight_formats=keep_weight_formats,
         max_plans=max_plans, guard_margin=guard_margin, memory=memory,
-        memory_budget=memory_budget, padding=padding, blocked=blocked, refresh=refresh)
+        memory_budget=memory_budget, padding=padding, blocked=blocked, refresh=refresh,
+        weights=weights)
     if options.input_label is not None:
         inputs = inputs_in(inputs, options.input_label, options.ranks)
     work = working_copy(model, options.train)
@@ -198,7 +205,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
 def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torch.dtype | None,
                  input_format: str | Format | None, output_format: str | Format | None,
                  name: str | None, memory_budget: int | str | None, max_plans: int,
-                 **rest: Any) -> PlanOptions:
+                 weights: str = CONVERTED, **rest: Any) -> PlanOptions:
     """The options record of one planning run: keywords checked and parsed once, the device
     read from the example, the layout ranks from the model."""
     try:
@@ -208,6 +215,9 @@ def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torc
     if not isinstance(max_plans, int) or max_plans < 1:
         raise PlanError(f"max_plans must be an int >= 1 (the example's plan is always held), "
                         f"got {max_plans!r}; 1 plans every other shape at each call")
+    if weights not in WEIGHTS:
+        raise PlanError(f"weights must be one of {', '.join(map(repr, WEIGHTS))}, got "
+                        f"{weights!r}; 'contiguous' keeps every parameter contiguous (FSDP)")
     auto_input = isinstance(input_format, str) and input_format.strip().lower() == AUTO
     output_label = "keep" if output_format == "keep" else format_label(output_format, "output_format")
     return PlanOptions(
@@ -215,7 +225,8 @@ def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torc
         ranks=planned_ranks(model),
         input_label=None if auto_input else format_label(input_format, "input_format"),
         auto_input=auto_input, output_label=output_label, max_plans=max_plans,
-        memory_budget=mem.budget_bytes(memory_budget), **rest)
+        memory_budget=mem.budget_bytes(memory_budget),
+        contiguous_weights=weights == CONTIGUOUS, **rest)
 
 
 def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *,
@@ -252,7 +263,8 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
         # the records below are cached under the plan's signature: a second plan runs no forward
         signature = mem.plan_signature(solution.graphs(), [
             decision.kept, options.root_input_label,
-            options.output_label, options.train])
+            options.output_label, options.train,
+            *([options.weights] if options.contiguous_weights else [])])
         padded = padding_step(decision.build, inputs, options, store, signature)
         memory = memory_step(work, captured, solution, decision, inputs, padded, options,
                              store, signature)
@@ -296,7 +308,7 @@ def measure_regions(captured: Captured, options: PlanOptions,
         table = measure_costs(region.gm, region.inputs, dtype=options.dtype,
                               measure=options.measure, cache=store, rounds=options.rounds,
                               progress=options.progress, train=options.train,
-                              device=options.device)
+                              device=options.device, weights=options.weights)
         drop_notes(region.gm, region.inputs, table, dtype=options.dtype,  # into node.meta
                    device=options.device)
         tables.append(table)
@@ -313,7 +325,8 @@ def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Sol
         form = formulate(region.gm, table,
                          input_label=options.root_input_label if top else None,
                          output_label=options.output_label if top else "keep")
-        if options.keep_weight_formats:
+        if options.keep_weight_formats and not options.contiguous_weights:
+            # (contiguous weights say nothing of the format their node runs in)
             form = _pin_weight_formats(region.gm, form, options.ranks)
         if top:
             form = _pin_inplace_on_inputs(region.gm, form)
@@ -525,6 +538,15 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         costs_noisy=sum(s.table.noisy_costs for s in solution.regions),
     )
     plan.notes.extend(conv1d_notes(plan.nodes))  # rank 3: planned, or why not
+    if options.contiguous_weights:
+        counts = {"as_is": 0, "per_call": 0}
+        for s in solution.regions:
+            for kind, k in storage_counts(s.labels, _storage(s)).items():
+                counts[kind] += k
+        plan.notes.append(
+            f"weights='contiguous': every parameter contiguous; {counts['as_is']} channels-last "
+            f"nodes read their weights as they are, {counts['per_call']} convert them per call "
+            "(whichever measured faster)")
     if options.auto_input:
         plan.notes.append(
             f"input_format='auto': inputs should arrive {Label(entry).text} (converted "
@@ -552,6 +574,8 @@ def build(work: nn.Module, solution: Solution, options: PlanOptions) -> Build:
         sub = planned_tree.get_submodule(region.path) if region.path else planned_tree
         gm = _graph_module_on(sub, region.gm)
         planned, made = rewrite(sub, gm, s.form, s.labels, converted)
+        if options.contiguous_weights:
+            store_weights(planned, gm, s.labels, _storage(s), options.ranks)
         if region.path:
             parent_path, _, child = region.path.rpartition(".")
             parent = planned_tree.get_submodule(parent_path) if parent_path else planned_tree
@@ -579,7 +603,8 @@ def build_uniform(work: nn.Module, solution: Solution, inputs: tuple[Any, ...], 
     weights converted, inputs converted on entry (outputs to ``output_label``) by hooks,
     so ``state_dict`` keys stay the original's. ``arrive``: the label inputs arrive in
     (``None``: as captured), for the conversions listed."""
-    model = convert_module_to(copy.deepcopy(work), label, options.ranks)
+    model = convert_module_to(copy.deepcopy(work), label, options.ranks,
+                              weights=options.weights)
     model.register_forward_pre_hook(functools.partial(_inputs_to, label=label,
                                                       ranks=options.ranks))
     if output_label in (0, 1):
@@ -602,6 +627,11 @@ def build_uniform(work: nn.Module, solution: Solution, inputs: tuple[Any, ...], 
                     "", n.name, fmt, [list(t.shape) for t in meta.layout_tensors], meta.nbytes,
                     0.0 if cost is None else cost.to_1 if label else cost.to_0, ["forward"]))
     return Build(model, (), nodes, tuple(conversions))
+
+
+def _storage(s: RegionSolution) -> dict[str, str | None]:
+    """How each node of a region reads its contiguous weights (``weights="contiguous"``)."""
+    return {n: c.weights for n, c in s.table.nodes.items()}
 
 
 def _is_uniform(solution: Solution, planned: Build, label: int) -> bool:

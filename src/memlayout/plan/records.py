@@ -46,6 +46,7 @@ class PlanOptions:
     guard_rounds: int = 5
     guard_margin: float = 0.0
     keep_weight_formats: bool = False
+    contiguous_weights: bool = False  # every parameter stays contiguous (FSDP's fully_shard)
     max_plans: int = 8
     memory: bool = True
     memory_budget: int | None = None
@@ -62,7 +63,14 @@ class PlanOptions:
     @property
     def signature_extra(self) -> list[Any]:
         """The options a cached whole-model measurement depends on."""
-        return [self.root_input_label, self.output_label, *(["train"] if self.train else [])]
+        return [self.root_input_label, self.output_label, *(["train"] if self.train else []),
+                *([f"weights={self.weights}"] if self.contiguous_weights else [])]
+
+    @property
+    def weights(self) -> str:
+        """How weights are stored: ``"converted"`` (once, to their node's format) or
+        ``"contiguous"`` (``memlayout.plan.weights``)."""
+        return "contiguous" if self.contiguous_weights else "converted"
 
 
 @dataclass(frozen=True)

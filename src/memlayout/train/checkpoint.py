@@ -8,6 +8,12 @@ own tensors, which keep their layout; optimizer state is put back into its param
 Atomic: the file is written to a temporary file in the same folder, flushed and fsynced, then
 ``os.replace``-d over the old one; a crash mid-write leaves the previous checkpoint intact.
 
+Sharded (``--strategy fsdp``): ``latest.dcp`` is written by every rank through
+``torch.distributed.checkpoint`` (DCP): each rank its shards, into a temporary folder that rank
+0 renames into a new version folder once DCP has finished, then points the ``latest.dcp``
+symlink at it (``os.replace`` of a link: atomic) and removes the previous version. DCP stores
+global shapes, so it loads at any world size, and into the plain, unsharded model.
+
 One writer per folder: a training run holds :class:`CheckpointLock` (``flock`` on a lock file
 in the folder) for its whole length, so a second run pointed at the same folder stops at its
 start with the holder's pid. Temporary files carry their writer's pid; only those of dead
@@ -33,8 +39,12 @@ import io
 import os
 import pickle
 import random
+import secrets
+import shutil
 import tempfile
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -49,6 +59,11 @@ from memlayout.train.ddp import unwrap
 
 FORMAT = "memlayout-train-checkpoint/1"
 LATEST = "latest.pt"
+#: the sharded checkpoint (``--strategy fsdp``): a symlink to the current version folder
+LATEST_SHARDED = "latest.dcp"
+#: what memlayout adds to a sharded checkpoint's folder (step, RNG states, settings)
+SHARDED_META = "memlayout.pt"
+_VERSION_PREFIX = "dcp-step"
 LOCK = ".memlayout-train.lock"
 #: "N:SECONDS": the N-th checkpoint write of this process sleeps SECONDS after writing half of
 #: the file (tests kill the process there to show the previous checkpoint survives).
@@ -215,16 +230,19 @@ def load_checkpoint(path: str | Path, *, check_format: bool = True) -> dict[str,
 
 
 def temporaries(folder: str | Path) -> list[Path]:
-    """Temporary files of checkpoint writes in ``folder``: being written, or left by a writer
-    that was killed."""
-    return sorted(Path(folder).glob(f".{LATEST}.*.tmp"))
+    """Temporary files (and sharded checkpoints' temporary folders) of checkpoint writes in
+    ``folder``: being written, or left by a writer that was killed."""
+    folder = Path(folder)
+    return sorted([*folder.glob(f".{LATEST}.*.tmp"), *folder.glob(f".{LATEST_SHARDED}.*.tmp")])
 
 
 def _writer_pid(tmp: Path) -> int | None:
-    # ".latest.pt.<pid>.<random>.tmp"
-    middle = tmp.name[len(f".{LATEST}."):-len(".tmp")]
-    head = middle.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+    # ".latest.pt.<pid>.<random>.tmp", ".latest.dcp.<pid>.<random>.tmp"
+    for name in (LATEST, LATEST_SHARDED):
+        if tmp.name.startswith(f".{name}."):
+            head = tmp.name[len(f".{name}."):-len(".tmp")].split(".", 1)[0]
+            return int(head) if head.isdigit() else None
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -249,19 +267,35 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
     removed = []
     for tmp in stale_temporaries(folder):
         with contextlib.suppress(FileNotFoundError):  # another cleaner was first
-            tmp.unlink()
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp)
+            else:
+                tmp.unlink()
             removed.append(tmp)
+    # sharded versions no link points at: a writer killed between its rename and the link,
+    # or before it removed the previous one (the caller holds the folder: no live writer)
+    current = _sharded_target(Path(folder))
+    for version in Path(folder).glob(f"{_VERSION_PREFIX}*"):
+        if version != current and version.is_dir():
+            shutil.rmtree(version, ignore_errors=True)
+            removed.append(version)
     return removed
 
 
-def check_location(folder: str | Path, *, resume: bool = False) -> Path:
+def check_location(folder: str | Path, *, resume: bool = False, sharded: bool = False) -> Path:
     """Raise ``CheckpointError`` unless ``folder`` can hold checkpoints: an existing writable
     folder, or a new one whose parent is an existing writable folder (a mistyped parent is
-    refused, not created); with ``resume``, ``folder/latest.pt`` must exist. Reads only."""
+    refused, not created); with ``resume``, ``folder/latest.pt`` (``sharded``:
+    ``folder/latest.dcp``) must exist. Reads only."""
     folder = Path(folder)
     if resume:
-        if not (folder / LATEST).is_file():
-            raise CheckpointError(f"no checkpoint at {str(folder / LATEST)!r}; train with "
+        latest = folder / (LATEST_SHARDED if sharded else LATEST)
+        if not (latest.is_dir() if sharded else latest.is_file()):
+            other = folder / (LATEST if sharded else LATEST_SHARDED)
+            hint = (f" (it holds {other.name}, written by --strategy "
+                    f"{'ddp' if sharded else 'fsdp'}: resume with that strategy)"
+                    if other.exists() else "")
+            raise CheckpointError(f"no checkpoint at {str(latest)!r}{hint}; train with "
                                   "--checkpoint DIR first, or drop --resume")
         return folder
     if folder.exists() and not folder.is_dir():
@@ -334,3 +368,122 @@ class CheckpointLock:
 
     def __del__(self) -> None:
         self.release()
+
+
+# ---------------------------------------------------------------- sharded (DCP) checkpoints
+
+
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    # DCP warns that it assumes one process when there is no process group: here it is meant
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _sharded_target(folder: Path) -> Path | None:
+    link = folder / LATEST_SHARDED
+    if not link.is_symlink():
+        return None
+    return folder / os.readlink(link)
+
+
+def save_sharded(state: dict[str, Any], meta: dict[str, Any], folder: str | Path, *,
+                 rank: int, world_size: int) -> Path | None:
+    """Write ``state`` (model and optimizer state dicts, sharded ``DTensor``s welcome) with
+    ``torch.distributed.checkpoint`` and ``meta`` (plain values) beside it, atomically: every
+    rank must call it (a collective under torchrun). Rank 0 returns ``folder/latest.dcp``,
+    the others ``None``. A file system error is a ``CheckpointError``; the previous
+    ``latest.dcp`` stays."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    box: list[Any] = [None]
+    if rank == 0:
+        box[0] = f".{LATEST_SHARDED}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    tmp = folder / box[0]
+    try:
+        with _one_process_is_meant():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    except Exception as exc:  # DCP gathers every rank's failure into one exception
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write the sharded checkpoint {str(tmp)!r}: "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}; "
+                              f"the previous {LATEST_SHARDED} is kept. Free space or point "
+                              "--checkpoint elsewhere") from exc
+    if rank != 0:
+        return None
+    link = folder / LATEST_SHARDED
+    previous = _sharded_target(folder)
+    version = folder / f"{_VERSION_PREFIX}{int(meta.get('step', 0)):08d}-{secrets.token_hex(4)}"
+    staged = folder / f".{LATEST_SHARDED}.{os.getpid()}.{secrets.token_hex(4)}.link.tmp"
+    try:
+        buf = io.BytesIO()
+        torch.save(meta, buf)
+        fd = os.open(tmp / SHARDED_META, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, buf.getbuffer())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(tmp)
+        os.rename(tmp, version)
+        _fsync_dir(folder)
+        os.symlink(version.name, staged)
+        os.replace(staged, link)  # the switch: latest.dcp is the old version or the new one
+        _fsync_dir(folder)
+    except OSError as exc:
+        for leftover in (staged,):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _sharded_target(folder) != version:
+            shutil.rmtree(version, ignore_errors=True)
+        raise CheckpointError(_os_problem(exc, link, "write") + (
+            f"; the previous {LATEST_SHARDED} is kept" if previous is not None else "")) from exc
+    if previous is not None and previous != version:
+        shutil.rmtree(previous, ignore_errors=True)
+    return link
+
+
+def load_sharded_meta(folder: str | Path) -> dict[str, Any]:
+    """The plain values saved with a sharded checkpoint (step, RNG states, settings)."""
+    path = Path(folder) / LATEST_SHARDED / SHARDED_META
+    if not path.is_file():
+        raise CheckpointError(f"no sharded checkpoint at {str(path.parent)!r} (no "
+                              f"{SHARDED_META}); train with --strategy fsdp --checkpoint DIR "
+                              "first, or drop --resume")
+    meta = load_checkpoint(path)
+    return meta
+
+
+def load_sharded(state: dict[str, Any], folder: str | Path) -> None:
+    """Fill ``state`` (state dicts of this process's model and optimizer, sharded or not) in
+    place from ``folder/latest.dcp``, at whatever world size it was written (or none: a plain
+    single-process load, no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(folder) / LATEST_SHARDED
+    try:
+        with _one_process_is_meant():
+            dcp.load(state, checkpoint_id=path.resolve())
+    except Exception as exc:
+        raise CheckpointError(f"cannot load the sharded checkpoint {str(path)!r} into this "
+                              f"model: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}"
+                              "; was it saved from another model spec?") from exc
+
+
+def load_sharded_model(model: nn.Module, folder: str | Path) -> nn.Module:
+    """Load the model part of ``folder/latest.dcp`` (written by any number of ranks) into
+    ``model``: a plain, unsharded, unplanned model in one process works. Returns ``model``.
+
+    The checkpoint's keys are the plain model's (``OptimizedModule`` keeps them)."""
+    target = unwrap(model)
+    state = {"model": target.state_dict()}
+    load_sharded(state, folder)
+    load_neutral_state_dict(target, state["model"])
+    return model

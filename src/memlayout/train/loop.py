@@ -1,5 +1,6 @@
 """The reference training loop behind ``memlayout train``: ImageFolder classification, one
-process or a torchrun job (DDP), in NCHW, channels-last (NHWC) or planned layouts.
+process or a torchrun job (DDP, or FSDP2 with ``strategy="fsdp"``), in NCHW, channels-last
+(NHWC) or planned layouts.
 
 Plain data in and out: a :class:`TrainConfig` in, :class:`IntervalLog` events while it runs
 (the CLI renders them), a :class:`TrainResult` at the end.
@@ -8,6 +9,7 @@ Plain data in and out: a :class:`TrainConfig` in, :class:`IntervalLog` events wh
 from __future__ import annotations
 
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -40,13 +42,19 @@ from memlayout.train.ddp import (
     warn_grad_layouts,
     wrap_ddp,
 )
+from memlayout.train.fsdp import fsdp_available, wrap_fsdp
+
+#: how a torchrun job shares the model: DDP (a full replica per rank) or FSDP2 (sharded)
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a run depends on. ``batch`` is per process; ``max_steps`` stops early
     (counted from the start of training, across resumes); ``timeout``: seconds a rank waits
-    for the others in one collective before the run stops with a ``TrainError``."""
+    for the others in one collective before the run stops with a ``TrainError``.
+    ``strategy``: ``"ddp"`` or ``"fsdp"`` (``fully_shard`` per block then the root, every
+    parameter contiguous, mixed precision through FSDP's policy, sharded checkpoints)."""
 
     model: str
     data: str
@@ -68,12 +76,28 @@ class TrainConfig:
     plan_measure: bool = True
     sync_batchnorm: bool = False
     timeout: float = DEFAULT_TIMEOUT
+    strategy: str = "ddp"
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP: parameters stay contiguous, checkpoints are sharded (``latest.dcp``)."""
+        return self.strategy == "fsdp"
 
     def check(self) -> None:
         """Raise ``TrainError`` (``CheckpointError`` for the checkpoint folder) for a setting
         this run cannot use, before anything is built."""
         if self.layout not in LAYOUTS:
             raise TrainError(f"--layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if self.strategy not in STRATEGIES:
+            raise TrainError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.sharded:
+            missing = fsdp_available()
+            if missing:
+                raise TrainError(f"--strategy fsdp: {missing}; use --strategy ddp")
+            if self.dtype in ("fp16", "float16"):
+                raise TrainError("--strategy fsdp runs --dtype fp32 or bf16 (FSDP's "
+                                 "MixedPrecisionPolicy; fp16 would need a sharded gradient "
+                                 "scaler): use --dtype bf16")
         try:
             parse_dtype(self.dtype)
         except DtypeError as exc:
@@ -88,7 +112,7 @@ class TrainConfig:
         if not self.timeout > 0:
             raise TrainError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.checkpoint:
-            ckpt.check_location(self.checkpoint, resume=self.resume)
+            ckpt.check_location(self.checkpoint, resume=self.resume, sharded=self.sharded)
 
 
 @dataclass(frozen=True)
@@ -133,14 +157,27 @@ def _ignore(_event: Any) -> None:
 
 
 def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
-                      measure: bool, name: str) -> nn.Module:
-    """``memlayout.optimize(module, example, train=True)`` with channels-last input."""
+                      measure: bool, name: str, weights: str = "converted") -> nn.Module:
+    """``memlayout.optimize(module, example, train=True)`` with channels-last input;
+    ``weights="contiguous"`` for FSDP (every parameter contiguous)."""
     # The planner (torch.fx, scipy) takes about as long to import as the rest of training:
     # only --layout planned loads it.
     from memlayout.plan.api import optimize
 
     return optimize(module, example, dtype=dtype, input_format="channels_last",
-                    measure=measure, name=name, train=True)
+                    measure=measure, name=name, train=True, weights=weights)
+
+
+def keyed_module(model: nn.Module) -> nn.Module:
+    """The module whose ``named_parameters`` carry the plain model's keys: the planned graph
+    inside an ``OptimizedModule`` (whose ``state_dict`` keys are already the plain model's),
+    the model inside DDP, or the model itself. DCP's state-dict helpers name optimizer state
+    by parameter names, so they must agree with the model's ``state_dict`` keys."""
+    model = unwrap(model)
+    planned = sys.modules.get("memlayout.plan.module")  # loaded only when a plan was made
+    if planned is not None and isinstance(model, planned.OptimizedModule):
+        return model.module
+    return model
 
 
 class Trainer:
@@ -204,7 +241,9 @@ class Trainer:
         self.model_kind = spec.kind
         model = spec.module.to(device)
         self.plan_summary: str | None = None
-        if config.layout == "nhwc":
+        if config.layout == "nhwc" and not config.sharded:
+            # (under FSDP the weights stay contiguous: a convolution given a channels-last
+            # input and a contiguous weight runs channels-last all the same)
             convert_module(model, spec.fmt)
         elif config.layout == "planned":
             example = convert_batch(spec.example_input.to(device), spec.fmt)
@@ -215,7 +254,13 @@ class Trainer:
                                   sync_batchnorm=config.sync_batchnorm)
         if notice and self.dist.is_main:
             self._warn(notice)
-        if self.dist.distributed:
+        self.fsdp = config.sharded and self.dist.distributed
+        if self.fsdp:
+            if config.sync_batchnorm:
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            with collectives(self.dist, config.timeout, "fully_shard (FSDP) of the model"):
+                model = wrap_fsdp(model, dtype=self.autocast_dtype)
+        elif self.dist.distributed:
             with collectives(self.dist, config.timeout, "the ranks compared parameter layouts"):
                 model = wrap_ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
                                  sync_batchnorm=config.sync_batchnorm)
@@ -229,7 +274,8 @@ class Trainer:
         self.step = 0
         self._checked_grads = False
         if config.resume:
-            self.load(Path(config.checkpoint) / ckpt.LATEST)  # type: ignore[arg-type]
+            self.load(Path(config.checkpoint) / (  # type: ignore[arg-type]
+                ckpt.LATEST_SHARDED if config.sharded else ckpt.LATEST))
         self._stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _warn(self, message: str) -> None:
@@ -259,7 +305,8 @@ class Trainer:
             dist.barrier()
         try:
             planned = plan_for_training(model, example, dtype=self.config.dtype,
-                                        measure=self.config.plan_measure, name=self.config.model)
+                                        measure=self.config.plan_measure, name=self.config.model,
+                                        weights="contiguous" if self.config.sharded else "converted")
         finally:
             if self.dist.distributed and self.dist.is_main:
                 dist.barrier()
@@ -297,7 +344,8 @@ class Trainer:
         """Forward, backward, optimizer step on one batch; returns (loss, correct) tensors."""
         x = model_input(images, self.config.layout, self.device)
         y = labels.to(self.device, non_blocking=True)
-        with autocast(self.device, self.autocast_dtype):
+        # under FSDP its MixedPrecisionPolicy casts parameters and inputs: no autocast
+        with autocast(self.device, None if self.fsdp else self.autocast_dtype):
             out = self.model(x)
             loss = F.cross_entropy(out.float(), y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -318,55 +366,115 @@ class Trainer:
         """``n`` steps; returns the mean loss and the top-1 % over their images (this process)."""
         losses, correct = [], []
         for _ in range(n):
-            with collectives(self.dist, self.config.timeout, f"training step {self.step + 1} "
-                             "(the gradient all-reduce)"):
+            with collectives(self.dist, self.config.timeout, self._doing_step()):
                 loss, c = self.train_step(*self.next_batch())
             losses.append(loss)
             correct.append(c)
         return (torch.stack(losses).mean().item(),
                 100.0 * torch.stack(correct).sum().item() / (n * self.config.batch))
 
+    def _doing_step(self) -> str:
+        what = ("the parameter all-gathers and gradient reduce-scatters of FSDP" if self.fsdp
+                else "the gradient all-reduce")
+        return f"training step {self.step + 1} ({what})"
+
     # -- checkpoints -------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        """The checkpoint of this step. A collective under DDP (RNG states of every rank)."""
+    def _rngs(self) -> list[Any]:
+        """Every rank's RNG states, in rank order (a collective under torchrun)."""
         rng = ckpt.rng_state(self.device)
-        rngs = [rng]
+        rngs: list[Any] = [rng]
         if self.dist.distributed:
             rngs = [None] * self.dist.world_size
             dist.all_gather_object(rngs, rng)
+        return rngs
+
+    def _meta(self, rngs: list[Any]) -> dict[str, Any]:
         return {
             "format": ckpt.FORMAT, "step": self.step,
             "epoch": self.step // self.steps_per_epoch,
             "step_in_epoch": self.step % self.steps_per_epoch,
-            "model": ckpt.neutral_state_dict(self.model),
-            "optimizer": ckpt.neutral_optimizer_state(self.optimizer),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": rngs, "world_size": self.dist.world_size,
             "config": {k: v for k, v in asdict(self.config).items()
                        if k not in ("resume", "max_steps", "checkpoint", "timeout")},
         }
 
+    def _sharded_state(self) -> dict[str, Any]:
+        """Model and optimizer state dicts as DCP takes them (sharded ``DTensor``s under FSDP),
+        under the plain model's keys."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(keyed_module(self.model), self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint of this step. A collective under DDP (RNG states of every rank)."""
+        return {**self._meta(self._rngs()),
+                "model": ckpt.neutral_state_dict(self.model),
+                "optimizer": ckpt.neutral_optimizer_state(self.optimizer)}
+
     def save(self) -> Path | None:
         """Write ``latest.pt`` (rank 0) atomically; every rank must call it."""
         if not self.config.checkpoint:
             return None
+        if self.config.sharded:
+            return self._save_sharded()
         with collectives(self.dist, self.config.timeout, "gathering RNG states for a checkpoint"):
             state = self.state()
         if not self.dist.is_main:
             return None
         return ckpt.atomic_save(state, Path(self.config.checkpoint) / ckpt.LATEST)
 
+    def _save_sharded(self) -> Path | None:
+        """Every rank writes its shards of ``latest.dcp`` (DCP); rank 0 switches the link."""
+        path, problem = None, None
+        with collectives(self.dist, self.config.timeout, "writing a sharded checkpoint (DCP)"):
+            meta = self._meta(self._rngs())
+            try:
+                path = ckpt.save_sharded(self._sharded_state(), meta,
+                                         self.config.checkpoint,  # type: ignore[arg-type]
+                                         rank=self.dist.rank, world_size=self.dist.world_size)
+            except CheckpointError as exc:
+                problem = str(exc)
+            # rank 0 alone switches the link: when that fails, every rank stops with it
+            problem = broadcast_error(self.dist, problem)
+        if problem is not None:
+            raise CheckpointError(problem if self.dist.is_main else f"rank 0: {problem}")
+        return path
+
+    def _load_sharded(self, folder: Path) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        meta = ckpt.load_sharded_meta(folder)
+        with collectives(self.dist, self.config.timeout, "loading a sharded checkpoint (DCP)"):
+            state = self._sharded_state()
+            ckpt.load_sharded(state, folder)
+            set_state_dict(keyed_module(self.model), self.optimizer,
+                           model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        return meta
+
     def load(self, path: Path) -> None:
-        state = ckpt.load_checkpoint(path)
-        same = ("model", "batch", "image_size", "data")
+        if self.config.sharded:
+            state = self._load_sharded(path.parent)
+        else:
+            state = ckpt.load_checkpoint(path)
+        same = ("model", "image_size", "data")
         saved = state.get("config", {})
         changed = [k for k in same if k in saved and saved[k] != getattr(self.config, k)]
-        if changed or state.get("world_size") != self.dist.world_size:
+        # N ranks with batch B see the batches one process with batch N * B sees
+        world = state.get("world_size")
+        if "batch" in saved and world is not None and (
+                saved["batch"] * world != self.config.batch * self.dist.world_size):
+            changed.append("global batch (batch x world size)")
+        elif not self.config.sharded and world != self.dist.world_size:
+            changed.append("world size")  # RNG states are per rank (dropout)
+        if changed:
             self.on_event(f"note: resuming with other settings than the checkpoint's "
-                          f"({', '.join(changed) or 'world size'} differ): the run will not "
+                          f"({', '.join(changed)} differ): the run will not "
                           "repeat the uninterrupted one exactly")
-        ckpt.load_neutral_state_dict(self.model, state["model"])
-        ckpt.load_optimizer_state(self.optimizer, state["optimizer"])
+        if not self.config.sharded:
+            ckpt.load_neutral_state_dict(self.model, state["model"])
+            ckpt.load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         rngs = state.get("rng") or []
@@ -386,8 +494,7 @@ class Trainer:
         correct: list[torch.Tensor] = []
         start = time.perf_counter()
         while self.step < self.total_steps:
-            with collectives(self.dist, cfg.timeout, f"training step {self.step + 1} "
-                             "(the gradient all-reduce)"):
+            with collectives(self.dist, cfg.timeout, self._doing_step()):
                 loss, c = self.train_step(*self.next_batch())
             losses.append(loss)
             correct.append(c)

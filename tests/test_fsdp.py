@@ -1,0 +1,151 @@
+"""memlayout train --strategy fsdp: FSDP2 (``fully_shard`` per block, then the root) with
+planned layouts on 2 gloo ranks equals one process on the global batch, with no layout
+warning; its sharded checkpoint (DCP) resumes at another world size (2 ranks, then 1) and
+loads into the plain, unplanned model in one process; a planned model with contiguous weights
+is taken by ``fully_shard`` as it is, a channels-last one refused with what to do. (A frozen
+rank during an FSDP step: tests/test_train_failures.py.)"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from memlayout.errors import FSDPError, TrainError
+from memlayout.models import load_model
+from memlayout.plan.api import optimize
+from memlayout.train import TrainConfig, load_checkpoint, make_synthetic, train
+from memlayout.train.checkpoint import LATEST, LATEST_SHARDED, load_sharded_model
+from memlayout.train.ddp import grad_layout_mismatches
+from memlayout.train.fsdp import shard_groups, wrap_fsdp
+from tests.test_train_ddp import LAYOUT_WARNINGS, torchrun
+
+IMAGE = 16
+
+# A stem, two residual blocks in a Sequential (FSDP's blocks), a head; no BatchNorm or
+# dropout, so N ranks compute what one process computes on the global batch.
+MODELS = '''
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv2(self.relu(self.conv1(x)))
+
+
+def blocks():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                         nn.Sequential(Block(8), Block(8)),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+'''
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("fsdp")
+    (folder / "tiny_fsdp.py").write_text(MODELS)
+    make_synthetic(folder / "data", 32, classes=4, size=IMAGE)
+    return folder
+
+
+def _config(work: Path, **kw) -> TrainConfig:
+    base = dict(model=f"{work / 'tiny_fsdp.py'}:blocks", data=str(work / "data"), batch=4,
+                image_size=IMAGE, layout="planned", log_every=2, lr=0.05, plan_measure=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _plain(work: Path) -> nn.Module:
+    return load_model(f"{work / 'tiny_fsdp.py'}:blocks", batch=1, image_size=IMAGE,
+                      seed=0).module
+
+
+def test_fsdp_on_two_ranks_equals_one_process_and_resumes_on_one(work):
+    steps = 4
+    run = torchrun("-m", "memlayout.cli", "train", f"{work / 'tiny_fsdp.py'}:blocks",
+                   "--strategy", "fsdp", "--layout", "planned", "--batch", "2",
+                   "--data", str(work / "data"), "--image-size", str(IMAGE),
+                   "--max-steps", str(steps), "--log-every", "2", "--lr", "0.05",
+                   "--plan-costs", "analytic", "--checkpoint", str(work / "fsdp"), cwd=work)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-3000:]
+    assert "2 processes (torchrun, FSDP gloo)" in " ".join(run.stdout.split())
+    for text in (*LAYOUT_WARNINGS, "non-contiguous"):
+        assert text not in log
+    sharded = [float(v) for v in re.findall(r"Loss (\d+\.\d+)", run.stdout)]
+    assert len(sharded) == 2  # rank 0 logs, every 2 steps
+
+    # one process, batch 2 x 2: the same global batches, 8 steps straight
+    straight = train(_config(work, max_steps=2 * steps))
+    losses = [i.loss for i in straight.intervals]
+    # the log prints 4 decimals; the rest is summation order across ranks
+    assert sharded == pytest.approx(losses[:2], abs=2e-4)
+
+    # the sharded checkpoint, read into the plain, unplanned model in one process, computes
+    # what one process's checkpoint after the same steps computes
+    train(_config(work, max_steps=steps, checkpoint=str(work / "one")))
+    from_sharded = load_sharded_model(_plain(work), work / "fsdp").eval()
+    reference = _plain(work).eval()
+    reference.load_state_dict(load_checkpoint(work / "one" / LATEST)["model"])
+    x = torch.randn(3, 3, IMAGE, IMAGE)
+    with torch.no_grad():
+        torch.testing.assert_close(from_sharded(x), reference(x), rtol=1e-4, atol=1e-5)
+
+    # resumed on one process (another world size, the same global batch): continues the
+    # loss curve of the straight run
+    shutil.copytree(work / "fsdp", work / "resume", symlinks=True)
+    notes: list[str] = []
+    resumed = train(_config(work, strategy="fsdp", checkpoint=str(work / "resume"),
+                            resume=True, max_steps=2 * steps), on_event=notes.append)
+    assert resumed.start_step == steps and resumed.step == 2 * steps
+    assert [i.loss for i in resumed.intervals] == pytest.approx(losses[2:], rel=1e-4)
+    assert not [n for n in notes if isinstance(n, str) and "other settings" in n]
+    assert (work / "resume" / LATEST_SHARDED).is_symlink()
+
+
+@pytest.fixture
+def one_member_group(tmp_path):
+    """A gloo group of this process alone: fully_shard needs a process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _net() -> nn.Module:
+    return load_model("torchvision:resnet18", batch=1, image_size=IMAGE, seed=0).module
+
+
+def test_a_planned_model_with_contiguous_weights_is_taken_by_fully_shard(one_member_group):
+    model = _net()
+    x = torch.randn(2, 3, IMAGE, IMAGE).contiguous(memory_format=torch.channels_last)
+    planned = optimize(model, x, train=True, weights="contiguous", measure=False, cache=False)
+    groups = [name for name, _ in shard_groups(planned)]
+    assert groups == [f"module.layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    sharded = wrap_fsdp(planned)
+    out = sharded(x)
+    assert out.shape == (2, 1000)
+    out.sum().backward()
+    assert grad_layout_mismatches(sharded) == []
+    # the model reached fully_shard unconverted: what the error of a channels-last one says
+    with pytest.raises(FSDPError, match="weights='contiguous'"):
+        wrap_fsdp(_net().to(memory_format=torch.channels_last))
+
+
+def test_fsdp_with_fp16_is_refused_with_what_to_use(work):
+    with pytest.raises(TrainError, match="use --dtype bf16"):
+        train(_config(work, strategy="fsdp", dtype="fp16"))
