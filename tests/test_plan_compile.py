@@ -59,7 +59,7 @@ def test_memlayout_compile_keeps_a_measured_candidate_equal_to_the_original(tmp_
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     before = {k: v.clone() for k, v in net.state_dict().items()}
     fast = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2,
-                             plan_kwargs=QUICK)
+                             plan_kwargs=QUICK, runtimes=())
     record = fast.plan.compiled
     assert record.kept in (c.PLANNED, c.INDUCTOR)
     assert record.source == "measured", record
@@ -77,7 +77,7 @@ def test_memlayout_compile_keeps_a_measured_candidate_equal_to_the_original(tmp_
 
     # a second compile of the same model reads the decision from the cache: one compile
     again = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2,
-                             plan_kwargs=QUICK)
+                              plan_kwargs=QUICK, runtimes=())
     assert again.plan.compiled.source == "cache"
     assert again.plan.compiled.kept == record.kept
     assert list(again.plan.compiled.compile_seconds) == [record.kept]
