@@ -68,7 +68,8 @@ def _fake_timer(seconds: dict[str, float], calls: list[dict[str, Any]]):
                 m(*(inputs_of or {}).get(name, inputs))
         calls.append(dict(models))
         base = seconds[c.PLANNED]  # the plan is the baseline, timed as the guard's PLANNED
-        return {"ratios": {n: [base / seconds[n]] * rounds for n in models if n != c.g.PLANNED},
+        return {"ratios": {n: [base / seconds.get(n, seconds[c.INDUCTOR])] * rounds
+                           for n in models if n != c.g.PLANNED},
                 "rounds": rounds, "repeat": 1, "errors": {}, "extended": False,
                 "conditions": None}
     return time_candidates
@@ -93,11 +94,11 @@ def test_a_faster_runtime_is_kept_verified_recorded_and_cached(tmp_path, monkeyp
     record = fast.plan.compiled
     assert isinstance(fast, c.RuntimeModule) and isinstance(fast, nn.Module)
     assert record.kept == "openvino" and record.source == "measured"
-    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, "openvino"}  # one interleaved timing
+    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN, "openvino"}  # one timing
     assert record.candidates["openvino"].median == pytest.approx(2.0)
     assert record.candidates[c.INDUCTOR].median == pytest.approx(1.0)
     assert record.baseline == c.PLANNED
-    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR, "openvino"}
+    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR, c.FROZEN, "openvino"}
     assert "f32" in record.precision["openvino"] and record.precision[c.PLANNED] == "fp32"
     assert record.input_format == "contiguous"
     assert "kept the openvino runtime's model" in fast.plan.summary()
@@ -163,6 +164,6 @@ def test_runtimes_off_keeps_to_pytorch(monkeypatch, eager_inductor):
     monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
         {c.PLANNED: 1.0, c.INDUCTOR: 2.0}, calls))
     fast = memlayout.compile(net, x, cache=False, rounds=3, guard=False, plan_kwargs=QUICK, runtimes=())
-    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR}
+    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN}
     assert fast.plan.compiled.kept == c.PLANNED
     assert fast.plan.compiled.unavailable == {}

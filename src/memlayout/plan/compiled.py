@@ -16,6 +16,10 @@ those that agree interleaved round by round, and keeps the fastest:
 
 - ``planned``: the planned model, compiled with ``layout_optimization`` off (the plan stands);
 - ``inductor``: the original model, compiled with the caller's settings (Inductor decides);
+- ``inductor+freezing`` (inference): the same with ``torch._inductor.config.freezing``:
+  parameters become constants, batch norms fold into convolutions, convolution weights are
+  prepacked for oneDNN (``mkldnn._convolution_pointwise`` with fused activations). It measured
+  faster on some models and slower on others here, so it is measured, not assumed;
 - ``openvino``, ``onnxruntime`` (inference on the CPU, where installed): the original model
   converted by ``memlayout.runtimes``. These run convolutions in blocked formats (``nChw16c``)
   that no strided layout expresses. bf16 is the runtime's own (weights cast once inside it),
@@ -69,7 +73,9 @@ from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
 INDUCTOR = "inductor"  # the original model compiled with the settings given: Inductor decides
+FROZEN = "inductor+freezing"  # the same with Inductor's freezing: weights folded and prepacked
 PLAN_STANDS = {"layout_optimization": False}
+FREEZING = {"freezing": True}
 RUNTIMES: tuple[str, ...] = rt.RUNTIMES  # peer runtimes tried by default, where installed
 
 
@@ -78,7 +84,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
             measure: bool = True, cache: Any = True, progress: Progress | None = None,
             name: str | None = None, rounds: int = 5, margin: float = 0.02,
             guard: bool = True, plan_kwargs: Mapping[str, Any] | None = None,
-            runtimes: Sequence[str] = RUNTIMES,
+            runtimes: Sequence[str] = RUNTIMES, freezing: bool = True,
             **compile_kwargs: Any) -> OptimizedModule:
     """Plan ``model`` (``memlayout.optimize``), build the candidates (the plan compiled so its
     strides reach the kernels, the original compiled with Inductor's own layout, and the peer
@@ -87,6 +93,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     another candidate is faster than it by more than ``margin`` (medians of ``rounds``
     interleaved per-round ratios).
 
+    ``freezing``: also the original compiled with Inductor's ``freezing`` (inference only).
     ``runtimes``: the peer runtimes to try (``memlayout.runtimes.RUNTIMES``; those not installed
     are recorded as unavailable); ``()`` keeps to PyTorch. They are candidates for inference on
     the CPU with one tensor input only: not for ``plan_kwargs={"train": True}``, a CUDA device,
@@ -117,8 +124,12 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     inputs = optimized.prepare_inputs(*example_inputs_of(example_inputs))
     options = _split_options(compile_kwargs)
     backend = compile_kwargs.get("backend", "inductor")
+    train = bool((plan_kwargs or {}).get("train", False))
+    settings: dict[str, dict[str, Any]] = {PLANNED: dict(PLAN_STANDS), INDUCTOR: {}}
+    if freezing and not train:
+        settings[FROZEN] = dict(FREEZING)
     record: dict[str, Any] = {"backend": backend if isinstance(backend, str) else repr(backend),
-                              "settings": {PLANNED: dict(PLAN_STANDS), INDUCTOR: {}}}
+                              "settings": settings}
     if backend != "inductor":
         optimized.compile(**compile_kwargs)
         plan.compiled = CompiledRecord.from_dict({
@@ -132,7 +143,10 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
         INDUCTOR: lambda: _compiled(OptimizedModule(copy.deepcopy(model).eval(), plan, run_dtype),
                                     compile_kwargs),
     }
-    train = bool((plan_kwargs or {}).get("train", False))
+    if FROZEN in settings:
+        candidates[FROZEN] = lambda: _compiled(
+            OptimizedModule(copy.deepcopy(model).eval(), plan, run_dtype),
+            {**compile_kwargs, "options": {**options, **FREEZING}})
     unavailable = _runtimes_unavailable(runtimes, inputs, model, run_dtype, train)
     for runtime in runtimes:
         if runtime not in unavailable:
@@ -144,7 +158,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     refresh = bool((plan_kwargs or {}).get("refresh", False))  # re-measure this decision too
     store = open_cache(cache, refresh=refresh) if measure else None
     key = _cache_key(model, inputs, run_dtype, plan,
-                     {**compile_kwargs, "runtimes": _versions(candidates)})
+                     {**compile_kwargs, "candidates": _versions(candidates)})
     compiled: dict[str, Any] = {}
     try:
         cached = store.get(key) if store is not None else None
@@ -355,16 +369,16 @@ def _precision(name: str, dtype: torch.dtype | None) -> str:
 
 
 def _versions(candidates: Mapping[str, Any]) -> dict[str, str]:
-    """The runtime candidates and their versions (a cached decision is for these)."""
+    """Every candidate with its runtime's version (a cached decision is for these; torch's
+    own version is in the key already)."""
     import importlib.metadata as md
 
     out = {}
     for name in candidates:
-        if name in rt.RUNTIMES:
-            try:
-                out[name] = md.version(name)
-            except md.PackageNotFoundError:
-                out[name] = ""
+        try:
+            out[name] = md.version(name) if name in rt.RUNTIMES else ""
+        except md.PackageNotFoundError:
+            out[name] = ""
     return out
 
 
@@ -507,4 +521,5 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
                               busier(before, Conditions.now()))
 
 
-__all__ = ["INDUCTOR", "PLANNED", "compare_compiled", "compile", "inductor_layout_decision"]
+__all__ = ["FROZEN", "INDUCTOR", "PLANNED", "RUNTIMES", "RuntimeModule", "compare_compiled",
+           "compile", "inductor_layout_decision"]

@@ -122,7 +122,9 @@ def compiled_summary(c: CompiledRecord) -> str:
     kept = {"planned": "the plan, compiled with Inductor's layout_optimization off "
                        "(the plan's strides stand)",
             "inductor": "torch.compile of the original model with the compile settings "
-                        "given (Inductor chooses the layouts; the plan above is not applied)"}
+                        "given (Inductor chooses the layouts; the plan above is not applied)",
+            "inductor+freezing": "torch.compile of the original model with Inductor's freezing "
+                                 "(weights folded and prepacked; the plan above is not applied)"}
     what = kept.get(c.kept, f"the {c.kept} runtime's model (its own copy of the weights)")
     if c.kept in c.precision:
         what += f", {c.precision[c.kept]}"
