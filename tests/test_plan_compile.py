@@ -59,13 +59,14 @@ def test_memlayout_compile_keeps_a_measured_candidate_equal_to_the_original(tmp_
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     before = {k: v.clone() for k, v in net.state_dict().items()}
     fast = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2,
-                             plan_kwargs=QUICK)
+                             plan_kwargs=QUICK, runtimes=())
     record = fast.plan.compiled
-    assert record.kept in (c.PLANNED, c.INDUCTOR)
+    assert record.kept in (c.PLANNED, c.INDUCTOR, c.FROZEN)
     assert record.source == "measured", record
-    assert set(record.candidates) == {c.INDUCTOR}
-    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR}
+    assert set(record.candidates) == {c.INDUCTOR, c.FROZEN}
+    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR, c.FROZEN}
     assert record.settings[c.PLANNED] == {"layout_optimization": False}
+    assert record.settings[c.FROZEN] == {"freezing": True}
     with torch.no_grad():
         torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
     # compiled in place: the original's state_dict keys, values untouched
@@ -77,10 +78,30 @@ def test_memlayout_compile_keeps_a_measured_candidate_equal_to_the_original(tmp_
 
     # a second compile of the same model reads the decision from the cache: one compile
     again = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2,
-                             plan_kwargs=QUICK)
+                              plan_kwargs=QUICK, runtimes=())
     assert again.plan.compiled.source == "cache"
     assert again.plan.compiled.kept == record.kept
     assert list(again.plan.compiled.compile_seconds) == [record.kept]
+
+
+def test_a_frozen_winner_follows_weights_loaded_after_the_compile(monkeypatch):
+    """Inductor's freezing makes the weights constants of the compiled graph: a state dict
+    loaded afterwards must still reach the outputs (not the weights frozen at compile time)."""
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+
+    def frozen_fastest(models, inputs, dtype, *, device, rounds, **_):
+        fast = {c.FROZEN: 2.0}  # planned / candidate time: freezing twice as fast
+        return {"ratios": {n: [fast.get(n, 1.0)] * rounds for n in models if n != c.PLANNED},
+                "rounds": rounds, "repeat": 1, "errors": {}, "extended": False}
+    monkeypatch.setattr(c.g, "time_candidates", frozen_fastest)
+    fast = memlayout.compile(net, x, cache=False, rounds=2, guard=False, plan_kwargs=QUICK,
+                             runtimes=())
+    assert fast.plan.compiled.kept == c.FROZEN
+    other = _cnn()
+    fast.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), other(x), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(fast(x), net(x))
 
 
 def test_memlayout_compile_without_measuring_compiles_the_plan_only():

@@ -16,9 +16,11 @@ modes that call is the compilation (reported as compile time, never mixed into t
   mode gets its input in its own format, none converts it per call. Planning time (cost
   measurements included, unless cached) is ``setup_s``.
 - ``compile``: ``torch.compile`` (default mode; Inductor picks layouts) on the NCHW model.
-- ``planned+compile``: ``memlayout.compile`` (inference: the plan compiled so it stands,
-  or Inductor's own layout unless the plan measures >2 % faster); training: ``torch.compile`` of the
-  planned model. Both compiled modes get the NCHW input, as ``compile`` does.
+- ``planned+compile``: ``memlayout.compile`` (inference: the fastest verified of the plan
+  compiled so it stands, Inductor's own layout and, on the CPU, the peer runtimes installed;
+  Inductor's unless another measures >2 % faster), its input in the format the kept candidate
+  reads (``prepare_inputs``, once); training: ``torch.compile`` of the planned model, NCHW
+  input as ``compile``'s.
 - ``openvino``, ``onnxruntime``: the model converted for a peer runtime
   (``memlayout.runtimes``), inference on the CPU only, NCHW input. Their bf16 is the runtime's
   own (OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``), not autocast; ONNX Runtime has no bf16
@@ -177,13 +179,17 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
         model = model.to(memory_format=memory_format)
         x = x.contiguous(memory_format=memory_format)
     elif mode == "planned+compile" and task == "infer":
-        # memlayout.compile: the plan compiled so that it stands (Inductor's layout
-        # optimization off), or Inductor's own layout unless the plan measured >2 % faster
+        # memlayout.compile: the fastest verified of the plan compiled so that it stands,
+        # Inductor's own layout and the peer runtimes installed (CPU); Inductor's unless
+        # another measured >2 % faster. The input in the format the winner reads, converted
+        # once here, as the planned mode's is.
         model = plan_and_compile(model, (x,), dtype=_autocast_dtype(dtype), measure=plan_measure,
                                  backend=compile_backend)
-        kept = model.plan.compiled.kept  # type: ignore[union-attr]
-        note = (f"memlayout.compile(backend={compile_backend!r}): kept {kept}; compile time = "
-                "its candidates' compiles + the first call")
+        (x,) = model.prepare_inputs(x)
+        record = model.plan.compiled  # type: ignore[union-attr]
+        note = (f"memlayout.compile(backend={compile_backend!r}): kept {record.kept} "
+                f"({record.precision.get(record.kept, dtype)}); compile time = its "
+                "candidates' builds + the first call")
     elif mode in ("planned", "planned+compile"):
         # task train: planned for a training step (forward + backward costs, gradients verified)
         own_input = mode == "planned"  # its input in the plan's format, like nhwc's (above)

@@ -24,9 +24,9 @@ def mode_descriptions(cfg: BenchConfig) -> dict[str, str]:
         "planned": f"memlayout.optimize(model, (x,), dtype=..., measure={cfg.plan_measure}, input_format='auto'); "
                    "input in the plan's format",
         "compile": f"torch.compile(backend={cfg.compile_backend!r}) of the NCHW model; Inductor chooses layouts",
-        "planned+compile": "memlayout.compile (inference): the plan compiled with Inductor's layout optimization off, "
-                           "or Inductor's own layout unless the plan measures >2% faster; train: torch.compile of the "
-                           "planned model",
+        "planned+compile": "memlayout.compile (inference): the fastest verified of the plan compiled with Inductor's "
+                           "layout optimization off, Inductor's own layout and (CPU) the peer runtimes installed; "
+                           "Inductor's unless another measures >2% faster; train: torch.compile of the planned model",
         "openvino": "OpenVINO CPU plugin: openvino.convert_model + compile_model, INFERENCE_PRECISION_HINT f32 or "
                     "bf16 (the runtime's own bf16, not autocast); NCHW input; inference only",
         "onnxruntime": "ONNX Runtime CPU EP: torch.onnx.export(dynamo=True) + InferenceSession, ORT_ENABLE_ALL; "

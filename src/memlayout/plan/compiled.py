@@ -1,4 +1,4 @@
-"""``memlayout.compile``: plan, then ``torch.compile`` so the plan stands, or let Inductor decide.
+"""``memlayout.compile``: the fastest verified way to run a model for inference on this machine.
 
 Inductor makes its own layout decision (``GraphLowering.decide_layout_opt``): when
 ``torch._inductor.config.layout_optimization`` is on (the default) and the graph has 2-d
@@ -11,23 +11,32 @@ convolution (3-d and 1-d convolutions keep the strides they are given: Inductor'
 optimization covers ``ndim == 2`` only). With ``layout_optimization`` off for that compile,
 convolutions keep the strides of the traced graph (``constrain_to_fx_strides``): the plan stands.
 
-``compile`` builds both candidates and keeps the plan where it measures faster here by more than
-a margin (2 %), else Inductor's own:
+``compile`` builds whole-model candidates, checks each against the original's outputs, times
+those that agree interleaved round by round, and keeps the fastest:
 
 - ``planned``: the planned model, compiled with ``layout_optimization`` off (the plan stands);
-- ``inductor``: the original model, compiled with the caller's settings (Inductor decides).
+- ``inductor``: the original model, compiled with the caller's settings (Inductor decides);
+- ``inductor+freezing`` (inference): the same with ``torch._inductor.config.freezing``:
+  parameters become constants, batch norms fold into convolutions, convolution weights are
+  prepacked for oneDNN (``mkldnn._convolution_pointwise`` with fused activations). It measured
+  faster on some models and slower on others here, so it is measured, not assumed;
+- ``openvino``, ``onnxruntime`` (inference on the CPU, where installed): the original model
+  converted by ``memlayout.runtimes``. These run convolutions in blocked formats (``nChw16c``)
+  that no strided layout expresses. bf16 is the runtime's own (weights cast once inside it),
+  not autocast; its outputs are compared at bf16 tolerance and the record says so.
 
-They are timed as whole models, interleaved round by round (``memlayout.plan.guard``'s timer,
-i.e. ``memlayout.timing.interleaved``), after one untimed call each (the compile). The result
-is cached (same SQLite store as the costs) under the device, torch version, dtype, a signature
-of the model, the plan and the compile settings: a second ``compile`` of the same model
-compiles only the kept candidate. ``plan.compiled`` records the choice, the ratios and
-Inductor's own decision for the graph.
+``inductor`` is the default, what a plain ``torch.compile`` gives: another candidate replaces it
+only when faster by more than a margin (2 %). Timing goes through ``memlayout.plan.guard``'s
+timer (``memlayout.timing.interleaved``), after one untimed call each (the compile). The ratios
+are cached (same SQLite store as the costs) under the device, torch version, dtype, a signature
+of the model, the plan, the compile settings and the runtimes asked for: a second ``compile`` of
+the same model builds only the kept candidate. ``plan.compiled`` records the choice, the ratios,
+each candidate's precision and build seconds, and why a candidate failed or was not built.
 
 >>> import torch
 >>> from torch import nn
 >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
->>> fast = compile(net, torch.randn(1, 3, 16, 16))  # doctest: +SKIP
+>>> fast = compile(net, torch.randn(1, 3, 16, 16), runtimes=())  # doctest: +SKIP
 >>> fast.plan.compiled.kept in ("planned", "inductor")  # doctest: +SKIP
 True
 """
@@ -39,14 +48,15 @@ import hashlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from memlayout.dtypes import autocast
-from memlayout.errors import LayoutVerificationError
+from memlayout import runtimes as rt
+from memlayout.dtypes import autocast, dtype_name
+from memlayout.errors import LayoutVerificationError, MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
 from memlayout.plan import guard as g
@@ -63,7 +73,10 @@ from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
 INDUCTOR = "inductor"  # the original model compiled with the settings given: Inductor decides
+FROZEN = "inductor+freezing"  # the same with Inductor's freezing: weights folded and prepacked
 PLAN_STANDS = {"layout_optimization": False}
+FREEZING = {"freezing": True}
+RUNTIMES: tuple[str, ...] = rt.RUNTIMES  # peer runtimes tried by default, where installed
 
 
 def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,  # noqa: A001
@@ -71,22 +84,36 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
             measure: bool = True, cache: Any = True, progress: Progress | None = None,
             name: str | None = None, rounds: int = 5, margin: float = 0.02,
             guard: bool = True, plan_kwargs: Mapping[str, Any] | None = None,
+            runtimes: Sequence[str] = RUNTIMES, freezing: bool = True,
             **compile_kwargs: Any) -> OptimizedModule:
-    """Plan ``model`` (``memlayout.optimize``), then compile it so the plan's strides reach the
-    kernels (Inductor's ``layout_optimization`` off for that compile), or compile the original
-    and let Inductor decide; ``plan.compiled`` says which. The plan is kept when it is faster
-    than Inductor's own layout by more than ``margin`` (median of ``rounds`` interleaved
-    per-round ratios), else the original compiled with the settings given: when in doubt, exactly what
-    ``torch.compile`` gives.
+    """Plan ``model`` (``memlayout.optimize``), build the candidates (the plan compiled so its
+    strides reach the kernels, the original compiled with Inductor's own layout, and the peer
+    ``runtimes``), keep the fastest that computes what the original does; ``plan.compiled``
+    says which and why. ``inductor`` (exactly what ``torch.compile`` gives) is kept unless
+    another candidate is faster than it by more than ``margin`` (medians of ``rounds``
+    interleaved per-round ratios).
 
-    ``plan_kwargs`` go to ``memlayout.optimize`` as well (``memory=False``, ...;
-    ``refresh=True`` also measures this planned-vs-Inductor decision again);
+    ``freezing``: also the original compiled with Inductor's ``freezing`` (inference only).
+    ``runtimes``: the peer runtimes to try (``memlayout.runtimes.RUNTIMES``; those not installed
+    are recorded as unavailable); ``()`` keeps to PyTorch. They are candidates for inference on
+    the CPU with one tensor input only: not for ``plan_kwargs={"train": True}``, a CUDA device,
+    fp16, or several inputs (the record says so). ``plan_kwargs`` go to ``memlayout.optimize``
+    (``memory=False``, ...; ``refresh=True`` also measures this decision again);
     ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``options``, ``dynamic``,
     ...). With a backend other than Inductor there is no layout decision to override: the
-    planned model is compiled with those settings and nothing is timed. The returned module is compiled in
-    place (``nn.Module.compile``), so its ``state_dict`` keys are still the original model's.
-    Its outputs are compared with the original's (dtype-aware); a candidate that differs is
-    dropped, and ``LayoutVerificationError`` is raised when none is left.
+    planned model is compiled with those settings and nothing is timed.
+
+    The result is an ``nn.Module`` called with tensors. ``prepare_inputs`` gives the inputs in
+    the format the kept candidate reads (``plan.compiled.input_format``); other inputs are
+    converted per call. Parameters: a PyTorch candidate is compiled in place
+    (``nn.Module.compile``), so its ``state_dict`` keys are still the original model's. A
+    runtime winner (:class:`RuntimeModule`) holds its own copy of the weights, converted
+    once: ``state_dict`` returns the original's (from a copy of the original model it keeps),
+    ``load_state_dict`` loads them there and rebuilds and re-verifies the runtime model;
+    changing the parameters otherwise is not seen by the runtime until ``rebuild()``.
+    Outputs of a runtime winner are fp32 CPU tensors (also for bf16). A candidate whose
+    outputs differ from the original's (dtype-aware) is dropped; ``LayoutVerificationError``
+    is raised when none is left.
     """
     start = time.perf_counter()
     optimized = optimize(model, example_inputs, dtype=dtype, input_format=input_format,
@@ -97,12 +124,16 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     inputs = optimized.prepare_inputs(*example_inputs_of(example_inputs))
     options = _split_options(compile_kwargs)
     backend = compile_kwargs.get("backend", "inductor")
+    train = bool((plan_kwargs or {}).get("train", False))
+    settings: dict[str, dict[str, Any]] = {PLANNED: dict(PLAN_STANDS), INDUCTOR: {}}
+    if freezing and not train:
+        settings[FROZEN] = dict(FREEZING)
     record: dict[str, Any] = {"backend": backend if isinstance(backend, str) else repr(backend),
-                              "settings": {PLANNED: dict(PLAN_STANDS), INDUCTOR: {}}}
+                              "settings": settings}
     if backend != "inductor":
         optimized.compile(**compile_kwargs)
         plan.compiled = CompiledRecord.from_dict({
-            **record, "kept": PLANNED, "source": "none",
+            **record, "kept": PLANNED, "source": "none", "input_format": plan.input_format,
             "reason": "not Inductor: no layout decision of its own to override"})
         return optimized
 
@@ -112,26 +143,39 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
         INDUCTOR: lambda: _compiled(OptimizedModule(copy.deepcopy(model).eval(), plan, run_dtype),
                                     compile_kwargs),
     }
+    if FROZEN in settings:
+        candidates[FROZEN] = lambda: _compiled(
+            OptimizedModule(copy.deepcopy(model).eval(), plan, run_dtype),
+            {**compile_kwargs, "options": {**options, **FREEZING}})
+    unavailable = _runtimes_unavailable(runtimes, inputs, model, run_dtype, train)
+    for runtime in runtimes:
+        if runtime not in unavailable:
+            candidates[runtime] = (lambda runtime=runtime: RuntimeModule(
+                model, plan, inputs[0], rt.RuntimeOptions(runtime, run_dtype)))
+    precision = {name: _precision(name, run_dtype) for name in candidates}
     decision = inductor_layout_decision(model, inputs, run_dtype)
-    record["inductor_layout_opt"] = decision
+    record.update(inductor_layout_opt=decision, unavailable=unavailable, precision=precision)
     refresh = bool((plan_kwargs or {}).get("refresh", False))  # re-measure this decision too
     store = open_cache(cache, refresh=refresh) if measure else None
-    key = _cache_key(model, inputs, run_dtype, plan, compile_kwargs)
+    key = _cache_key(model, inputs, run_dtype, plan,
+                     {**compile_kwargs, "candidates": _versions(candidates)})
     compiled: dict[str, Any] = {}
     try:
         cached = store.get(key, g.valid_record) if store is not None else None
         module = None
         if cached is not None:
             kept = _decide(cached, margin)
+            built_at = time.perf_counter()
             try:
                 module = candidates[kept]()
-                compile_s = _check(module, inputs, run_dtype, reference, kept)
-            except Exception:  # compiled differently this time: measure both again
+                _check(module, inputs, run_dtype, reference, kept)
+            except Exception:  # built differently this time: measure every candidate again
                 module = None
             else:
                 compiled = {**record, **_describe(cached), "kept": kept, "source": "cache",
-                            "errors": {}, "compile_seconds": {kept: compile_s},
-                            "margin": margin}
+                            "errors": {}, "margin": margin,
+                            "compile_seconds": {kept: time.perf_counter() - built_at},
+                            "precision": _precisions(record["precision"], {kept: module})}
         if module is None:
             module, compiled = _measure(candidates, inputs, run_dtype, reference,
                                         rounds=rounds, margin=margin, record=record,
@@ -139,77 +183,212 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
             if store is not None and compiled.get("ratios") is not None:
                 g.save(store, key, {"ratios": compiled["ratios"], "rounds": compiled["rounds"],
                                     "repeat": compiled.get("repeat", 1),
+                                    "baseline": compiled["baseline"],
                                     "conditions": compiled.get("conditions"),
                                     "spread": compiled.get("spread")})
     finally:
         if store is not None:
             store.close()
-    plan.compiled = CompiledRecord.from_dict({**compiled,
-                                              "seconds": time.perf_counter() - start})
     assert isinstance(module, OptimizedModule)
+    input_fmt = (module.input_format.value if isinstance(module, RuntimeModule)
+                 else plan.input_format)
+    plan.compiled = CompiledRecord.from_dict({**compiled, "input_format": input_fmt,
+                                              "seconds": time.perf_counter() - start})
     return module
 
 
 def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[Any, ...],
              dtype: torch.dtype | None, reference: Any, *, rounds: int, margin: float,
              record: dict[str, Any], timed: bool) -> tuple[nn.Module, dict[str, Any]]:
-    """Compile every candidate (first call), drop those that fail or compute something else,
-    time the rest interleaved and keep the fastest."""
+    """Build every candidate (its first call: the compile), drop those that fail or compute
+    something else, time the rest interleaved and keep the fastest."""
     built: dict[str, nn.Module] = {}
     errors: dict[str, str] = {}
+    unavailable = dict(record.get("unavailable", {}))
     compile_s: dict[str, float] = {}
     for name, make in candidates.items():
+        start = time.perf_counter()
         try:
             module = make()
-            compile_s[name] = _check(module, inputs, dtype, reference, name)
+            _check(module, inputs, dtype, reference, name)
+        except rt.RuntimeUnavailable as exc:  # no kernels for this dtype here: not a failure
+            unavailable[name] = str(exc)
+            continue
         except LayoutVerificationError as exc:
             errors[name] = str(exc)
             continue
-        except Exception as exc:  # a candidate Inductor cannot compile is a result, not a crash
+        except Exception as exc:  # a candidate that cannot be built is a result, not a crash
             errors[name] = f"{type(exc).__name__}: {exc}"
             continue
+        compile_s[name] = time.perf_counter() - start  # conversion + compile + first call
         built[name] = module
         if not timed:
             break  # measure=False: the first candidate that works (the plan) is kept
     if not built:
         raise LayoutVerificationError(
-            "neither the compiled plan nor the compiled original model reproduced the original "
-            f"model's outputs ({'; '.join(f'{k}: {v}' for k, v in errors.items())}); nothing "
-            "compiled was returned. Use memlayout.optimize without compiling")
+            "no compiled candidate reproduced the original model's outputs "
+            f"({'; '.join(f'{k}: {v}' for k, v in errors.items())}); nothing compiled was "
+            "returned. Use memlayout.optimize without compiling")
+    baseline = PLANNED if PLANNED in built else next(iter(built))
     out: dict[str, Any] = {**record, "errors": errors, "compile_seconds": compile_s,
-                           "margin": margin}
+                           "margin": margin, "baseline": baseline, "unavailable": unavailable,
+                           "precision": _precisions(record["precision"], built)}
     if len(built) == 1 or not timed:
         kept = next(iter(built))
         return built[kept], {**out, "kept": kept, "source": "none", "candidates": {},
                              "rounds": 0}
-    times = g.time_candidates({g.PLANNED: built[PLANNED], INDUCTOR: built[INDUCTOR]}, inputs,
-                              dtype, device=device_of(inputs, built[PLANNED]), rounds=rounds)
-    errors.update(times["errors"])
-    kept = _decide(times, margin)
-    return built[kept], {**out, **_describe(times), "kept": kept, "source": "measured",
+    # the guard's timer measures against its PLANNED entry: the baseline goes in under it
+    timed_as = {(g.PLANNED if n == baseline else n): m for n, m in built.items()}
+    own = {(g.PLANNED if n == baseline else n): m.prepare_inputs(*inputs)  # type: ignore[operator]
+           for n, m in built.items()}
+    times = g.time_candidates(timed_as, inputs, dtype, device=device_of(inputs, built[baseline]),
+                              rounds=rounds, inputs_of=own)
+    errors.update({(baseline if n == g.PLANNED else n): e for n, e in times["errors"].items()})
+    measured = {**times, "baseline": baseline}
+    kept = _decide(measured, margin)
+    return built[kept], {**out, **_describe(measured), "kept": kept, "source": "measured",
                          "ratios": times["ratios"], "conditions": times["conditions"],
                          "spread": times["spread"]}
 
 
 def _decide(record: Mapping[str, Any], margin: float) -> str:
-    """``PLANNED`` when the median of the per-round ratios planned / inductor time is below
-    ``1 - margin``, else ``INDUCTOR`` (a plain ``torch.compile``, the reference a user
-    compares with, wins ties and noise).
+    """The candidate to keep, from per-round ratios ``baseline / candidate`` time (the
+    baseline, ``planned`` unless it failed, counts 1.0): the fastest by median, where it is
+    faster than ``inductor`` by more than ``margin``; else ``inductor`` (a plain
+    ``torch.compile``, the reference a user compares with, wins ties and noise).
 
     >>> _decide({"ratios": {"inductor": [0.95, 0.97, 0.96]}}, 0.02), _decide({"ratios": {"inductor": [0.99, 1.0, 0.985]}}, 0.02)
     ('planned', 'inductor')
+    >>> _decide({"ratios": {"inductor": [1.0, 1.0, 1.0], "openvino": [1.9, 2.1, 2.0]}}, 0.02)
+    'openvino'
     """
-    ratios = record["ratios"].get(INDUCTOR)
-    if not ratios:
-        return PLANNED
-    return PLANNED if statistics.median(ratios) < 1.0 - margin else INDUCTOR
+    speed = {record.get("baseline", PLANNED): 1.0}
+    speed.update((name, statistics.median(r)) for name, r in record["ratios"].items() if r)
+    default = INDUCTOR if INDUCTOR in speed else next(iter(speed))
+    best = max(speed, key=speed.__getitem__)
+    return best if speed[best] > speed[default] * (1.0 + margin) else default
 
 
 def _describe(record: Mapping[str, Any]) -> dict[str, Any]:
-    """Per candidate other than the plan: median, min, max of ``planned / candidate`` time."""
+    """Per candidate other than the baseline: median, min, max of ``baseline / candidate``
+    time."""
     return {"rounds": record["rounds"], "repeat": record.get("repeat", 1),
+            "baseline": record.get("baseline", PLANNED),
             "candidates": {name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
                            for name, r in record["ratios"].items() if r}}
+
+
+class RuntimeModule(OptimizedModule):
+    """A peer runtime's model (``memlayout.runtimes``) as the result of :func:`compile`:
+    called with the example's input tensor, returns fp32 CPU tensors. Inference only.
+
+    It holds its own copy of the weights (converted once, inside the runtime) and, as
+    ``.module``, a copy of the original model: ``state_dict`` returns that copy's (the
+    original's keys and values); ``load_state_dict`` loads into it, then rebuilds the runtime
+    model from it and checks it against it (``LayoutVerificationError`` when it differs).
+    Parameters changed any other way reach the runtime only through :meth:`rebuild`.
+    ``prepare_inputs`` gives the input in the layout the runtime reads (NCHW-contiguous, or
+    channels-last for an NHWC export).
+    """
+
+    def __init__(self, model: nn.Module, plan: Any, example: torch.Tensor,
+                 options: rt.RuntimeOptions) -> None:
+        super().__init__(copy.deepcopy(model).eval(), plan, options.dtype)
+        self.kept = options.runtime
+        self.__dict__["options"] = options
+        self.__dict__["_example"] = example.detach().cpu().clone()
+        self.__dict__["runtime"] = rt.build_runtime(self.module, self._example, options)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.rebuild())
+        self.eval()
+
+    @property
+    def input_format(self) -> Format:
+        """The format of the inputs the runtime reads without a copy."""
+        return Format.CHANNELS_LAST if self.options.input_layout == "nhwc" else Format.CONTIGUOUS
+
+    def prepare_inputs(self, *args: Any) -> tuple[Any, ...]:
+        return convert_batch(args, self.input_format)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            raise TypeError(f"the {self.kept} model takes one input tensor, as the example it "
+                            f"was built for; got {len(args)} positional and {len(kwargs)} "
+                            "keyword arguments")
+        if self.training:
+            raise MemlayoutError(f"the {self.kept} model runs inference only; compile with "
+                                 "runtimes=() to train a compiled PyTorch model")
+        (x,) = self.prepare_inputs(args[0])
+        try:
+            return self.runtime(x)
+        except Exception as exc:
+            if tuple(x.shape) == tuple(self._example.shape):
+                raise
+            raise MemlayoutError(
+                f"the {self.kept} model was built for input shape {tuple(self._example.shape)} "
+                f"and failed on {tuple(x.shape)} ({type(exc).__name__}); compile again with an "
+                "example of that shape") from exc
+
+    def rebuild(self) -> None:
+        """Convert ``.module`` (the original's copy, with its current weights) again and check
+        the new runtime model against it on the example."""
+        runtime = rt.build_runtime(self.module, self._example, self.options)
+        reference = _reference(self.module, (self._example,), self.options.dtype)
+        ok, err, _ = compare(reference, runtime(self._example), self.options.dtype)
+        if not ok:
+            raise LayoutVerificationError(
+                f"the {self.kept} model rebuilt after loading weights differs from the "
+                f"original by {err:.3g} (relative); it was not replaced")
+        self.__dict__["runtime"] = runtime
+
+
+def _runtimes_unavailable(names: Sequence[str], inputs: tuple[Any, ...], model: nn.Module,
+                          dtype: torch.dtype | None, train: bool) -> dict[str, str]:
+    """Why each runtime asked for is not a candidate here (absent: it is one)."""
+    unknown = [n for n in names if n not in rt.RUNTIMES]
+    if unknown:
+        raise ValueError(f"unknown runtimes {unknown}; expected some of {', '.join(rt.RUNTIMES)}")
+    device = device_of(inputs, model)
+    common = ("a runtime model cannot train: training plans are compiled in PyTorch" if train
+              else f"runtimes run on the CPU only; the model runs on {device}"
+              if device.type != "cpu"
+              else f"the runtime adapters run fp32 or bf16, not {dtype_name(dtype)}"
+              if dtype not in (None, torch.bfloat16)
+              else "the runtime adapters take one input tensor; the model takes "
+                   f"{len(inputs)} arguments"
+              if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor) else "")
+    out = {}
+    for name in names:
+        reason = common or rt.available(name)
+        if reason:
+            out[name] = reason
+    return out
+
+
+def _precision(name: str, dtype: torch.dtype | None) -> str:
+    """What a candidate computes in, before it is built (a runtime's own words replace it)."""
+    if name in rt.RUNTIMES:
+        return f"{name} {dtype_name(dtype)}"
+    return "fp32" if dtype is None else f"torch.autocast {dtype_name(dtype)} (weights fp32)"
+
+
+def _versions(candidates: Mapping[str, Any]) -> dict[str, str]:
+    """Every candidate with its runtime's version (a cached decision is for these; torch's
+    own version is in the key already)."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in candidates:
+        try:
+            out[name] = md.version(name) if name in rt.RUNTIMES else ""
+        except md.PackageNotFoundError:
+            out[name] = ""
+    return out
+
+
+def _precisions(guessed: Mapping[str, str], built: Mapping[str, nn.Module]) -> dict[str, str]:
+    """Each candidate's precision: a built runtime's own words, else what was expected."""
+    return {**guessed, **{n: m.runtime.precision for n, m in built.items()
+                          if isinstance(m, RuntimeModule)}}
 
 
 def _split_options(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -345,4 +524,5 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
                               busier(before, Conditions.now()))
 
 
-__all__ = ["INDUCTOR", "PLANNED", "compare_compiled", "compile", "inductor_layout_decision"]
+__all__ = ["FROZEN", "INDUCTOR", "PLANNED", "RUNTIMES", "RuntimeModule", "compare_compiled",
+           "compile", "inductor_layout_decision"]

@@ -135,14 +135,25 @@ def compiled_summary(c: CompiledRecord) -> str:
     kept = {"planned": "the plan, compiled with Inductor's layout_optimization off "
                        "(the plan's strides stand)",
             "inductor": "torch.compile of the original model with the compile settings "
-                        "given (Inductor chooses the layouts; the plan above is not applied)"}
-    parts = [f"compile: kept {kept.get(c.kept, c.kept)}; Inductor's own layout "
-             f"decision for this graph: {decision}"]
-    for name, r in c.candidates.items():
-        source = "from the cache" if c.source == "cache" else "measured now"
-        parts.append(f"planned / {name} time {r.median:.3f} ({r.min:.3f}-{r.max:.3f}), "
-                     f"median of {c.rounds} interleaved rounds ({source})")
+                        "given (Inductor chooses the layouts; the plan above is not applied)",
+            "inductor+freezing": "torch.compile of the original model with Inductor's freezing "
+                                 "(weights folded and prepacked; the plan above is not applied)"}
+    what = kept.get(c.kept, f"the {c.kept} runtime's model (its own copy of the weights)")
+    if c.kept in c.precision:
+        what += f", {c.precision[c.kept]}"
+    if c.input_format:
+        what += f", input {c.input_format}"
+    parts = [f"compile: kept {what}; Inductor's own layout decision for this graph: {decision}"]
+    source = "from the cache" if c.source == "cache" else "measured now"
+    if c.candidates:
+        ratios = ", ".join(f"{name} {r.median:.3f} ({r.min:.3f}-{r.max:.3f})"
+                           for name, r in c.candidates.items())
+        parts.append(f"{c.baseline} / candidate time, median of {c.rounds} interleaved rounds "
+                     f"({source}): {ratios}")
+    if c.compile_seconds:
+        parts.append("built in " + ", ".join(f"{n} {s:.1f} s" for n, s in c.compile_seconds.items()))
     parts += [f"{name} failed: {err}" for name, err in c.errors.items()]
+    parts += [f"{name} not a candidate: {why}" for name, why in c.unavailable.items()]
     if c.reason:
         parts.append(c.reason)
     return "; ".join(parts)

@@ -277,7 +277,9 @@ class BlockedReport(Record):
 @dataclass(frozen=True)
 class CompiledRecord(Record):
     """What ``memlayout.compile`` kept (``memlayout.plan.compiled``): the plan compiled with
-    Inductor's layout optimization off, or the original compiled with Inductor's own layout."""
+    Inductor's layout optimization off, the original compiled with Inductor's own layout, or
+    a peer runtime's model. ``candidates``: per-round ``baseline / candidate`` time ratios;
+    ``compile_seconds``: each candidate's build (conversion, compile, first call)."""
 
     backend: str
     kept: str
@@ -292,6 +294,10 @@ class CompiledRecord(Record):
     repeat: int = 1
     reason: str = ""
     seconds: float = 0.0
+    baseline: str = "planned"  # the candidate the ratios are taken against
+    precision: dict[str, str] = field(default_factory=dict)  # what each candidate computes in
+    unavailable: dict[str, str] = field(default_factory=dict)  # candidates not built, and why
+    input_format: str | None = None  # the format ``prepare_inputs`` gives (None: as given)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,169 @@
+"""``memlayout.compile`` with peer runtimes (OpenVINO, ONNX Runtime) as candidates.
+
+Timings are injected (the guard's timer replaced by one that returns chosen ratios) and
+Inductor's compile is replaced by the eager module: these tests are about which candidate is
+built, verified, kept, recorded and returned, not about speed or Inductor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memlayout
+from memlayout import runtimes
+from memlayout.errors import MemlayoutError
+from memlayout.plan import compiled as c
+from memlayout.plan.result import Plan
+
+QUICK = {"memory": False, "padding": False, "blocked": False}
+# the plan's own guard off: it would call the injected timer too
+needs_openvino = pytest.mark.skipif(runtimes.available("openvino") is not None,
+                                    reason="openvino is not installed")
+
+# (per-round ratios baseline / candidate, margin) -> the candidate kept
+DECISIONS = [
+    ({"inductor": [1.0, 1.0, 1.0], "openvino": [2.0, 1.9, 2.1]}, 0.02, "openvino"),
+    ({"inductor": [1.0, 1.0, 1.0], "openvino": [1.01, 1.01, 1.01]}, 0.02, "inductor"),
+    ({"inductor": [0.9, 0.9, 0.9]}, 0.02, "planned"),
+    ({"inductor": [0.99, 0.99, 0.99]}, 0.02, "inductor"),
+    ({"inductor": [1.2, 1.2, 1.2], "onnxruntime": [1.3, 1.3, 1.3]}, 0.02, "onnxruntime"),
+    ({"inductor": [1.2, 1.2, 1.2], "onnxruntime": [1.21, 1.21, 1.21]}, 0.02, "inductor"),
+    ({"openvino": [0.5, 0.5, 0.5]}, 0.02, "planned"),  # no inductor: the baseline is the default
+]
+
+
+@pytest.mark.parametrize(("ratios", "margin", "kept"), DECISIONS)
+def test_the_fastest_candidate_is_kept_only_beyond_the_margin_over_inductor(ratios, margin, kept):
+    assert c._decide({"ratios": ratios}, margin) == kept
+
+
+def test_runtimes_are_not_candidates_for_training_other_devices_dtypes_or_several_inputs():
+    net, x = nn.Conv2d(3, 4, 3), torch.randn(1, 3, 8, 8)
+    names = ("openvino", "onnxruntime")
+    assert set(c._runtimes_unavailable(names, (x,), net, None, True)) == set(names)
+    assert "cannot train" in c._runtimes_unavailable(names, (x,), net, None, True)["openvino"]
+    assert "fp16" in c._runtimes_unavailable(names, (x,), net, torch.float16, False)["openvino"]
+    assert "one input" in c._runtimes_unavailable(names, (x, x), net, None, False)["onnxruntime"]
+    on_cpu = c._runtimes_unavailable(names, (x,), net, torch.bfloat16, False)
+    assert on_cpu == {n: runtimes.available(n) for n in names if runtimes.available(n)}
+    with pytest.raises(ValueError, match="unknown runtimes"):
+        c._runtimes_unavailable(("tensorrt",), (x,), net, None, False)
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3)).eval()
+
+
+def _fake_timer(seconds: dict[str, float], calls: list[dict[str, Any]]):
+    """The guard's timer with chosen per-call seconds: each model is called once on its own
+    inputs (as the real timer does), then the ratios those seconds give are returned."""
+
+    def time_candidates(models, inputs, dtype, *, device, rounds, inputs_of=None, **_: Any):
+        for name, m in models.items():
+            with torch.no_grad():
+                m(*(inputs_of or {}).get(name, inputs))
+        calls.append(dict(models))
+        base = seconds[c.PLANNED]  # the plan is the baseline, timed as the guard's PLANNED
+        return {"ratios": {n: [base / seconds.get(n, seconds[c.INDUCTOR])] * rounds
+                           for n in models if n != c.g.PLANNED},
+                "rounds": rounds, "repeat": 1, "errors": {}, "extended": False,
+                "conditions": None}
+    return time_candidates
+
+
+@pytest.fixture
+def eager_inductor(monkeypatch):
+    """Inductor's compile replaced by the eager module: its compile is not under test here."""
+    monkeypatch.setattr(c, "_compiled", lambda module, kwargs: module)
+
+
+@needs_openvino
+def test_a_faster_runtime_is_kept_verified_recorded_and_cached(tmp_path, monkeypatch,
+                                                                eager_inductor):
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.5}, calls))
+    cache = tmp_path / "costs.sqlite"
+    fast = memlayout.compile(net, x, cache=cache, rounds=3, guard=False, plan_kwargs=QUICK,
+                             runtimes=("openvino",))
+    record = fast.plan.compiled
+    assert isinstance(fast, c.RuntimeModule) and isinstance(fast, nn.Module)
+    assert record.kept == "openvino" and record.source == "measured"
+    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN, "openvino"}  # one timing
+    assert record.candidates["openvino"].median == pytest.approx(2.0)
+    assert record.candidates[c.INDUCTOR].median == pytest.approx(1.0)
+    assert record.baseline == c.PLANNED
+    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR, c.FROZEN, "openvino"}
+    assert "f32" in record.precision["openvino"] and record.precision[c.PLANNED] == "fp32"
+    assert record.input_format == "contiguous"
+    assert "kept the openvino runtime's model" in fast.plan.summary()
+    assert Plan.from_json(fast.plan.to_json()).compiled == record
+
+    # called with tensors, in any layout; prepare_inputs hands over the one it reads
+    with torch.no_grad():
+        want = net(x)
+    torch.testing.assert_close(fast(x), want, rtol=1e-4, atol=1e-5)
+    cl = x.contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(fast(cl), want, rtol=1e-4, atol=1e-5)
+    (prepared,) = fast.prepare_inputs(cl)
+    assert prepared.is_contiguous()
+
+    # the original's state_dict; load_state_dict rebuilds the runtime's own copy of the weights
+    assert list(fast.state_dict()) == list(net.state_dict())
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in fast.state_dict().items())
+    other = _cnn()
+    fast.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), other(x), rtol=1e-4, atol=1e-5)
+
+    with pytest.raises(MemlayoutError, match="inference only"):
+        fast.train()(x)
+    fast.eval()
+
+    # the second compile reads the decision: builds the runtime only, times nothing
+    again = memlayout.compile(net, x, cache=cache, rounds=3, guard=False, plan_kwargs=QUICK,
+                              runtimes=("openvino",))
+    assert again.plan.compiled.source == "cache" and again.plan.compiled.kept == "openvino"
+    assert list(again.plan.compiled.compile_seconds) == ["openvino"]
+    assert len(calls) == 1
+
+
+@needs_openvino
+def test_a_runtime_in_bf16_is_its_own_bf16_verified_at_bf16_tolerance(monkeypatch,
+                                                                      eager_inductor):
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.5, "onnxruntime": 2.0}, []))
+    fast = memlayout.compile(net, x, dtype="bf16", cache=False, rounds=3, guard=False, plan_kwargs=QUICK)
+    record = fast.plan.compiled
+    assert record.precision[c.INDUCTOR].startswith("torch.autocast bf16")
+    if "openvino" in record.unavailable:  # a CPU without bf16: OpenVINO says so, not a failure
+        assert record.kept == c.INDUCTOR
+        return
+    assert record.kept == "openvino", record
+    assert "bf16" in record.precision["openvino"] and "own bf16" in record.precision["openvino"]
+    # ONNX Runtime's CPU provider has no bf16 convolution: not a candidate, and why
+    if runtimes.available("onnxruntime") is None:
+        assert "bf16" in record.unavailable["onnxruntime"]
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want = net(x)
+    got = fast(x)
+    assert got.dtype == torch.float32  # fp32 out of the runtime, bf16 inside
+    ok, err, _ = c.compare(want, got, torch.bfloat16)
+    assert ok, err
+
+
+def test_runtimes_off_keeps_to_pytorch(monkeypatch, eager_inductor):
+    net, x = _cnn(), torch.randn(1, 3, 12, 12)
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+        {c.PLANNED: 1.0, c.INDUCTOR: 2.0}, calls))
+    fast = memlayout.compile(net, x, cache=False, rounds=3, guard=False, plan_kwargs=QUICK, runtimes=())
+    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN}
+    assert fast.plan.compiled.kept == c.PLANNED
+    assert fast.plan.compiled.unavailable == {}
