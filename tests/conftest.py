@@ -20,10 +20,15 @@ def _seed():
 @pytest.fixture(autouse=True)
 def _quiet_machine(monkeypatch):
     """The machine reads quiet: what a test checks must not depend on what else runs on this
-    machine. Its load reads 0.5, and only rounds spread 10x are noisy (real rounds beside
-    other jobs spread 1-18x; a test of the noise rules injects a clock with 30x rounds, or
+    machine. Its load reads 0.5, and the planner's costs and cache take only rounds spread
+    10x as noisy (real rounds beside other jobs spread 1-18x, so a cached cost would be
+    measured again at random; a test of the noise rules injects a clock with 30x rounds, or
     its own load reading)."""
-    from memlayout import machine
+    from memlayout.plan import cache, costs
+
+    def noisy(spread: float | None) -> bool:
+        return spread is not None and spread > 10.0
 
     monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
-    monkeypatch.setattr(machine, "SPREAD_LIMIT", 10.0)
+    monkeypatch.setattr(costs, "noisy", noisy)
+    monkeypatch.setattr(cache, "noisy", noisy)

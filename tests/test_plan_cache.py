@@ -135,7 +135,7 @@ def test_each_entry_records_its_conditions_and_noise(db) -> None:
     a, b, c = (store.entry(k) for k in ('["node", "a"]', '["node", "b"]', '["guard", "c"]'))
     assert (a.noisy, b.noisy, c.noisy) == (False, True, True)  # written this run: read back
     assert (a.load_average, b.load_average, a.cpu_count, a.spread) == (0.5, 9.0, 2, 0.05)
-    assert a.taken_at == QUIET.taken_at and a.age_days() > 0
+    assert a.taken_at == QUIET.taken_at
     later = CostCache(db, conditions=lambda: QUIET)
     assert later.get('["node", "a"]') is not None and later.get('["node", "b"]') is None
     busy_later = CostCache(db, conditions=lambda: BUSY)  # busy now: reused, said noisy
@@ -172,3 +172,19 @@ def test_cache_verb_on_a_missing_file_creates_nothing(tmp_path) -> None:
     db = tmp_path / "none.sqlite"
     shown = CliRunner().invoke(app, ["cache", "show", "--path", str(db)])
     assert shown.exit_code == 0 and "no cache at" in shown.output and not db.exists()
+
+
+def test_optimize_states_the_conditions_before_it_measures(tmp_path, monkeypatch) -> None:
+    model = tmp_path / "tiny.py"
+    model.write_text("import torch\nfrom torch import nn\n\n"
+                     "def net():\n    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), "
+                     "nn.Conv2d(8, 4, 3))\n")
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("os.getloadavg", lambda: (9.0, 9.0, 9.0))
+    result = CliRunner().invoke(app, ["optimize", f"{model}:net", "--batch", "1",
+                                      "--image-size", "16", "--rounds", "0"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "conditions: load 9.0 on" in out and "OMP_WAIT_POLICY=" in out
+    assert out.index("costs measured now are marked noisy") < out.index("layout nodes")
+    assert "costs noisy" in out  # and the plan says what came of it

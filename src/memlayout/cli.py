@@ -131,15 +131,18 @@ def _print_conditions(conditions: Conditions) -> None:
 def _print_measuring_conditions(measure: bool) -> None:
     """``optimize``'s first words before it measures: the conditions, and what the planner
     does with numbers taken on a busy machine."""
+    from memlayout.plan.costs import RETRIES
+    from memlayout.plan.guard import SUSPECT
+
     conditions = Conditions.now()
     _print_conditions(conditions)
     if measure and conditions.busy:
         console.print(
-            "costs measured now are marked noisy (a cost whose rounds spread too far is taken "
-            "again, at most twice) and counted in the plan's summary; a later run on a quiet "
-            "machine measures them again instead of reading them from the cache, and a plan "
-            "whose predicted time disagrees with the guard's measurement by more than 3x "
-            "measures its costs once more", markup=False, highlight=False)
+            f"costs measured now are marked noisy (one whose rounds spread too far is taken "
+            f"again, at most {RETRIES} times) and counted in the plan's summary; a later run on "
+            "a quiet machine measures them again instead of reading them from the cache, and a "
+            f"plan predicting more than {SUSPECT:g}x the guard's measured time measures its "
+            "costs once more", markup=False, highlight=False)
 
 
 def _on_device(value: Any, device: str) -> Any:

@@ -95,15 +95,6 @@ class Entry:
     noisy: bool  # busy machine or spread above ``machine.SPREAD_LIMIT``
     taken_at: str  # UTC, ISO 8601
 
-    def age_days(self, now: datetime.datetime | None = None) -> float | None:
-        """Days since it was taken (``None`` when its time does not parse)."""
-        try:
-            taken = datetime.datetime.fromisoformat(self.taken_at)
-        except ValueError:
-            return None
-        now = now or datetime.datetime.now(datetime.timezone.utc)
-        return (now - taken).total_seconds() / 86400.0
-
 
 @dataclass(frozen=True)
 class CacheGroup:

@@ -265,7 +265,8 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
         planned = peak_memory(built.module, inputs, dtype=dtype, device=device)
         if key is not None:
             cache.put(key, {"original": list(original.__dict__.values()),
-                            "planned": list(planned.__dict__.values())})
+                            "planned": list(planned.__dict__.values())},
+                      is_noisy=False)  # byte counts, not timings: no load can stretch them
     record = MemoryReport(
         method=planned.method, original=original.peak_bytes, planned=planned.peak_bytes,
         original_end=original.end_bytes, planned_end=planned.end_bytes,
