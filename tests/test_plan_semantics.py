@@ -46,6 +46,20 @@ class AttributeCounter(nn.Module):
         return self.conv(x) * self.calls
 
 
+class InPlaceCounter(nn.Module):
+    """A buffer counter updated with an in-place tensor op (``torch.fx`` runs it while tracing
+    and records no update either)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.conv(x) * self.calls
+
+
 class Tied(nn.Module):
     """Two convolutions sharing one weight."""
 
@@ -136,6 +150,7 @@ def _cumulative_batchnorm() -> nn.Module:
 ADVERSARIAL: dict[str, Callable[[], nn.Module]] = {
     "call counter buffer": CallCounter,
     "call counter attribute": AttributeCounter,
+    "call counter updated in place": InPlaceCounter,
     "tied weights": Tied,
     "train mode batchnorm": _batchnorm_in_train_mode,
     "cumulative batchnorm": _cumulative_batchnorm,
@@ -221,7 +236,7 @@ def test_an_adversarial_model_is_planned_equal_or_refused(name: str, how: str, t
     try:
         opt = optimize(model, x, cache=tmp_path / "costs.sqlite", **HOW[how])
     except MemlayoutError as exc:
-        assert "please report" not in str(exc) or "changes" in str(exc), str(exc)
+        assert "please report" not in str(exc), str(exc)  # a cause the caller can act on
         return
     for k, v in reference.state_dict().items():  # the caller's model is untouched
         assert torch.equal(model.state_dict()[k], v)

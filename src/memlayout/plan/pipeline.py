@@ -37,6 +37,7 @@ from memlayout.errors import (
 from memlayout.layout import Format, strides_for
 from memlayout.plan import guard as g
 from memlayout.plan import memory as mem
+from memlayout.plan.apply import model_signature
 from memlayout.plan.blocked import measure_blocked
 from memlayout.plan.capture import (
     FREE,
@@ -453,15 +454,15 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
     except LayoutVerificationError as exc:
         if changes:  # a likelier cause than a wrong conversion
             raise LayoutVerificationError(
-                f"{exc}. The original's forward changes {', '.join(changes[:3])} on every "
-                "call, which the captured graph does not repeat (torch.fx runs such an update "
-                "once, while tracing, and keeps a Python attribute as a constant): keep "
-                "per-call state out of the planned forward, or update a buffer with a tensor "
-                "op") from exc
+                f"{_cause_known(exc)}. The original's forward changes "
+                f"{', '.join(changes[:3])} on every call, which the captured graph does not "
+                "repeat (torch.fx runs such an update once, while tracing, and keeps a Python "
+                "attribute as a constant): keep per-call state out of the planned forward"
+                ) from exc
         if inplace:
             raise LayoutVerificationError(
-                f"{exc}. The forward changes its input in place ({', '.join(inplace)}), and a "
-                "conversion in the plan separates that input from its copy: make the op out "
+                f"{_cause_known(exc)}. The forward changes its input in place "
+                f"({', '.join(inplace)}), and a conversion in the plan separates that input from its copy: make the op out "
                 "of place (x = x * 2 instead of x.mul_(2))") from exc
         raise
     finally:
@@ -469,6 +470,12 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
         restore_state(planned, state)
     verification = dataclasses.replace(verification, semantics=count)
     return dataclasses.replace(verification, seconds=time.perf_counter() - start)
+
+
+def _cause_known(exc: LayoutVerificationError) -> str:
+    """``exc``'s message without its request to report a planner bug: the cause is named
+    after it (state the forward changes, an input it changes in place)."""
+    return str(exc).split("; please report")[0].rstrip(".")
 
 
 def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
@@ -492,6 +499,7 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         padding=padding, memory=memory.record, blocked=blocked, train=options.train,
         input_shapes=[list(t.shape) for t in iter_tensors(inputs)],
         weight_formats_kept=options.keep_weight_formats,
+        model_signature=model_signature(captured),
     )
     plan.notes.extend(conv1d_notes(plan.nodes))  # rank 3: planned, or why not
     if options.auto_input:
@@ -625,8 +633,9 @@ def _pin_inplace_on_inputs(gm: fx.GraphModule, form: Any) -> Any:
     pins: dict[str, int] = {}
     for n in gm.graph.nodes:
         first = n.args[0] if n.args else None
-        if (isinstance(first, fx.Node) and first.op == "placeholder" and n.name in form.seconds.unary
-                and n.name not in form.integer.pins and mutates_in_place(gm, n)):
+        if (isinstance(first, fx.Node) and first.op == "placeholder"
+                and n.name in form.seconds.unary and n.name not in form.integer.pins
+                and mutates_in_place(gm, n)):
             arrives = form.producers.get(first.name)
             if arrives in (0, 1):
                 pins[n.name] = int(arrives)
@@ -673,7 +682,8 @@ def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -
 def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
             expected: Any) -> Verification:
     """Run the planned model once and compare with ``expected`` (the original's output on
-    the same inputs, from the same state). A whole-model plan is one region: compared (and on a mismatch bisected)
+    the same inputs, from the same state). A whole-model plan is one region: compared (and on
+    a mismatch bisected)
     directly. Planned submodules: the whole model is compared; on a mismatch each region is
     checked on its own inputs to name the first divergent node."""
     dtype, checks = options.dtype, built.checks
