@@ -137,6 +137,44 @@ class Frozen(nn.Module):
         return self.conv(torch.relu(self.stem(x)))
 
 
+class InPlaceModuleOnInput(nn.Module):
+    """``nn.ReLU(inplace=True)`` applied to the input itself, which is also returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = nn.ReLU(inplace=True)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.relu(x)
+        return {"input": x, "features": self.conv(y)}
+
+
+class FunctionalTie(nn.Module):
+    """One weight used by its module and functionally by another path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.a = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.a(self.stem(x)))
+        return F.conv2d(y, self.a.weight, padding=1)
+
+
+class SharedModule(nn.Module):
+    """One convolution called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.relu(self.conv(self.stem(x))))
+
+
 def _batchnorm_in_train_mode() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                          nn.Conv2d(8, 8, 1)).train()
@@ -160,6 +198,9 @@ ADVERSARIAL: dict[str, Callable[[], nn.Module]] = {
     "read-only rank-4 buffer": ReadOnlyBuffer,
     "unused rank-4 parameter": UnusedWeight,
     "requires_grad=False conv": Frozen,
+    "in-place module on the returned input": InPlaceModuleOnInput,
+    "weight used by a module and functionally": FunctionalTie,
+    "one module called twice": SharedModule,
 }
 
 #: how it is planned: analytic costs as given, a channels-last plan (conversions on every
@@ -345,3 +386,24 @@ def test_a_meta_device_model_is_one_clear_error_before_any_work(where: str) -> N
 def test_verification_records_the_semantic_checks() -> None:
     opt = optimize(Tied().eval(), _x(), measure=False, cache=False)
     assert opt.plan.verification.semantics > 0
+
+
+def test_every_user_of_a_shared_weight_is_tied_to_one_format() -> None:
+    """The min cut ties every node that uses one tensor (through its module, or functionally
+    through the module's attribute), so the one converted tensor is in the format each of
+    them was planned for."""
+    from memlayout.plan.capture import capture
+    from memlayout.plan.costs import measure_costs
+    from memlayout.plan.problem import formulate
+
+    captured = capture(FunctionalTie().eval(), (_x(),))
+    region = captured.regions[0]
+    table = measure_costs(region.gm, region.inputs, measure=False, cache=None)
+    form = formulate(region.gm, table, input_label=None, output_label="keep")
+    tied = {frozenset(t) for t in form.seconds.ties}
+    assert frozenset({"a", "conv2d"}) in tied
+    opt = optimize(FunctionalTie().eval(), _x(), measure=False, cache=False,
+                   input_format="channels_last")
+    formats = {n.name: n.format for n in opt.plan.nodes}
+    assert formats["a"] == formats["conv2d"] == "channels_last"
+    assert len(list(opt.parameters())) == 4  # stem and a: weight and bias each
