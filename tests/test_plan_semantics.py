@@ -175,6 +175,34 @@ class SharedModule(nn.Module):
         return self.conv(torch.relu(self.conv(self.stem(x))))
 
 
+class ModulesInAList(nn.Module):
+    """Submodules also held in a plain list attribute, a stage that torch.fx cannot trace
+    (data-dependent control flow: planned per submodule) and a call counter on that stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stage = _Stage()
+        self.head = nn.Conv2d(8, 4, 1)
+        self.order = [self.stage, self.head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.order:
+            x = m(x)
+        return x
+
+
+class _Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.conv(x)
+        return y if bool(y.mean() > -1e9) else -y
+
+
 def _batchnorm_in_train_mode() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                          nn.Conv2d(8, 8, 1)).train()
@@ -201,6 +229,7 @@ ADVERSARIAL: dict[str, Callable[[], nn.Module]] = {
     "in-place module on the returned input": InPlaceModuleOnInput,
     "weight used by a module and functionally": FunctionalTie,
     "one module called twice": SharedModule,
+    "modules in a list, an untraceable stage": ModulesInAList,
 }
 
 #: how it is planned: analytic costs as given, a channels-last plan (conversions on every

@@ -144,9 +144,10 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       (outputs, every parameter's and input's gradient, BatchNorm's running statistics after
       it; same RNG state for both, element-wise dropout masks drawn in logical order, as
       PyTorch's follow memory order) with the original's.
-      The returned module is in train mode; its parameters are ``nn.Parameter``s any
-      optimizer takes (build it from ``optimized.parameters()``), and their gradients come
-      back in their strides (what DDP's gradient buckets expect).
+      The returned module is in train mode (an inference plan's: in the caller's mode, a
+      call in train mode planned for training on first sight); its parameters are
+      ``nn.Parameter``s any optimizer takes (build it from ``optimized.parameters()``),
+      and their gradients come back in their strides (what DDP's gradient buckets expect).
     - ``keep_weight_formats``: every node that owns a rank-4/5 parameter runs in the format
       the parameter already has (no new parameter tensors).
     - ``max_plans``: changing shapes. A call with another input shape signature (shapes,
@@ -155,7 +156,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       serves every shape), no guard, verified; the plan is cached, at most ``max_plans``
       plans held (the example's always), least recently used dropped first. The cost cache
       makes a replan of a known shape measure nothing; it still traces the model, solves,
-      and runs the verification (about 3 forward passes; 2 forward + backward in training).
+      and runs the verification (about 5 forward passes; 2 forward + backward in training).
       ``optimized.plans`` holds the plans by signature.
     - ``padding`` (with ``measure``): convolutions whose channel counts are not a multiple of
       the vector width run padded where that measures faster (``memlayout.plan.padding``).
@@ -829,9 +830,17 @@ class Replanner:
         options = dataclasses.replace(self.options, train=training, device=device_of(xs, base))
         if options.input_label is not None:
             xs = inputs_in(xs, options.input_label, options.ranks)
-        work = working_copy(base, training)
-        plan, module = plan_model(work, xs, options, start=start)
-        _share_tensors(module, base)  # same values (a copy of them was planned on)
+        # planned on the live tensors themselves (kept formats: the rewrite makes no new
+        # parameter), so every reference to them, a plain list of submodules too, stays one
+        # tensor; the state planning's runs change is put back, whatever happens
+        live = {id(t): t for t in [*base.parameters(), *base.buffers()]}
+        work = copy.deepcopy(base, live).train(training)
+        state = module_state(base)
+        try:
+            plan, module = plan_model(work, xs, options, start=start)
+        finally:
+            restore_state(base, state)
+        _share_tensors(module, base)  # where the rewrite made new tensors: the live ones
         module.train(training)
         return module, plan
 
