@@ -62,6 +62,11 @@ def test_corrupt_or_truncated_json_is_a_plan_error(text: str, message: str) -> N
         Plan.from_json(text)
 
 
+def test_something_that_is_not_json_text_is_a_plan_error() -> None:
+    with pytest.raises(PlanError, match="takes the JSON text.*got dict"):
+        Plan.from_json(_data())
+
+
 @pytest.mark.parametrize("schema, message", [
     (None, "no \"schema\".*plan the model again"),
     (0, "older memlayout.*plan the model again"),

@@ -418,6 +418,9 @@ class Plan:
         """The plan ``to_json`` wrote. ``PlanError`` for text that is not one: not JSON
         (truncated, corrupt), another schema (older: plan the model again; newer: upgrade
         memlayout), or a field missing, of the wrong type, or naming no format."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlanError(f"Plan.from_json takes the JSON text (str or bytes) Plan.to_json "
+                            f"wrote, got {type(text).__name__}; read the file first")
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
