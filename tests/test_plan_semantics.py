@@ -233,10 +233,12 @@ ADVERSARIAL: dict[str, Callable[[], nn.Module]] = {
 }
 
 #: how it is planned: analytic costs as given, a channels-last plan (conversions on every
-#: boundary), and measured costs with the guard (every candidate run many times)
+#: boundary), a training plan, and measured costs with the guard (every candidate run many
+#: times)
 HOW: dict[str, dict[str, Any]] = {
     "analytic": {"measure": False},
     "channels_last": {"measure": False, "input_format": "channels_last"},
+    "training": {"measure": False, "train": True},
     "guarded": {"measure": True, "guard": True, "rounds": 1, "guard_rounds": 1,
                 "padding": False, "memory": False},
 }
