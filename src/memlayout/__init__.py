@@ -28,7 +28,7 @@ from memlayout.tensors import convert_batch, convert_module, format_of, to_forma
 
 __version__ = "0.1.0"
 
-_PLANNER = {"optimize", "OptimizedModule", "Plan"}
+_PLANNER = {"optimize", "apply", "OptimizedModule", "Plan"}
 
 
 def __getattr__(name: str):
@@ -40,10 +40,10 @@ def __getattr__(name: str):
 
         return compiled.compile
     if name in _PLANNER:
-        from memlayout.plan import module, pipeline, result
+        from memlayout.plan import apply, module, pipeline, result
 
-        return {"optimize": pipeline.optimize, "OptimizedModule": module.OptimizedModule,
-                "Plan": result.Plan}[name]
+        return {"optimize": pipeline.optimize, "apply": apply.apply,
+                "OptimizedModule": module.OptimizedModule, "Plan": result.Plan}[name]
     raise AttributeError(f"module 'memlayout' has no attribute {name!r}")
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "OptimizedModule",
     "Plan",
     "PlanError",
+    "apply",
     "audit",
     "convert_batch",
     "convert_module",

@@ -410,10 +410,13 @@ def optimize(
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
     input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous (also nchw / ncdhw), channels_last (also nhwc; channels_last_3d / ndhwc for video), or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example is built (contiguous).")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="On an error, also print the traceback of its cause (a factory that raised, a capture that failed). Default: off.")] = False,
+    plan_file: Annotated[str | None, typer.Option("--plan", help="Apply this saved plan (--save) instead of measuring: checked against the model and this torch, verified; its input shape, dtype, input format and train/inference are the plan's. Default: none (plan here).")] = None,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC (with
     --compile: against torch.compile's default and eager NCHW)."""
+    from memlayout.plan.apply import apply as apply_plan
+    from memlayout.plan.apply import read_plan
     from memlayout.plan.compare import compare_with_eager
     from memlayout.plan.module import keyword_call
     from memlayout.plan.pipeline import example_inputs_of, format_label
@@ -429,6 +432,21 @@ def optimize(
         _at_least(0, rounds=rounds)
         if save:
             _writable_file("--save", Path(save))
+        saved = None
+        if plan_file is not None:
+            if compile:
+                raise UsageError("--plan applies a saved layout plan; --compile plans and "
+                                 "compiles here: use one of them")
+            saved = read_plan(Path(plan_file))
+            if len(saved.input_shapes) != 1 or len(saved.input_shapes[0]) < 3:
+                raise UsageError(f"--plan {plan_file}: made for inputs {saved.input_shapes}; "
+                                 "the command builds one image-like input")
+            # the plan's example: its shape, dtype, format and task
+            shape = saved.input_shapes[0]
+            batch, image_size, train = shape[0], shape[-1], saved.train
+            dtype = saved.dtype or "fp32"
+            run_dtype = parse_dtype(dtype)
+            input_format = saved.input_format
     except MemlayoutError as exc:
         _fail(exc)
     try:
@@ -454,7 +472,9 @@ def optimize(
             def progress(done: int, total: int, what: str) -> None:
                 bar.update(task, completed=done, total=total, description=f"measuring {what}")
 
-            if compile:
+            if saved is not None:
+                opt = apply_plan(module, saved, example)
+            elif compile:
                 from memlayout.plan.compiled import compile as plan_and_compile
 
                 opt = plan_and_compile(module, example, dtype=dtype,

@@ -38,6 +38,7 @@ from memlayout.errors import (
 from memlayout.layout import Format, strides_for
 from memlayout.plan import guard as g
 from memlayout.plan import memory as mem
+from memlayout.plan.apply import model_signature
 from memlayout.plan.blocked import measure_blocked
 from memlayout.plan.capture import (
     FREE,
@@ -147,9 +148,10 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       (outputs, every parameter's and input's gradient, BatchNorm's running statistics after
       it; same RNG state for both, element-wise dropout masks drawn in logical order, as
       PyTorch's follow memory order) with the original's.
-      The returned module is in train mode; its parameters are ``nn.Parameter``s any
-      optimizer takes (build it from ``optimized.parameters()``), and their gradients come
-      back in their strides (what DDP's gradient buckets expect).
+      The returned module is in train mode (an inference plan's: in the caller's mode, a
+      call in train mode planned for training on first sight); its parameters are
+      ``nn.Parameter``s any optimizer takes (build it from ``optimized.parameters()``),
+      and their gradients come back in their strides (what DDP's gradient buckets expect).
     - ``keep_weight_formats``: every node that owns a rank-4/5 parameter runs in the format
       the parameter already has (no new parameter tensors).
     - ``weights``: ``"converted"`` (a channels-last node's weights converted once, here) or
@@ -162,7 +164,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       serves every shape), no guard, verified; the plan is cached, at most ``max_plans``
       plans held (the example's always), least recently used dropped first. The cost cache
       makes a replan of a known shape measure nothing; it still traces the model, solves,
-      and runs the verification (about 3 forward passes; 2 forward + backward in training).
+      and runs the verification (about 5 forward passes; 2 forward + backward in training).
       ``optimized.plans`` holds the plans by signature.
     - ``padding`` (with ``measure``): convolutions whose channel counts are not a multiple of
       the vector width run padded where that measures faster (``memlayout.plan.padding``).
@@ -495,15 +497,15 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
     except LayoutVerificationError as exc:
         if changes:  # a likelier cause than a wrong conversion
             raise LayoutVerificationError(
-                f"{exc}. The original's forward changes {', '.join(changes[:3])} on every "
-                "call, which the captured graph does not repeat (torch.fx runs such an update "
-                "once, while tracing, and keeps a Python attribute as a constant): keep "
-                "per-call state out of the planned forward, or update a buffer with a tensor "
-                "op") from exc
+                f"{_cause_known(exc)}. The original's forward changes "
+                f"{', '.join(changes[:3])} on every call, which the captured graph does not "
+                "repeat (torch.fx runs such an update once, while tracing, and keeps a Python "
+                "attribute as a constant): keep per-call state out of the planned forward"
+                ) from exc
         if inplace:
             raise LayoutVerificationError(
-                f"{exc}. The forward changes its input in place ({', '.join(inplace)}), and a "
-                "conversion in the plan separates that input from its copy: make the op out "
+                f"{_cause_known(exc)}. The forward changes its input in place "
+                f"({', '.join(inplace)}), and a conversion in the plan separates that input from its copy: make the op out "
                 "of place (x = x * 2 instead of x.mul_(2))") from exc
         raise
     finally:
@@ -511,6 +513,12 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
         restore_state(planned, state)
     verification = dataclasses.replace(verification, semantics=count)
     return dataclasses.replace(verification, seconds=time.perf_counter() - start)
+
+
+def _cause_known(exc: LayoutVerificationError) -> str:
+    """``exc``'s message without its request to report a planner bug: the cause is named
+    after it (state the forward changes, an input it changes in place)."""
+    return str(exc).split("; please report")[0].rstrip(".")
 
 
 def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
@@ -536,6 +544,7 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         weight_formats_kept=options.keep_weight_formats, coverage=captured.coverage,
         costs_timed=sum(s.table.timed_costs for s in solution.regions),
         costs_noisy=sum(s.table.noisy_costs for s in solution.regions),
+        model_signature=model_signature(captured),
     )
     plan.notes.extend(conv1d_notes(plan.nodes))  # rank 3: planned, or why not
     if options.contiguous_weights:
@@ -686,8 +695,9 @@ def _pin_inplace_on_inputs(gm: fx.GraphModule, form: Any) -> Any:
     pins: dict[str, int] = {}
     for n in gm.graph.nodes:
         first = n.args[0] if n.args else None
-        if (isinstance(first, fx.Node) and first.op == "placeholder" and n.name in form.seconds.unary
-                and n.name not in form.integer.pins and mutates_in_place(gm, n)):
+        if (isinstance(first, fx.Node) and first.op == "placeholder"
+                and n.name in form.seconds.unary and n.name not in form.integer.pins
+                and mutates_in_place(gm, n)):
             arrives = form.producers.get(first.name)
             if arrives in (0, 1):
                 pins[n.name] = int(arrives)
@@ -734,7 +744,8 @@ def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -
 def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
             expected: Any) -> Verification:
     """Run the planned model once and compare with ``expected`` (the original's output on
-    the same inputs, from the same state). A whole-model plan is one region: compared (and on a mismatch bisected)
+    the same inputs, from the same state). A whole-model plan is one region: compared (and on
+    a mismatch bisected)
     directly. Planned submodules: the whole model is compared; on a mismatch each region is
     checked on its own inputs to name the first divergent node."""
     dtype, checks = options.dtype, built.checks
@@ -880,9 +891,17 @@ class Replanner:
         options = dataclasses.replace(self.options, train=training, device=device_of(xs, base))
         if options.input_label is not None:
             xs = inputs_in(xs, options.input_label, options.ranks)
-        work = working_copy(base, training)
-        plan, module = plan_model(work, xs, options, start=start)
-        _share_tensors(module, base)  # same values (a copy of them was planned on)
+        # planned on the live tensors themselves (kept formats: the rewrite makes no new
+        # parameter), so every reference to them, a plain list of submodules too, stays one
+        # tensor; the state planning's runs change is put back, whatever happens
+        live = {id(t): t for t in [*base.parameters(), *base.buffers()]}
+        work = copy.deepcopy(base, live).train(training)
+        state = module_state(base)
+        try:
+            plan, module = plan_model(work, xs, options, start=start)
+        finally:
+            restore_state(base, state)
+        _share_tensors(module, base)  # where the rewrite made new tensors: the live ones
         module.train(training)
         return module, plan
 

@@ -114,6 +114,9 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | 
         for m in n.all_input_nodes:
             if input_kind(gm, m) == "param":
                 by_owner.setdefault("attr:" + m.target, []).append(n.name)
+                shared = _attr(gm, str(m.target))
+                if shared is not None:
+                    by_owner.setdefault(f"tensor:{id(shared)}", []).append(n.name)
     for names in by_owner.values():
         ties.extend((names[0], other) for other in names[1:])
     # consumers, the Potts terms, and output pins
@@ -141,6 +144,14 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | 
     seconds = Problem(unary, tuple(tensors), pins, tuple(ties))
     integer, unit = _integer(seconds)
     return Formulation(seconds, integer, producers, consumers, unit)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object | None:
+    """The object ``gm`` holds at the dotted ``target`` (``None`` when absent)."""
+    value: object | None = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _integer(p: Problem) -> tuple[Problem, float]:

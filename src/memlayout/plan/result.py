@@ -87,8 +87,9 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
                    and f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING]
         if missing:
-            raise PlanError(f"{where}: missing field {missing[0]!r} ({type_name(hints[missing[0]])})"
-                            f" of {tp.__name__}; the plan is truncated or not a memlayout plan")
+            name = missing[0]
+            raise PlanError(f"{where}: missing field {name!r} ({type_name(hints[name])}) of "
+                            f"{tp.__name__}; the plan is truncated or not a memlayout plan")
         return tp(**{f.name: _decode(hints[f.name], value[f.name], f"{where}.{f.name}")
                      for f in dataclasses.fields(tp) if f.name in value and f.init})
     if origin is dict:
@@ -155,14 +156,17 @@ class Verification(Record):
         what = ("over one training step on the example input: outputs, gradients, buffers "
                 f"({self.tensors} tensors" if self.train else
                 f"on the example input ({self.tensors} output tensors")
+        also = ("; and over two calls from the caller's state: second output, inputs and "
+                "buffers after them, parameters (names, ties, requires_grad)"
+                if self.semantics else "")
         if self.check == FLOAT64_RECHECK:
             return (f"verification: equal to the original {what}) by the float64 re-check: in "
                     f"float64 the two models differ by {self.float64_error:.2g}; in the run "
                     f"dtype the worst relative error is {self.max_error:.2g}, above the "
                     f"tolerance {self.tolerance:g} (rounding: channels-last kernels accumulate "
-                    "in another order)")
+                    f"in another order){also}")
         return (f"verification: equal to the original {what}) within the dtype tolerance: "
-                f"worst relative error {self.max_error:.2g}, tolerance {self.tolerance:g}")
+                f"worst relative error {self.max_error:.2g}, tolerance {self.tolerance:g}{also}")
 
 
 @dataclass(frozen=True)
@@ -425,6 +429,8 @@ class Plan:
     #: machine, or rounds spread beyond ``machine.SPREAD_LIMIT``; ``memlayout.plan.cache``)
     costs_timed: int = 0
     costs_noisy: int = 0
+    #: what ``memlayout.apply`` checks a model against (``memlayout.plan.apply.model_signature``)
+    model_signature: str = ""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -451,6 +457,9 @@ class Plan:
         """The plan ``to_json`` wrote. ``PlanError`` for text that is not one: not JSON
         (truncated, corrupt), another schema (older: plan the model again; newer: upgrade
         memlayout), or a field missing, of the wrong type, or naming no format."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlanError(f"Plan.from_json takes the JSON text (str or bytes) Plan.to_json "
+                            f"wrote, got {type(text).__name__}; read the file first")
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -538,14 +538,22 @@ class ModuleState:
     attributes: dict[str, dict[str, Any]]
 
 
-_PLAIN = (bool, int, float, str, list, dict, tuple, type(None))
+def _is_plain(value: Any, depth: int = 3) -> bool:
+    """A number, string or ``None``, or a list / tuple / dict of them: state a forward may
+    update that copying cannot detach from anything (a list of submodules is not plain)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth == 0 or not isinstance(value, (list, tuple, dict)):
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return all(_is_plain(v, depth - 1) for v in items)
 
 
 def module_state(module: nn.Module) -> ModuleState:
     """A copy of ``module``'s state (see :class:`ModuleState`)."""
     buffers = {k: b.detach().clone() for k, b in module.named_buffers(remove_duplicate=False)}
     attributes = {path: {k: copy.deepcopy(v) for k, v in vars(m).items()
-                         if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN)}
+                         if not k.startswith("_") and k != "training" and _is_plain(v)}
                   for path, m in module.named_modules(remove_duplicate=False)}
     return ModuleState(buffers, attributes)
 
@@ -561,7 +569,7 @@ def restore_state(module: nn.Module, state: ModuleState) -> None:
                 b.copy_(saved)
     for path, m in module.named_modules(remove_duplicate=False):
         for k, v in state.attributes.get(path, {}).items():
-            if k in vars(m) and isinstance(vars(m)[k], _PLAIN):
+            if k in vars(m) and _is_plain(vars(m)[k]) and vars(m)[k] != v:
                 m.__dict__[k] = copy.deepcopy(v)
 
 

@@ -1,0 +1,207 @@
+"""Apply a saved plan (L2 plan): ``memlayout.apply(model, plan)`` rebuilds the planned model
+from a :class:`~memlayout.plan.result.Plan` (``Plan.from_json``) without measuring anything,
+and verifies it like a fresh plan.
+
+The plan says, per captured region and layout node, which format it runs in, and which
+whole-model candidate the guard kept. ``apply`` captures the model again, checks that it is
+the model the plan was made for (torch version, regions, every layout node's name and op, the
+shapes and dtypes of every value and parameter: ``model_signature``), then rewrites it with
+the plan's formats.
+
+>>> import torch
+>>> from torch import nn
+>>> from memlayout.plan.pipeline import optimize
+>>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
+>>> saved = optimize(net, torch.randn(1, 3, 12, 12), measure=False, cache=False).plan.to_json()
+>>> opt = apply(net, Plan.from_json(saved))
+>>> formats = [n.format for n in Plan.from_json(saved).nodes]
+>>> opt.plan.measured, [n.format for n in opt.plan.nodes] == formats
+(0, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlayout.errors import PlanError
+from memlayout.plan import guard as g
+from memlayout.plan import padding as pad
+from memlayout.plan.capture import META_KEY, Captured, capture, node_target_name
+from memlayout.plan.label import Label
+from memlayout.plan.module import OptimizedModule, inputs_in
+from memlayout.plan.problem import formulate
+from memlayout.plan.records import RegionSolution, Solution, solve_labels
+from memlayout.plan.result import UNPADDED, Plan
+from memlayout.plan.solve import Problem
+from memlayout.plan.verify import module_state
+from memlayout.tensors import iter_tensors
+
+
+def model_signature(captured: Captured) -> str:
+    """A hash of what a plan depends on in a captured model: per region every node's name,
+    op and target, the shapes and dtypes of its value, and every parameter's and buffer's name,
+    shape and dtype. Strides are left out: the same model given inputs in another format is
+    the same model."""
+    h = hashlib.sha256()
+    for region in captured.regions:
+        gm = region.gm
+        h.update(f"region {region.path!r}\n".encode())
+        for n in gm.graph.nodes:
+            meta = n.meta.get(META_KEY)
+            values = [] if meta is None else [(t.shape, t.dtype) for t in meta.tensors]
+            h.update(repr((n.name, n.op, node_target_name(gm, n), values)).encode())
+        for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
+            h.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
+    return h.hexdigest()
+
+
+def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None) -> OptimizedModule:
+    """``model`` planned as ``plan`` says (a :class:`Plan`, or the path of its JSON), nothing
+    measured, verified like a fresh plan; the caller's model is left unchanged.
+
+    ``example_inputs``: what to capture and verify on (default: random float32 tensors of
+    the plan's input shapes, on the model's device). Raises ``PlanError`` when ``plan`` was
+    made for another model (regions, layout nodes, shapes) or another torch version, and
+    ``LayoutVerificationError`` when the planned model would compute something else. Other
+    input shapes are planned on first sight from the analytical cost model (nothing measured).
+    """
+    from memlayout.plan import pipeline as p  # it imports model_signature from here
+
+    start = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(plan, (str, Path)):
+        plan = read_plan(Path(plan))
+    if not isinstance(plan, Plan):
+        raise PlanError(f"plan must be a memlayout Plan (Plan.from_json) or the path of its "
+                        f"JSON, got {type(plan).__name__}")
+    if plan.torch_version != torch.__version__:
+        raise PlanError(f"the plan was made with torch {plan.torch_version}, this is torch "
+                        f"{torch.__version__}: kernels and their formats differ between "
+                        "versions; plan the model again with memlayout.optimize")
+    inputs = _example(model, plan, example_inputs)
+    p.check_materialized(model, inputs)
+    options = p.plan_options(
+        model, inputs, dtype=plan.dtype, input_format=plan.input_format,
+        output_format=plan.output_format, measure=False, cache=False, progress=None,
+        rounds=1, name=plan.model, guard=False, guard_rounds=0, train=plan.train,
+        keep_weight_formats=plan.weight_formats_kept, max_plans=8, guard_margin=0.0,
+        memory=False, memory_budget=None, padding=False, blocked=False, refresh=False)
+    if options.input_label is not None:
+        inputs = inputs_in(inputs, options.input_label, options.ranks)
+    work = p.working_copy(model, plan.train)
+    state = module_state(work)
+    example = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+    captured = capture(work, inputs, dtype=options.dtype, ranks=options.ranks,
+                       device=options.device)
+    costs = p.measure_regions(captured, options, None)  # analytical: nothing timed
+    _check_matches(plan, captured, costs, inputs)
+    solution = _solution(plan, captured, costs, options)
+    kept = plan.guard.kept if plan.guard is not None else g.PLANNED
+    if kept in g.UNIFORM:
+        outputs = p._output_label(captured.output, options.output_label, options.ranks)
+        built = p.build_uniform(work, solution, inputs, g.UNIFORM[kept], outputs, options)
+    else:
+        built = p.build(work, solution, options)
+    chosen = [c for c in plan.padding if c.chosen != UNPADDED]
+    if chosen and not plan.train:
+        blocks = pad.block_sizes(options.device, options.dtype)
+        try:
+            pad._reapply(built.module, chosen, blocks, True)
+        except (KeyError, AttributeError) as exc:
+            raise PlanError(f"the plan pads convolutions ({', '.join(c.module for c in chosen)}) "
+                            f"in a way this machine's vector width does not ({exc}); plan the "
+                            "model again here") from None
+    verification = p.verify_step(work, captured, built, example, options, state)
+    applied = dataclasses.replace(
+        plan, verification=verification, measured=0, cached=0,
+        planning_seconds=time.perf_counter() - start,
+        notes=[*plan.notes, "applied from a saved plan (memlayout.apply): nothing measured, "
+                            "verified here"])
+    return p.wrap(work, built.module, applied, inputs, options,
+                  mode=plan.train or model.training)
+
+
+def read_plan(path: Path) -> Plan:
+    """The plan saved at ``path``; ``PlanError`` naming the file and what is wrong with it."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlanError(f"plan file {path}: cannot be read ({exc.strerror}); pass the path of "
+                        "a plan saved with Plan.to_json or `memlayout optimize --save`") from None
+    try:
+        return Plan.from_json(text)
+    except PlanError as exc:
+        raise PlanError(f"plan file {path}: {exc}") from None
+
+
+def _example(model: nn.Module, plan: Plan, example_inputs: Any) -> tuple[Any, ...]:
+    from memlayout.plan.pipeline import example_inputs_of
+
+    if example_inputs is not None:
+        return example_inputs_of(example_inputs)
+    if not plan.input_shapes:
+        raise PlanError("the plan records no input shapes: pass example_inputs to apply")
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":
+        device = torch.device("cpu")  # check_materialized says what to do about the weights
+    return tuple(torch.randn(shape, device=device) for shape in plan.input_shapes)
+
+
+def _check_matches(plan: Plan, captured: Captured, costs: Any, inputs: tuple[Any, ...]) -> None:
+    """``PlanError`` naming the first thing the model differs in from the planned one."""
+    shapes = [list(t.shape) for t in iter_tensors(inputs)]
+    if plan.input_shapes and shapes != plan.input_shapes:
+        raise PlanError(f"the example inputs have shapes {shapes}, the plan was made for "
+                        f"{plan.input_shapes}; pass inputs of those shapes (other shapes are "
+                        "planned on first sight once applied)")
+    regions = [r.path for r in captured.regions]
+    if regions != plan.regions:
+        raise PlanError(f"the model is captured as the regions {regions}, the plan was made for "
+                        f"{plan.regions}: another model; plan it with memlayout.optimize")
+    for region, table in zip(captured.regions, costs.tables, strict=True):
+        planned = {n.name: n for n in plan.nodes if n.region == region.path}
+        where = f" in region {region.path!r}" if region.path else ""
+        extra = [n for n in table.nodes if n not in planned]
+        missing = [n for n in planned if n not in table.nodes]
+        if extra or missing:
+            what = (f"has layout node {extra[0]!r} ({table.nodes[extra[0]].op}), which the plan "
+                    "does not" if extra else f"has no layout node {missing[0]!r} "
+                    f"({planned[missing[0]].op}), which the plan has")
+            raise PlanError(f"the model{where} {what}: the plan was made for another model; plan "
+                            "it with memlayout.optimize")
+        for name, cost in table.nodes.items():
+            if cost.op != planned[name].op:
+                raise PlanError(f"layout node {name!r}{where} runs {cost.op}, the plan has "
+                                f"{planned[name].op}: another model; plan it with "
+                                "memlayout.optimize")
+    if plan.model_signature and plan.model_signature != model_signature(captured):
+        raise PlanError("the model's parameter or value shapes or dtypes differ from those of "
+                        "the model the plan was made for (same layout nodes): another model or "
+                        "another input dtype; plan it with memlayout.optimize")
+
+
+def _solution(plan: Plan, captured: Captured, costs: Any, options: Any) -> Solution:
+    """Each region's formulation with every layout node pinned to the plan's format."""
+    regions = []
+    for region, table in zip(captured.regions, costs.tables, strict=True):
+        top = region.path == ""
+        form = formulate(region.gm, table,
+                         input_label=options.root_input_label if top else None,
+                         output_label=options.output_label if top else "keep")
+        pins = {**form.integer.pins, **{n.name: int(Label.parse(n.format)) for n in plan.nodes
+                                         if n.region == region.path}}
+        labels = solve_labels(Problem(form.integer.unary, form.integer.tensors, pins,
+                                      form.integer.ties))
+        regions.append(RegionSolution(region, table, form, labels))
+    return Solution(tuple(regions), dict(plan.predicted), 0, 0)
+
+
+__all__ = ["apply", "model_signature", "read_plan"]
