@@ -65,7 +65,11 @@ class PerCallWeights:
 def _per_call_class(cls: type[nn.Module]) -> type[nn.Module]:
     # one subclass per convolution class (torchvision's Conv3DSimple and friends included):
     # isinstance checks, state_dict keys and FSDP's own class swap all keep working
-    return type(f"PerCall{cls.__name__}", (PerCallWeights, cls), {"__module__": __name__})
+    name = f"PerCall{cls.__name__}"
+    made = type(name, (PerCallWeights, cls), {"__module__": __name__, "__qualname__": name})
+    # found by name here, so a planned model pickles (torch.save, sent to other ranks)
+    globals().setdefault(name, made)
+    return made
 
 
 def can_convert_per_call(module: nn.Module) -> bool:
