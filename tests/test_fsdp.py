@@ -153,6 +153,20 @@ def test_a_planned_model_with_contiguous_weights_is_taken_by_fully_shard(one_mem
         wrap_fsdp(_net().to(memory_format=torch.channels_last))
 
 
+def test_a_planned_model_trains_in_bf16_under_fsdp_mixed_precision(one_member_group, work):
+    model = _plain(work)
+    x = torch.randn(2, 3, IMAGE, IMAGE).contiguous(memory_format=torch.channels_last)
+    planned = optimize(model, x, dtype="bf16", train=True, weights="contiguous",
+                       measure=False, cache=False)
+    sharded = wrap_fsdp(planned, dtype=torch.bfloat16)
+    out = sharded(x)  # fp32 input, as the data pipeline gives it
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert planned.replans == 0  # the example's plan ran: no new "shape" from a cast input
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for p in sharded.parameters())
+
+
 def test_fsdp_with_fp16_is_refused_with_what_to_use(work):
     with pytest.raises(TrainError, match="use --dtype bf16"):
         train(_config(work, strategy="fsdp", dtype="fp16"))
