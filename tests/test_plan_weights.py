@@ -77,6 +77,16 @@ def test_contiguous_weights_train_like_eager_with_channels_last_activations() ->
     _check_against_eager(model, opt, x)
 
 
+def test_a_new_batch_size_is_planned_on_the_same_contiguous_weights() -> None:
+    model, x = Net(), _x()
+    opt = optimize(model, x, train=True, weights="contiguous", measure=False, cache=False)
+    weights = [id(p) for p in opt.parameters()]
+    small = torch.randn(3, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    _check_against_eager(model, opt, small)
+    assert opt.replans == 1 and [id(p) for p in opt.parameters()] == weights
+    assert all(_contiguous(p) for p in opt.parameters())
+
+
 def test_converted_weights_stay_the_default() -> None:
     model, x = Net(), _x()
     opt = optimize(model, x, train=True, measure=False, cache=False)

@@ -121,14 +121,4 @@ def wrap_fsdp(model: nn.Module, *, dtype: torch.dtype | None = None,
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied to ``model`` (the root)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule)
-
-
-__all__ = ["fsdp_available", "is_sharded", "mixed_precision", "not_contiguous",
-           "shard_groups", "wrap_fsdp"]
+__all__ = ["fsdp_available", "mixed_precision", "not_contiguous", "shard_groups", "wrap_fsdp"]
