@@ -7,8 +7,10 @@ rank during an FSDP step: tests/test_train_failures.py.)"""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,12 @@ from memlayout.errors import FSDPError, TrainError
 from memlayout.models import load_model
 from memlayout.plan.api import optimize
 from memlayout.train import TrainConfig, load_checkpoint, make_synthetic, train
-from memlayout.train.checkpoint import LATEST, LATEST_SHARDED, load_sharded_model
+from memlayout.train.checkpoint import (
+    LATEST,
+    LATEST_SHARDED,
+    load_sharded_model,
+    remove_stale_temporaries,
+)
 from memlayout.train.ddp import grad_layout_mismatches
 from memlayout.train.fsdp import shard_groups, wrap_fsdp
 from tests.test_train_ddp import LAYOUT_WARNINGS, torchrun
@@ -146,6 +153,40 @@ def test_a_planned_model_with_contiguous_weights_is_taken_by_fully_shard(one_mem
         wrap_fsdp(_net().to(memory_format=torch.channels_last))
 
 
+def test_a_planned_model_trains_in_bf16_under_fsdp_mixed_precision(one_member_group, work):
+    model = _plain(work)
+    x = torch.randn(2, 3, IMAGE, IMAGE).contiguous(memory_format=torch.channels_last)
+    planned = optimize(model, x, dtype="bf16", train=True, weights="contiguous",
+                       measure=False, cache=False)
+    sharded = wrap_fsdp(planned, dtype=torch.bfloat16)
+    out = sharded(x)  # fp32 input, as the data pipeline gives it
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert planned.replans == 0  # the example's plan ran: no new "shape" from a cast input
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for p in sharded.parameters())
+
+
 def test_fsdp_with_fp16_is_refused_with_what_to_use(work):
     with pytest.raises(TrainError, match="use --dtype bf16"):
         train(_config(work, strategy="fsdp", dtype="fp16"))
+
+
+def test_a_killed_sharded_write_leaves_the_linked_checkpoint_and_is_cleaned_up(tmp_path):
+    """What a writer killed mid-way leaves (its temporary folder, a version no link points
+    at) is removed by the next run holding the folder; the linked version stays."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    current = tmp_path / "dcp-step00000004-aaaa"
+    current.mkdir()
+    (tmp_path / LATEST_SHARDED).symlink_to(current.name)
+    orphan = tmp_path / "dcp-step00000008-bbbb"  # renamed, link not yet switched
+    orphan.mkdir()
+    half = tmp_path / f".{LATEST_SHARDED}.{dead.pid}.cccc.tmp"  # DCP still writing
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"half")
+    live = tmp_path / f".{LATEST_SHARDED}.{os.getpid()}.dddd.tmp"  # a live writer's
+    live.mkdir()
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(removed) == sorted([half, orphan])
+    assert current.is_dir() and live.is_dir() and (tmp_path / LATEST_SHARDED).resolve() == current

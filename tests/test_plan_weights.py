@@ -6,6 +6,7 @@ Checked against eager: outputs and gradients equal, gradients in their parameter
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -76,6 +77,16 @@ def test_contiguous_weights_train_like_eager_with_channels_last_activations() ->
     _check_against_eager(model, opt, x)
 
 
+def test_a_new_batch_size_is_planned_on_the_same_contiguous_weights() -> None:
+    model, x = Net(), _x()
+    opt = optimize(model, x, train=True, weights="contiguous", measure=False, cache=False)
+    weights = [id(p) for p in opt.parameters()]
+    small = torch.randn(3, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    _check_against_eager(model, opt, small)
+    assert opt.replans == 1 and [id(p) for p in opt.parameters()] == weights
+    assert all(_contiguous(p) for p in opt.parameters())
+
+
 def test_converted_weights_stay_the_default() -> None:
     model, x = Net(), _x()
     opt = optimize(model, x, train=True, measure=False, cache=False)
@@ -105,6 +116,14 @@ def test_per_call_storage_against_eager(monkeypatch) -> None:
     per_call = [m for m in opt.modules() if isinstance(m, PerCallWeights)]
     assert per_call and all(isinstance(m, nn.Conv2d) for m in per_call)
     assert set(opt.state_dict()) == set(model.state_dict())
+    # it pickles (memlayout train sends rank 0's planned model to the other ranks), naming no
+    # per-call class: another process, which never made them, makes them as it loads
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    assert b"PerCall" not in buf.getvalue()
+    buf.seek(0)
+    copied = torch.load(buf, weights_only=False)
+    assert [type(m) for m in copied.modules()] == [type(m) for m in opt.modules()]
     _check_against_eager(model, opt, x)
 
 

@@ -547,7 +547,10 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         model_signature=model_signature(captured),
     )
     plan.notes.extend(conv1d_notes(plan.nodes))  # rank 3: planned, or why not
-    if options.contiguous_weights:
+    if options.contiguous_weights and decision.kept != "planned":
+        plan.notes.append(f"weights='contiguous': every parameter contiguous; the guard kept "
+                          f"{decision.kept}, whose nodes read their weights as they are")
+    elif options.contiguous_weights:
         counts = {"as_is": 0, "per_call": 0}
         for s in solution.regions:
             for kind, k in storage_counts(s.labels, _storage(s)).items():

@@ -60,12 +60,25 @@ class PerCallWeights:
             weight = to_format(weight, fmt)
         return self._conv_forward(input, weight, self.bias)  # type: ignore[attr-defined]
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickled (and deep-copied) as its convolution class plus the mark: the subclass is
+        # made again where it is loaded (another rank, another process)
+        return _per_call_from, (self._per_call_base, self.__dict__)  # type: ignore[attr-defined]
+
 
 @functools.cache
 def _per_call_class(cls: type[nn.Module]) -> type[nn.Module]:
     # one subclass per convolution class (torchvision's Conv3DSimple and friends included):
     # isinstance checks, state_dict keys and FSDP's own class swap all keep working
-    return type(f"PerCall{cls.__name__}", (PerCallWeights, cls), {"__module__": __name__})
+    name = f"PerCall{cls.__name__}"
+    return type(name, (PerCallWeights, cls), {"__module__": __name__, "__qualname__": name,
+                                              "_per_call_base": cls})
+
+
+def _per_call_from(base: type[nn.Module], state: dict[str, Any]) -> nn.Module:
+    module = base.__new__(base)
+    module.__setstate__(state)
+    return convert_per_call(module)
 
 
 def can_convert_per_call(module: nn.Module) -> bool:

@@ -1,6 +1,7 @@
 """Training with planned and channels-last layouts (L2 ``train/``): the reference loop behind
-``memlayout train`` (one process or torchrun/DDP), a DDP wrapper that fixes layouts before
-gradient buckets exist, layout-neutral atomic checkpoints, and ``torch.export``.
+``memlayout train`` (one process or torchrun: DDP or FSDP2), a DDP wrapper that fixes layouts
+before gradient buckets exist, ``fully_shard`` per block for planned models on contiguous
+weights, layout-neutral atomic checkpoints (sharded under FSDP), and ``torch.export``.
 
 >>> from memlayout.train import TrainConfig
 >>> TrainConfig("torchvision:resnet18", "data").layout
@@ -12,6 +13,7 @@ from memlayout.train.checkpoint import (
     load_checkpoint,
     load_neutral_state_dict,
     load_optimizer_state,
+    load_sharded_model,
     neutral_optimizer_state,
     neutral_state_dict,
 )
@@ -23,6 +25,7 @@ from memlayout.train.ddp import (
     wrap_ddp,
 )
 from memlayout.train.export import export_model
+from memlayout.train.fsdp import shard_groups, wrap_fsdp
 from memlayout.train.loop import (
     IntervalLog,
     LayoutComparison,
@@ -50,9 +53,12 @@ __all__ = [
     "load_checkpoint",
     "load_neutral_state_dict",
     "load_optimizer_state",
+    "load_sharded_model",
     "make_synthetic",
     "neutral_optimizer_state",
     "neutral_state_dict",
+    "shard_groups",
     "train",
     "wrap_ddp",
+    "wrap_fsdp",
 ]

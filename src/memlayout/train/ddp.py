@@ -157,9 +157,9 @@ def batchnorm_notice(model: nn.Module, info: DistInfo, *, device: torch.device,
              "--device cuda); on CPU, a larger --batch per process brings each rank's "
              "statistics closer to the global batch's")
     return (f"the model has {len(norms)} BatchNorm layers ({', '.join(norms[:3])}"
-            f"{', ...' if len(norms) > 3 else ''}): under DDP each of the {info.world_size} "
+            f"{', ...' if len(norms) > 3 else ''}): on several ranks each of the {info.world_size} "
             f"ranks normalizes with its own batch's statistics (and keeps its own running "
-            "statistics; rank 0's are checkpointed), so the losses differ from one process "
+            "statistics; rank 0's are checkpointed, under FSDP one rank's), so the losses differ from one process "
             f"on the global batch; {offer}")
 
 

@@ -21,6 +21,7 @@ first of them runs and frees them after the last, whichever code calls them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,14 +74,21 @@ def not_contiguous(model: nn.Module) -> list[str]:
             and not p.is_contiguous()]
 
 
-def mixed_precision(dtype: torch.dtype | None) -> Any:
+def mixed_precision(dtype: torch.dtype | None, *, cast_inputs: bool = True) -> Any:
     """FSDP's own ``MixedPrecisionPolicy`` for a run in ``dtype`` (``None``: fp32): parameters
-    gathered in ``dtype``, gradients reduced in fp32, root inputs cast to ``dtype``."""
+    gathered in ``dtype``, gradients reduced in fp32, inputs cast to ``dtype`` unless
+    ``cast_inputs`` is off."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if dtype is None or dtype is torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                cast_forward_inputs=cast_inputs)
+
+
+def _is_planned(model: nn.Module) -> bool:
+    planned = sys.modules.get("memlayout.plan.module")  # loaded only when a plan was made
+    return planned is not None and isinstance(model, planned.OptimizedModule)
 
 
 def wrap_fsdp(model: nn.Module, *, dtype: torch.dtype | None = None,
@@ -105,18 +113,12 @@ def wrap_fsdp(model: nn.Module, *, dtype: torch.dtype | None = None,
     for _name, owners in shard_groups(model):
         fully_shard(owners if len(owners) > 1 else owners[0], mp_policy=policy,
                     reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # A planned model keys its plans by the inputs' dtype and runs its forward under the
+    # autocast it was planned with: its inputs reach it as they come (cast to bf16 first, they
+    # would make it plan that "new shape" again, on sharded weights)
+    root = mixed_precision(dtype, cast_inputs=not _is_planned(model))
+    fully_shard(model, mp_policy=root, reshard_after_forward=reshard_after_forward)
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied to ``model`` (the root)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule)
-
-
-__all__ = ["fsdp_available", "is_sharded", "mixed_precision", "not_contiguous",
-           "shard_groups", "wrap_fsdp"]
+__all__ = ["fsdp_available", "mixed_precision", "not_contiguous", "shard_groups", "wrap_fsdp"]

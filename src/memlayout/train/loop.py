@@ -8,9 +8,12 @@ Plain data in and out: a :class:`TrainConfig` in, :class:`IntervalLog` events wh
 
 from __future__ import annotations
 
+import io
 import math
+import pickle
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -156,6 +159,36 @@ def _ignore(_event: Any) -> None:
     pass
 
 
+def _dumps(module: nn.Module | None) -> bytes:
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    return buf.getvalue()
+
+
+def _class_modules(model: nn.Module) -> list[str]:
+    """The Python module of each submodule's class, in module order."""
+    return [type(m).__module__ for m in model.modules()]
+
+
+def _renames(theirs: list[str], mine: list[str]) -> dict[str, str]:
+    """Another process's module names -> this one's, for the same model: a model file is
+    imported under a name that differs per process (``memlayout.models`` file specs)."""
+    return {a: b for a, b in zip(theirs, mine, strict=False) if a != b}
+
+
+def _loads(data: bytes, renames: dict[str, str]) -> nn.Module:
+    """A module pickled by another rank (:func:`_dumps`), its classes found under this
+    process's module names."""
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            return super().find_class(renames.get(module, module), name)
+
+    renaming = types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load,
+                                     __name__="pickle")
+    return torch.load(io.BytesIO(data), weights_only=False, pickle_module=renaming)
+
+
 def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
                       measure: bool, name: str, weights: str = "converted") -> nn.Module:
     """``memlayout.optimize(module, example, train=True)`` with channels-last input;
@@ -299,17 +332,33 @@ class Trainer:
         self.close()
 
     def _plan(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
-        # Rank 0 plans (and fills the cost cache) first; the others then read the same costs,
-        # so every rank arrives at the same plan (checked again by wrap_ddp).
-        if self.dist.distributed and not self.dist.is_main:
-            dist.barrier()
-        try:
-            planned = plan_for_training(model, example, dtype=self.config.dtype,
-                                        measure=self.config.plan_measure, name=self.config.model,
-                                        weights="contiguous" if self.config.sharded else "converted")
-        finally:
-            if self.dist.distributed and self.dist.is_main:
-                dist.barrier()
+        # Rank 0 plans alone and hands its planned model to the others: plans made on each
+        # rank could differ (a guard decision timed on a busy machine is timed again, not
+        # read from the cost cache), and DDP needs the same parameter layouts on every rank.
+        planned: nn.Module | None = None
+        failure: Exception | None = None
+        if self.dist.is_main:
+            try:
+                planned = plan_for_training(
+                    model, example, dtype=self.config.dtype, measure=self.config.plan_measure,
+                    name=self.config.model,
+                    weights="contiguous" if self.config.sharded else "converted")
+            except Exception as exc:
+                failure = exc
+        if self.dist.distributed:
+            box: list[Any] = [None]
+            if self.dist.is_main:
+                box[0] = (("failed", str(failure), None) if failure is not None else
+                          ("planned", _dumps(planned), _class_modules(model)))
+            dist.broadcast_object_list(box, src=0)
+            kind, payload, modules = box[0]
+            if kind == "failed" and not self.dist.is_main:
+                raise TrainError(f"rank 0 could not plan the model: {payload}")
+            if not self.dist.is_main:
+                planned = _loads(payload, _renames(modules, _class_modules(model)))
+        if failure is not None:
+            raise failure
+        assert planned is not None
         plan = getattr(planned, "plan", None)
         self.plan_summary = plan.summary() if plan is not None else None
         return planned
