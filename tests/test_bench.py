@@ -91,7 +91,10 @@ def _models_file(tmp_path):
         def hungry():
             return Hungry()
 
-        class Starved(nn.Module):
+        class Starved(nn.Module):  # an image model (a convolution) that never fits
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(3, 4, 3)
             def forward(self, x):
                 raise torch.OutOfMemoryError("pretend: nothing fits")
 
@@ -115,6 +118,9 @@ def _models_file(tmp_path):
             import os
 
             class Dies(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.conv = nn.Conv2d(3, 4, 3)  # an image model: the bench invents its input
                 def forward(self, x):
                     os._exit(3)  # the process is gone: nothing after this point runs
             return Dies()

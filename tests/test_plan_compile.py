@@ -92,7 +92,8 @@ def test_a_frozen_winner_follows_weights_loaded_after_the_compile(monkeypatch):
     def frozen_fastest(models, inputs, dtype, *, device, rounds, **_):
         fast = {c.FROZEN: 2.0}  # planned / candidate time: freezing twice as fast
         return {"ratios": {n: [fast.get(n, 1.0)] * rounds for n in models if n != c.PLANNED},
-                "rounds": rounds, "repeat": 1, "errors": {}, "extended": False}
+                "rounds": rounds, "repeat": 1, "errors": {}, "extended": False,
+                "conditions": None, "spread": None}
     monkeypatch.setattr(c.g, "time_candidates", frozen_fastest)
     fast = memlayout.compile(net, x, cache=False, rounds=2, guard=False, plan_kwargs=QUICK,
                              runtimes=())

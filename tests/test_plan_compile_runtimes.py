@@ -71,7 +71,7 @@ def _fake_timer(seconds: dict[str, float], calls: list[dict[str, Any]]):
         return {"ratios": {n: [base / seconds.get(n, seconds[c.INDUCTOR])] * rounds
                            for n in models if n != c.g.PLANNED},
                 "rounds": rounds, "repeat": 1, "errors": {}, "extended": False,
-                "conditions": None}
+                "conditions": None, "spread": None}
     return time_candidates
 
 
