@@ -211,3 +211,29 @@ def test_coverage_goes_through_json() -> None:
     back = Plan.from_json(plan.to_json())
     assert back == plan and back.coverage == plan.coverage
     assert back.coverage.text() == plan.coverage.text()
+
+
+class Counting(nn.Module):
+    """Updates a buffer in place in forward, as timm's BatchNormAct2d updates
+    num_batches_tracked: torch.fx would run that once while tracing, not record it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls.add_(1)
+        return nn.functional.dropout(self.bn(self.conv(x)), 0.5, self.training)
+
+
+def test_a_buffer_updated_in_forward_and_dropout_train_as_the_original() -> None:
+    torch.manual_seed(0)
+    model, x = Counting().train(), torch.randn(2, 3, 8, 8)
+    opt = memlayout.optimize(model, x, measure=False, cache=False, train=True)
+    assert opt.plan.verification.ok and opt.plan.coverage.methods == ("torch.export",)
+    before = int(opt.state_dict()["calls"])
+    opt(x)
+    assert int(opt.state_dict()["calls"]) == before + 1
