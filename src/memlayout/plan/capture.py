@@ -318,9 +318,12 @@ class _MetaProp(fx.Interpreter):
 
 
 def node_target_name(root: nn.Module, n: fx.Node) -> str:
-    """A short readable name of what ``n`` runs: ``Conv2d``, ``torch.flatten``, ``.view``."""
+    """A short readable name of what ``n`` runs: ``Conv2d``, ``torch.flatten``, ``.view``,
+    ``aten.conv2d.default``."""
     if n.op == "call_module":
         return type(root.get_submodule(n.target)).__name__
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return str(n.target)  # an exported graph's aten op: aten.permute.default
     if n.op == "call_function":
         mod = getattr(n.target, "__module__", None) or ""
         name = getattr(n.target, "__name__", repr(n.target))
