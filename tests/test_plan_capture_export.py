@@ -237,3 +237,19 @@ def test_a_buffer_updated_in_forward_and_dropout_train_as_the_original() -> None
     before = int(opt.state_dict()["calls"])
     opt(x)
     assert int(opt.state_dict()["calls"]) == before + 1
+
+
+def test_a_planned_module_saves_loads_and_copies() -> None:
+    import copy
+    import io
+
+    model, x = Frozen().eval(), torch.randn(2, 3, 12, 12)  # exported: a kept no_grad region
+    planned = memlayout.optimize(model, x, measure=False, cache=False).module
+    buf = io.BytesIO()
+    torch.save(planned, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        for other in (loaded, copy.deepcopy(planned)):
+            assert isinstance(other, Frozen) and type(other) is type(planned)
+            torch.testing.assert_close(other(x), model(x), rtol=1e-4, atol=1e-5)
