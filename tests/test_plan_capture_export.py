@@ -211,3 +211,45 @@ def test_coverage_goes_through_json() -> None:
     back = Plan.from_json(plan.to_json())
     assert back == plan and back.coverage == plan.coverage
     assert back.coverage.text() == plan.coverage.text()
+
+
+class Counting(nn.Module):
+    """Updates a buffer in place in forward, as timm's BatchNormAct2d updates
+    num_batches_tracked: torch.fx would run that once while tracing, not record it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls.add_(1)
+        return nn.functional.dropout(self.bn(self.conv(x)), 0.5, self.training)
+
+
+def test_a_buffer_updated_in_forward_and_dropout_train_as_the_original() -> None:
+    torch.manual_seed(0)
+    model, x = Counting().train(), torch.randn(2, 3, 8, 8)
+    opt = memlayout.optimize(model, x, measure=False, cache=False, train=True)
+    assert opt.plan.verification.ok and opt.plan.coverage.methods == ("torch.export",)
+    before = int(opt.state_dict()["calls"])
+    opt(x)
+    assert int(opt.state_dict()["calls"]) == before + 1
+
+
+def test_a_planned_module_saves_loads_and_copies() -> None:
+    import copy
+    import io
+
+    model, x = Frozen().eval(), torch.randn(2, 3, 12, 12)  # exported: a kept no_grad region
+    planned = memlayout.optimize(model, x, measure=False, cache=False).module
+    buf = io.BytesIO()
+    torch.save(planned, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        for other in (loaded, copy.deepcopy(planned)):
+            assert isinstance(other, Frozen) and type(other) is type(planned)
+            torch.testing.assert_close(other(x), model(x), rtol=1e-4, atol=1e-5)

@@ -105,8 +105,31 @@ def assert_same_outputs(got: Any, want: Any) -> None:
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
 
 
+def smp_attributes(model: nn.Module, opt: nn.Module, args: tuple[Any, ...]) -> None:
+    """What smp's forward and its callers read: the encoder's attributes."""
+    assert opt.encoder.output_stride == model.encoder.output_stride
+    assert opt.encoder.out_channels == model.encoder.out_channels
+    assert isinstance(opt.encoder, type(model.encoder))
+    assert isinstance(opt.module, type(model))  # the planned module is the model's own class
+
+
+def diffusers_attributes(model: nn.Module, opt: nn.Module, args: tuple[Any, ...]) -> None:
+    """A diffusers model's config, dtype and device; its state dict loads both ways."""
+    assert opt.config == model.config and opt.dtype == model.dtype
+    assert opt.device == model.device
+    fresh = type(model).from_config(model.config).eval()
+    opt.load_state_dict(fresh.state_dict())
+    model.load_state_dict(opt.state_dict())
+    with torch.no_grad():
+        assert_same_outputs(opt(*args), fresh(*args))
+        assert_same_outputs(model(*args), fresh(*args))
+
+
+DROP_IN = {"smp_deeplabv3plus": smp_attributes, "unet2d": diffusers_attributes}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_a_real_model_is_planned_whole_and_verified(name: str) -> None:
+def test_a_real_model_is_planned_whole_verified_and_a_drop_in(name: str) -> None:
     torch.manual_seed(0)
     model, args, kwargs = MODELS[name]()
     model.eval()
@@ -119,28 +142,8 @@ def test_a_real_model_is_planned_whole_and_verified(name: str) -> None:
     with torch.no_grad():
         assert_same_outputs(opt(*args, **kwargs), model(*args, **kwargs))
     assert list(opt.state_dict()) == list(model.state_dict())
-
-
-def test_smp_attributes_read_in_forward_and_by_callers_still_work() -> None:
-    model, args, _ = smp_deeplabv3plus()
-    opt = memlayout.optimize(model.eval(), args, measure=False, cache=False, memory=False)
-    assert opt.encoder.output_stride == model.encoder.output_stride
-    assert opt.encoder.out_channels == model.encoder.out_channels
-    assert isinstance(opt.encoder, type(model.encoder))
-    assert isinstance(opt.module, type(model))  # the planned module is the model's own class
-
-
-def test_a_diffusers_model_keeps_config_dtype_device_and_state_dict_both_ways() -> None:
-    model, args, _ = unet2d()
-    opt = memlayout.optimize(model.eval(), args, measure=False, cache=False, memory=False)
-    assert opt.config == model.config and opt.dtype == model.dtype
-    assert opt.device == model.device
-    fresh, _, _ = unet2d()
-    opt.load_state_dict(fresh.state_dict())
-    model.load_state_dict(opt.state_dict())
-    with torch.no_grad():
-        assert_same_outputs(opt(*args), fresh.eval()(*args))
-        assert_same_outputs(model(*args), fresh(*args))
+    if name in DROP_IN:
+        DROP_IN[name](model, opt, args)
 
 
 def test_a_diffusers_unet_training_step_is_planned_and_verified() -> None:

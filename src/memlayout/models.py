@@ -11,8 +11,8 @@ Specs:
   kwargs)`` (``args``: one tensor or a tuple of forward's positional arguments; ``kwargs``: its
   keyword inputs, e.g. a diffusers UNet's ``encoder_hidden_states``), used as given
   (``--batch`` / ``--image-size`` do not apply: ``ModelSpec.note`` says so). A module alone
-  gets an invented ``(N, 3, S, S)`` input only when its first convolution is a ``Conv2d`` with
-  3 input channels (a 2-d image model); anything else must bring its input.
+  gets an invented ``(N, 3, S, S)`` input unless its first convolution says otherwise (a
+  ``Conv3d``, a ``Conv2d`` with 1 input channel): such a model must bring its input.
 - ``timm:NAME`` when timm is installed (``pretrained=False``).
 
 >>> spec = load_model("torchvision:resnet18", batch=2, image_size=64)
@@ -199,7 +199,8 @@ def _file(spec: str, path: Path, factory: str, batch: int, image_size: int | Non
     note = ""
     if args is None:
         args = _invented_input(spec, factory, module, batch, image_size, generator)
-        note = f"input invented for a 2-d image model: {tuple(args.shape)}"
+        note = (f"input invented for a 2-d image model: {tuple(args.shape)}; return "
+                f"(module, args) from {factory}() for another")
     else:
         note = (f"the example input is {factory}()'s own; --batch and --image-size do not "
                 "apply to it")
@@ -212,13 +213,14 @@ def _file(spec: str, path: Path, factory: str, batch: int, image_size: int | Non
 
 def _invented_input(spec: str, factory: str, module: nn.Module, batch: int,
                     image_size: int | None, generator: torch.Generator) -> torch.Tensor:
-    """``(batch, 3, S, S)`` for a module whose first convolution is a 3-channel ``Conv2d``;
-    ``ModelSpecError`` for anything else (a 3-d, 1-channel or non-convolutional model)."""
+    """``(batch, 3, S, S)`` unless the module says it takes something else: its first
+    convolution is not a 3-channel ``Conv2d`` (a 3-d, 1-d or 1-channel model), which is a
+    ``ModelSpecError``."""
     first = next((m for m in module.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
-    if type(first) is nn.Conv2d and first.in_channels == 3:
+    if first is None or (type(first) is nn.Conv2d and first.in_channels == 3):
         size = image_size or _DEFAULT_SIZE["custom"]
         return torch.randn(batch, 3, size, size, generator=generator)
-    what = f"its first convolution is {first!r}" if first is not None else "it has no convolution"
+    what = f"its first convolution is {first!r}"
     raise ModelSpecError(
         f"{spec!r}: {factory}() returned only a module and {what}, so no input can be assumed "
         f"for it; return (module, example_input) or (module, args, kwargs) from {factory}()"

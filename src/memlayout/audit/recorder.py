@@ -24,6 +24,7 @@ owning the parameter. No monkey-patching, nothing changes what the ops compute.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from functools import cache, lru_cache
 from typing import Any
@@ -45,6 +46,7 @@ from memlayout.dispatch import ObservingMode
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import LayoutDropError, MemlayoutError
 from memlayout.layout import Format, formats_of
+from memlayout.plan.spatial import PASS_NAMES, is_spatial_name
 from memlayout.tensors import (
     convert_batch,
     convert_module,
@@ -210,6 +212,8 @@ class AuditMode:
         self._handles: list[Any] = []
         self._mode: _Recorder | None = None
         self._report: AuditReport | None = None
+        # tensors made inside the block: id -> (weak reference, spatial?); see _is_spatial
+        self._made: dict[int, tuple[Any, bool]] = {}
         if model is not None:
             self._register(model, "")
 
@@ -232,6 +236,7 @@ class AuditMode:
             h.remove()
         self._handles = []
         self._pending.clear()
+        self._made.clear()
         self._node_labels.clear()  # autograd nodes keep the graph alive: let it go
         self._stack.clear()
         self._optimizer_depth = 0
@@ -336,6 +341,15 @@ class AuditMode:
                 return (self._last_call.get(owner, -1), self._names[owner], type(owner).__name__)
         return self._label_now()  # e.g. activation checkpointing re-running a forward
 
+    def _is_spatial(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is an image-like value: made in the block by a spatial op or passed
+        on from one by element-wise ops and views; a tensor from outside the block (the
+        model's input, a parameter, a node run alone) is taken as one."""
+        made = self._made.get(id(t))
+        if made is None or made[0]() is not t:
+            return True
+        return made[1]
+
     # -- the record -----------------------------------------------------------------------
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         self._flush()
@@ -354,9 +368,21 @@ class AuditMode:
         out_pairs = [_info(t) for t in outs]
         kind = _alias_kind(func)
         target = frozenset({self.fmt})
+        spatial_op = _spatial_op(func)
+        spatial_in = [self._is_spatial(t) for t in ins]
+        # A drop loses the format of an image-like (spatial) value: attention scores and
+        # token tensors of rank 4 are not images, whatever their strides. A spatial op fed
+        # inputs that are in the format only ambiguously (C == 1: a 3-d network's first
+        # convolution) that returns another format drops it too: there the format is lost.
         dropped = (kind == "new"
-                   and any(len(i.shape) in self._ranks and f == target for i, f in in_pairs)
+                   and any(len(i.shape) in self._ranks and s
+                           and (f == target or (spatial_op and self.fmt in f))
+                           for (i, f), s in zip(in_pairs, spatial_in, strict=True))
                    and any(len(o.shape) in self._ranks and self.fmt not in f for o, f in out_pairs))
+        spatial_out = spatial_op or ((kind == "view" or _passes_spatial(func)) and any(
+            s and t.dim() in self._ranks for t, s in zip(ins, spatial_in, strict=True)))
+        for t in outs:
+            self._made[id(t)] = (_weak(t), spatial_out)
         conversion = False
         source_of = COPY_SOURCES.get(func.overloadpacket)
         if source_of is not None and outs:
@@ -374,6 +400,27 @@ class AuditMode:
         self._records.append(record)
         if dropped and self.raise_on_drop:
             raise LayoutDropError(_drop_message(record, self.fmt))
+
+
+def _weak(t: torch.Tensor) -> Any:
+    try:
+        return weakref.ref(t)
+    except TypeError:
+        return lambda: None
+
+
+@cache
+def _spatial_op(func: Any) -> bool:
+    """A convolution, pooling, spatial normalization, padding or resampling op (and their
+    backward ops), by name: ``memlayout.plan.spatial``'s rule."""
+    return is_spatial_name(str(func.overloadpacket))
+
+
+@cache
+def _passes_spatial(func: Any) -> bool:
+    """An element-wise or joining op: its output is as spatial as its inputs."""
+    return torch.Tag.pointwise in getattr(func, "tags", ()) or \
+        func.overloadpacket.__name__ in PASS_NAMES
 
 
 def _drop_message(r: OpRecord, fmt: Format) -> str:
@@ -473,6 +520,15 @@ def coverage_notes(records: Any, fmt: Format, meta: dict[str, Any]) -> dict[str,
         sentence = explain(op, device, dtype, fmt)
         if sentence:
             notes[op] = sentence
+    conv3d = [r for r in records if r.dropped and r.op.startswith("aten.convolution")
+              and any(o.rank == 5 for o in r.outputs)]
+    if conv3d and conv3d[0].op not in notes:
+        # a fact of this build, seen in this run: worth saying where it happens, not as a
+        # puzzle about the convolutions after it
+        notes[conv3d[0].op] = (
+            f"a 3-d convolution on {device} {dtype} returned NCDHW for an NDHWC input and weight "
+            f"in this run (torch {torch.__version__}): there is no channels_last_3d kernel "
+            "here, so every 3-d convolution drops the format where it runs")
     return notes
 
 

@@ -1,11 +1,15 @@
-"""Capture (L2 plan, step 1): a torch.fx graph with the layout of every value in node.meta.
+"""Capture (L2 plan, step 1): graphs of what really runs, with the layout of every value in
+node.meta.
 
-``capture`` traces the model with ``torch.fx.symbolic_trace`` and runs it once on the example
-inputs (no grad, under autocast when a dtype is given), recording for every node a
+``capture`` takes the model whole (``torch.fx.symbolic_trace`` where that is faithful, else
+non-strict ``torch.export``: :mod:`memlayout.plan.export`) and runs the graph once on the
+example inputs (no grad, under autocast when a dtype is given), recording for every node a
 :class:`ValueMeta` under ``node.meta["memlayout"]``: shape, strides, dtype and the full set of
-formats (``formats_of``) of each tensor in its output. When the whole model cannot be traced,
-the largest traceable submodules are captured instead, each with the inputs it received in
-one eager run, and the parts left eager are listed with the reason.
+formats (``formats_of``) of each tensor in its output; only image-like values keep a layout
+label (:mod:`memlayout.plan.spatial`). When the whole model cannot be captured, the largest
+capturable submodules are, each with the arguments it received in one eager run (inside
+containers too); the parts left eager are listed with the reason, and ``Captured.coverage``
+counts the convolution calls planned against those that run.
 
 >>> from torch import nn
 >>> cap = capture(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), (torch.randn(2, 3, 8, 8),))
@@ -188,12 +192,21 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     device = device_of(inputs, model) if device is None else device
     gm, reason = graph_of(model, inputs, {})
     if gm is not None:
-        with ConvolutionCount() as count:
+        # the graph against forward itself, with the same random draws (dropout): the count
+        # of convolution calls is the eager run's, and a graph that computes something else
+        # is not planned
+        with _seeded(device):  # first: a bad input is named at its node
             output = propagate(gm, inputs, dtype=dtype, ranks=ranks, device=device)
-        mark_spatial(gm)
-        method = gm.meta.get(METHOD_KEY, FX)
-        return Captured([Region("", gm, inputs, output)], [], output, ranks,
-                        Coverage(count_convolutions(gm), count.calls, (method,)))
+        with _seeded(device), ConvolutionCount() as count:
+            expected = _run(model, inputs, dtype, device)
+        same, error = _agree(expected, output, dtype)
+        if same:
+            mark_spatial(gm)
+            method = gm.meta.get(METHOD_KEY, FX)
+            return Captured([Region("", gm, inputs, output)], [], output, ranks,
+                            Coverage(count_convolutions(gm), count.calls, (method,)))
+        reason = (f"the {gm.meta.get(METHOD_KEY, FX)} graph computes other values than "
+                  f"forward (relative error {error:.3g})")
     calls, output, total = _record_submodule_calls(model, inputs, dtype, device)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
@@ -211,6 +224,41 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     eager = tuple((p, r) for p, r in uncaptured
                   if not any(reg.path.startswith(p + "." if p else "") for reg in regions))
     return Captured(regions, uncaptured, output, ranks, Coverage(planned, total, methods, eager))
+
+
+def _seeded(device: torch.device) -> Any:
+    """A block whose random draws start from one seed, the caller's RNG state kept."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+
+    class _Block:
+        def __enter__(self) -> None:
+            self.fork = torch.random.fork_rng(devices=devices)
+            self.fork.__enter__()
+            torch.manual_seed(0)
+
+        def __exit__(self, *exc: object) -> None:
+            self.fork.__exit__(*exc)
+
+    return _Block()
+
+
+def _run(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
+         device: torch.device) -> Any:
+    try:
+        with torch.no_grad(), autocast(device, dtype):
+            return model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+    except Exception as exc:
+        raise CaptureError(
+            f"running {type(model).__name__} on the example inputs failed: "
+            f"{type(exc).__name__}: {_first_line(exc)}; check the example input's shape and dtype"
+        ) from exc
+
+
+def _agree(want: Any, got: Any, dtype: torch.dtype | None) -> tuple[bool, float]:
+    from memlayout.plan.verify import compare  # verify reads this module's names
+
+    ok, error, _ = compare(want, got, dtype)
+    return ok, error
 
 
 def graph_of(module: nn.Module, args: tuple[Any, ...],
@@ -270,9 +318,12 @@ class _MetaProp(fx.Interpreter):
 
 
 def node_target_name(root: nn.Module, n: fx.Node) -> str:
-    """A short readable name of what ``n`` runs: ``Conv2d``, ``torch.flatten``, ``.view``."""
+    """A short readable name of what ``n`` runs: ``Conv2d``, ``torch.flatten``, ``.view``,
+    ``aten.conv2d.default``."""
     if n.op == "call_module":
         return type(root.get_submodule(n.target)).__name__
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return str(n.target)  # an exported graph's aten op: aten.permute.default
     if n.op == "call_function":
         mod = getattr(n.target, "__module__", None) or ""
         name = getattr(n.target, "__name__", repr(n.target))

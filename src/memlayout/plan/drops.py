@@ -122,9 +122,16 @@ class _Explainer(fx.Interpreter):
         known = coverage_notes(records, fmt, meta)
         notes = []
         for op in dict.fromkeys(r.op for r in records):
-            notes.append(known.get(op) or
-                         f"{op} drops {fmt.value} here (no cached coverage matrix for "
-                         f"{self.device.type} {meta['dtype']}: `memlayout coverage` explains it)")
+            if op in known:
+                notes.append(known[op])
+            elif op.startswith("aten.convolution") and fmt is Format.CHANNELS_LAST_3D:
+                notes.append(f"{op}: a 3-d convolution on {self.device.type} {meta['dtype']} "
+                             "returns NCDHW even when fed NDHWC (no channels_last_3d kernel in "
+                             f"torch {torch.__version__} here)")
+            else:
+                notes.append(f"{op} drops {fmt.value} here (no cached coverage matrix for "
+                             f"{self.device.type} {meta['dtype']}: `memlayout coverage` "
+                             "explains it)")
         return notes or ["returns another format when fed channels-last (no aten op flagged)"]
 
 

@@ -86,11 +86,20 @@ def faithful_trace(module: nn.Module) -> fx.GraphModule:
     memlayout.errors.CaptureError: the grad mode or autocast changes inside forward ...
     """
     tracer = _ModeTracer()
+    versions = {name: t._version for name, t in module.state_dict(keep_vars=True).items()
+                if isinstance(t, torch.Tensor)}
     graph = tracer.trace(module)
     if len(tracer.modes) > 1:
         raise CaptureError("the grad mode or autocast changes inside forward (torch.no_grad, "
                            "enable_grad, inference_mode, autocast), which torch.fx does not "
                            "record")
+    changed = [name for name, t in module.state_dict(keep_vars=True).items()
+               if isinstance(t, torch.Tensor) and versions.get(name, t._version) != t._version]
+    if changed:
+        # fx hands buffers to forward as real tensors: an in-place update of one (a
+        # BatchNorm's num_batches_tracked) ran once while tracing and is not in the graph
+        raise CaptureError(f"forward updates {changed[0]} in place where torch.fx runs it "
+                           "once while tracing instead of recording it")
     gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
     gm.meta[METHOD_KEY] = FX
     return gm
@@ -106,6 +115,7 @@ def export_graph(module: nn.Module, args: tuple[Any, ...],
     gm._forward_pre_hooks.clear()  # export's input checks: a plan is per input signature
     _drop_guard_calls(gm)
     _keep_wrappers(gm)
+    _dropout_as_torch_functions(gm)
     gm.recompile()
     gm.meta[METHOD_KEY] = EXPORT
     return gm
@@ -147,6 +157,24 @@ def _keep_wrappers(gm: fx.GraphModule) -> None:
     for sub in gm.children():
         if isinstance(sub, fx.GraphModule):
             _keep_wrappers(sub)
+            sub.recompile()
+
+
+#: aten dropouts and the torch functions of the same signature: a ``TorchFunctionMode`` sees
+#: the latter (a training step is verified with masks drawn in logical order, see
+#: ``memlayout.plan.verify``), never the former
+_DROPOUTS = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
+
+
+def _dropout_as_torch_functions(gm: fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        if (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                and n.target.namespace == "aten"
+                and n.target.overloadpacket.__name__ in _DROPOUTS):
+            n.target = getattr(torch, n.target.overloadpacket.__name__)
+    for sub in gm.children():
+        if isinstance(sub, fx.GraphModule):
+            _dropout_as_torch_functions(sub)
             sub.recompile()
 
 

@@ -41,20 +41,34 @@ class PlannedGraph:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return type(self.__dict__[_GRAPH_KEY]).forward(self, *args, **kwargs)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # the planned class is made at run time, so pickle cannot find it by name: it is
+        # rebuilt from the original class (``torch.save`` of the module, ``copy.deepcopy``)
+        original = type(self).__bases__[1]
+        return _planned_instance, (original,), dict(self.__dict__)
+
 
 _GRAPH_KEY = "_memlayout_graph_module"
-_PLANNED_CLASSES: dict[type, type] = {}
+_PLANNED_CLASSES: dict[type, type] = {}  # original class -> its planned subclass (a cache)
+
+
+def _planned_class(cls: type) -> type:
+    if cls not in _PLANNED_CLASSES:
+        _PLANNED_CLASSES[cls] = type(f"Planned{cls.__name__}", (PlannedGraph, cls),
+                                     {"__module__": cls.__module__})
+    return _PLANNED_CLASSES[cls]
+
+
+def _planned_instance(original: type) -> nn.Module:
+    cls = _planned_class(original)
+    return cls.__new__(cls)
 
 
 def planned_graph(root: nn.Module, gm: fx.GraphModule) -> nn.Module:
     """``root`` running ``gm``'s code as its ``forward`` (see :class:`PlannedGraph`); ``gm``
     must be a graph over ``root`` (its targets resolve on ``root``)."""
-    cls = type(root)
     if not isinstance(root, PlannedGraph):
-        if cls not in _PLANNED_CLASSES:
-            _PLANNED_CLASSES[cls] = type(f"Planned{cls.__name__}", (PlannedGraph, cls),
-                                         {"__module__": cls.__module__})
-        root.__class__ = _PLANNED_CLASSES[cls]
+        root.__class__ = _planned_class(type(root))
     for n in gm.graph.nodes:  # tensor constants the capture put on the graph module only
         if n.op == "get_attr" and "." not in n.target and not hasattr(root, n.target):
             setattr(root, n.target, getattr(gm, n.target))

@@ -27,7 +27,7 @@ SPATIAL_FRAGMENTS = ("conv", "pool", "batch_norm", "batchnorm", "group_norm", "g
                      "pixel_shuffle", "pixel_unshuffle", "grid_sampler", "grid_sample",
                      "local_response_norm", "localresponsenorm")
 #: element-wise / joining ops (by name) that carry spatial-ness between values
-_PASS_NAMES = frozenset({
+PASS_NAMES = frozenset({
     "add", "add_", "iadd", "sub", "sub_", "isub", "mul", "mul_", "imul", "div", "div_",
     "truediv", "itruediv", "neg", "relu", "relu_", "relu6", "silu", "silu_", "gelu", "sigmoid",
     "sigmoid_", "tanh", "tanh_", "hardswish", "hardswish_", "hardsigmoid", "hardtanh",
@@ -102,7 +102,7 @@ def is_passthrough(root: nn.Module, n: fx.Node) -> bool:
     if (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
             and torch.Tag.pointwise in n.target.tags):
         return True
-    return n.op in ("call_function", "call_method") and _name(root, n) in _PASS_NAMES
+    return n.op in ("call_function", "call_method") and _name(root, n) in PASS_NAMES
 
 
 def spatial_nodes(gm: fx.GraphModule) -> set[fx.Node]:
