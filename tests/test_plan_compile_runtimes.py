@@ -188,3 +188,19 @@ def test_mkldnn_runs_a_model_of_mkldnn_ops_and_is_unavailable_for_one_without(mo
                              runtimes=("mkldnn",), freezing=False)
     assert "hardtanh" in fast.plan.compiled.unavailable["mkldnn"]
     assert fast.plan.compiled.kept in (c.PLANNED, c.INDUCTOR)
+
+
+def test_a_training_plan_has_no_runtime_or_frozen_candidate_and_says_why(monkeypatch,
+                                                                         eager_inductor):
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(c.g, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0},
+                                                            calls))
+    fast = memlayout.compile(net, x, cache=False, rounds=3, guard=False,
+                             plan_kwargs={**QUICK, "train": True})
+    record = fast.plan.compiled
+    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR}
+    assert c.FROZEN not in record.settings
+    assert set(record.unavailable) == set(runtimes.ADAPTERS)
+    assert all("cannot train" in why for why in record.unavailable.values())
+    assert "not a candidate: a runtime model cannot train" in fast.plan.summary()
