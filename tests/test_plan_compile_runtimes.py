@@ -204,3 +204,20 @@ def test_a_training_plan_has_no_runtime_or_frozen_candidate_and_says_why(monkeyp
     assert set(record.unavailable) == set(runtimes.ADAPTERS)
     assert all("cannot train" in why for why in record.unavailable.values())
     assert "not a candidate: a runtime model cannot train" in fast.plan.summary()
+
+
+@needs_openvino
+def test_the_bench_mode_runs_the_kept_runtime_on_the_input_it_reads(monkeypatch, eager_inductor,
+                                                                    tmp_path):
+    from memlayout.bench.modes import prepare_mode
+
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path))  # the cost cache: not the user's
+    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.25}, []))
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    prepared = prepare_mode("planned+compile", net, x.contiguous(memory_format=torch.channels_last),
+                            dtype="fp32", task="infer")
+    assert "kept openvino" in prepared.note and "f32" in prepared.note
+    assert prepared.input_format == "contiguous"  # converted once, before the timed calls
+    with torch.no_grad():
+        torch.testing.assert_close(prepared.step(), net(x), rtol=1e-4, atol=1e-5)
