@@ -54,6 +54,8 @@ def test_runtimes_are_not_candidates_for_training_other_devices_dtypes_or_severa
     assert on_cpu == {n: runtimes.available(n) for n in names if runtimes.available(n)}
     with pytest.raises(ValueError, match="unknown runtimes"):
         c._runtimes_unavailable(("tensorrt",), (x,), net, None, False)
+    with pytest.raises(TypeError, match="a tuple of names"):
+        c._runtimes_unavailable("openvino", (x,), net, None, False)
 
 
 def _cnn() -> nn.Module:

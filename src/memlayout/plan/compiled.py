@@ -344,6 +344,8 @@ class RuntimeModule(OptimizedModule):
 def _runtimes_unavailable(names: Sequence[str], inputs: tuple[Any, ...], model: nn.Module,
                           dtype: torch.dtype | None, train: bool) -> dict[str, str]:
     """Why each runtime asked for is not a candidate here (absent: it is one)."""
+    if isinstance(names, str):
+        raise TypeError(f"runtimes={names!r}: a tuple of names, e.g. ({names!r},)")
     unknown = [n for n in names if n not in rt.ADAPTERS]
     if unknown:
         raise ValueError(f"unknown runtimes {unknown}; expected some of {', '.join(rt.ADAPTERS)}")
