@@ -23,6 +23,8 @@ QUICK = {"memory": False, "padding": False, "blocked": False}
 # the plan's own guard off: it would call the injected timer too
 needs_openvino = pytest.mark.skipif(runtimes.available("openvino") is not None,
                                     reason="openvino is not installed")
+needs_mkldnn = pytest.mark.skipif(runtimes.available("mkldnn") is not None,
+                                  reason="this torch has no mkldnn tensors")
 
 # (per-round ratios baseline / candidate, margin) -> the candidate kept
 DECISIONS = [
@@ -52,6 +54,8 @@ def test_runtimes_are_not_candidates_for_training_other_devices_dtypes_or_severa
     assert on_cpu == {n: runtimes.available(n) for n in names if runtimes.available(n)}
     with pytest.raises(ValueError, match="unknown runtimes"):
         c._runtimes_unavailable(("tensorrt",), (x,), net, None, False)
+    with pytest.raises(TypeError, match="a tuple of names"):
+        c._runtimes_unavailable("openvino", (x,), net, None, False)
 
 
 def _cnn() -> nn.Module:
@@ -81,27 +85,30 @@ def eager_inductor(monkeypatch):
     monkeypatch.setattr(c, "_compiled", lambda module, kwargs: module)
 
 
-@needs_openvino
-def test_a_faster_runtime_is_kept_verified_recorded_and_cached(tmp_path, monkeypatch,
+@pytest.mark.parametrize("runtime", [pytest.param("openvino", marks=needs_openvino),
+                                     pytest.param("mkldnn", marks=needs_mkldnn)])
+def test_a_faster_runtime_is_kept_verified_recorded_and_cached(runtime, tmp_path, monkeypatch,
                                                                 eager_inductor):
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
-        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.5}, calls))
+        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, runtime: 0.5}, calls))
     cache = tmp_path / "costs.sqlite"
     fast = memlayout.compile(net, x, cache=cache, rounds=3, guard=False, plan_kwargs=QUICK,
-                             runtimes=("openvino",))
+                             runtimes=(runtime,))
     record = fast.plan.compiled
     assert isinstance(fast, c.RuntimeModule) and isinstance(fast, nn.Module)
-    assert record.kept == "openvino" and record.source == "measured"
-    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN, "openvino"}  # one timing
-    assert record.candidates["openvino"].median == pytest.approx(2.0)
+    assert record.kept == runtime and record.source == "measured"
+    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN, runtime}  # one timing
+    assert record.candidates[runtime].median == pytest.approx(2.0)
     assert record.candidates[c.INDUCTOR].median == pytest.approx(1.0)
     assert record.baseline == c.PLANNED
-    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR, c.FROZEN, "openvino"}
-    assert "f32" in record.precision["openvino"] and record.precision[c.PLANNED] == "fp32"
+    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR, c.FROZEN, runtime}
+    # the runtime's own words for its precision, once built
+    assert record.precision[runtime] != f"{runtime} fp32" and "32" in record.precision[runtime]
+    assert record.precision[c.PLANNED] == "fp32"
     assert record.input_format == "contiguous"
-    assert "kept the openvino runtime's model" in fast.plan.summary()
+    assert f"kept the {runtime} runtime's model" in fast.plan.summary()
     assert Plan.from_json(fast.plan.to_json()).compiled == record
 
     # called with tensors, in any layout; prepare_inputs hands over the one it reads
@@ -127,9 +134,9 @@ def test_a_faster_runtime_is_kept_verified_recorded_and_cached(tmp_path, monkeyp
 
     # the second compile reads the decision: builds the runtime only, times nothing
     again = memlayout.compile(net, x, cache=cache, rounds=3, guard=False, plan_kwargs=QUICK,
-                              runtimes=("openvino",))
-    assert again.plan.compiled.source == "cache" and again.plan.compiled.kept == "openvino"
-    assert list(again.plan.compiled.compile_seconds) == ["openvino"]
+                              runtimes=(runtime,))
+    assert again.plan.compiled.source == "cache" and again.plan.compiled.kept == runtime
+    assert list(again.plan.compiled.compile_seconds) == [runtime]
     assert len(calls) == 1
 
 
@@ -167,3 +174,52 @@ def test_runtimes_off_keeps_to_pytorch(monkeypatch, eager_inductor):
     assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN}
     assert fast.plan.compiled.kept == c.PLANNED
     assert fast.plan.compiled.unavailable == {}
+
+
+@needs_mkldnn
+def test_mkldnn_runs_a_model_of_mkldnn_ops_and_is_unavailable_for_one_without(monkeypatch,
+                                                                              eager_inductor):
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    model = runtimes.build_runtime(net, x, runtimes.RuntimeOptions("mkldnn"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), net(x), rtol=1e-4, atol=1e-5)
+    # ReLU6 (every MobileNet) has no mkldnn kernel: not a candidate, and the op is named
+    relu6 = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU6()).eval()
+    monkeypatch.setattr(c.g, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0}, []))
+    fast = memlayout.compile(relu6, x, cache=False, rounds=3, guard=False, plan_kwargs=QUICK,
+                             runtimes=("mkldnn",), freezing=False)
+    assert "hardtanh" in fast.plan.compiled.unavailable["mkldnn"]
+    assert fast.plan.compiled.kept in (c.PLANNED, c.INDUCTOR)
+
+
+def test_a_training_plan_has_no_runtime_or_frozen_candidate_and_says_why(monkeypatch,
+                                                                         eager_inductor):
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(c.g, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0},
+                                                            calls))
+    fast = memlayout.compile(net, x, cache=False, rounds=3, guard=False,
+                             plan_kwargs={**QUICK, "train": True})
+    record = fast.plan.compiled
+    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR}
+    assert c.FROZEN not in record.settings
+    assert set(record.unavailable) == set(runtimes.ADAPTERS)
+    assert all("cannot train" in why for why in record.unavailable.values())
+    assert "not a candidate: a runtime model cannot train" in fast.plan.summary()
+
+
+@needs_openvino
+def test_the_bench_mode_runs_the_kept_runtime_on_the_input_it_reads(monkeypatch, eager_inductor,
+                                                                    tmp_path):
+    from memlayout.bench.modes import prepare_mode
+
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path))  # the cost cache: not the user's
+    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.25}, []))
+    net, x = _cnn(), torch.randn(2, 3, 16, 16)
+    prepared = prepare_mode("planned+compile", net, x.contiguous(memory_format=torch.channels_last),
+                            dtype="fp32", task="infer")
+    assert "kept openvino" in prepared.note and "f32" in prepared.note
+    assert prepared.input_format == "contiguous"  # converted once, before the timed calls
+    with torch.no_grad():
+        torch.testing.assert_close(prepared.step(), net(x), rtol=1e-4, atol=1e-5)

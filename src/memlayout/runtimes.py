@@ -10,6 +10,12 @@ other mode.
   with ``INFERENCE_PRECISION_HINT`` ``f32`` or ``bf16``: bf16 is OpenVINO's own bf16 execution
   (weights and activations in bf16 inside the runtime; inputs and outputs stay fp32), not
   ``torch.autocast``.
+- ``mkldnn``: PyTorch's own oneDNN blocked path, ``torch.utils.mkldnn.to_mkldnn`` (prepacked
+  convolution weights, ``nChw16c`` activations between them): the whole model runs on mkldnn
+  tensors, one ``to_mkldnn`` in and one ``to_dense`` out. Only models whose every op has an
+  mkldnn kernel (no ``ReLU6``/``hardtanh``, so no MobileNet) run; for the others it is
+  unavailable, with the op named. bf16: weights and activations cast to bf16 once. Not a bench
+  mode (``RUNTIMES`` are the peers), a ``memlayout.compile`` candidate.
 - ``onnxruntime``: ``torch.onnx.export(..., dynamo=True)`` (the torch.export-based exporter;
   the TorchScript one is deprecated) and an ``InferenceSession`` on the CPU execution provider
   with ``ORT_ENABLE_ALL``. fp32 only: the CPU provider has no bf16 convolution kernel (checked
@@ -44,7 +50,9 @@ from torch import nn
 
 from memlayout.errors import MemlayoutError
 
-RUNTIMES: tuple[str, ...] = ("openvino", "onnxruntime")
+RUNTIMES: tuple[str, ...] = ("openvino", "onnxruntime")  # the peers: bench modes too
+MKLDNN = "mkldnn"
+ADAPTERS: tuple[str, ...] = (*RUNTIMES, MKLDNN)  # every runtime build_runtime converts for
 INPUT_LAYOUTS: tuple[str, ...] = ("nchw", "nhwc")
 INSTALL = "pip install 'memlayout[runtimes]'"
 #: the Python packages each runtime needs (the extra installs them all)
@@ -73,8 +81,8 @@ class RuntimeOptions:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.runtime not in RUNTIMES:
-            raise ValueError(f"unknown runtime {self.runtime!r}; expected one of {', '.join(RUNTIMES)}")
+        if self.runtime not in ADAPTERS:
+            raise ValueError(f"unknown runtime {self.runtime!r}; expected one of {', '.join(ADAPTERS)}")
         if self.input_layout not in INPUT_LAYOUTS:
             raise ValueError(f"unknown input layout {self.input_layout!r}; expected nchw or nhwc")
         if self.dtype not in (None, torch.bfloat16):
@@ -107,6 +115,9 @@ class RuntimeModel:
 
 def available(runtime: str) -> str | None:
     """``None`` when ``runtime`` can be imported, else why not (with the install command)."""
+    if runtime == MKLDNN:
+        ok = hasattr(torch.Tensor, "to_mkldnn") and torch.backends.mkldnn.is_available()
+        return None if ok else "this torch build has no mkldnn (oneDNN) tensors"
     try:
         for package in _PACKAGES[runtime]:
             _import(package)
@@ -125,6 +136,8 @@ def build_runtime(module: nn.Module, example: torch.Tensor, options: RuntimeOpti
     sample = _as_runtime_input(example, options.input_layout)
     if options.runtime == "openvino":
         return _openvino(model, sample, options, threads)
+    if options.runtime == MKLDNN:
+        return _mkldnn(model, sample, options, threads)
     return _onnxruntime(model, sample, options, threads)
 
 
@@ -215,6 +228,53 @@ def _onnxruntime(model: nn.Module, sample: torch.Tensor, options: RuntimeOptions
 
     return RuntimeModel(options, run, "fp32 (CPUExecutionProvider, ORT_ENABLE_ALL)",
                         "torch.onnx.export(dynamo=True)", ort.__version__, threads, convert_s,
+                        compile_s)
+
+
+class _OnMkldnn(nn.Module):
+    """``model`` (converted by ``torch.utils.mkldnn.to_mkldnn``) on mkldnn tensors: one
+    ``to_mkldnn`` in, ``to_dense`` (fp32) out."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x: torch.Tensor) -> Output:
+        out = self.model(x.to(self.dtype).to_mkldnn())
+        outs = out if isinstance(out, tuple) else (out,)
+        dense = tuple(o.to_dense().float() for o in outs)
+        return dense[0] if len(dense) == 1 else dense
+
+
+def _mkldnn(model: nn.Module, sample: torch.Tensor, options: RuntimeOptions,
+            threads: int) -> RuntimeModel:
+    reason = available(MKLDNN) or ("mkldnn tensors cannot be permuted: NCHW input only"
+                                   if options.input_layout == "nhwc" else None)
+    if reason:
+        raise RuntimeUnavailable(reason)
+    from torch.utils import mkldnn
+
+    dtype = options.dtype or torch.float32
+    start = time.perf_counter()
+    blocked = _OnMkldnn(mkldnn.to_mkldnn(model, dtype), dtype).eval()  # model: a copy already
+    convert_s = time.perf_counter() - start
+    start = time.perf_counter()
+    try:  # the first call is where an op without an mkldnn kernel shows
+        with torch.no_grad():
+            blocked(sample)
+    except (NotImplementedError, RuntimeError) as exc:
+        raise RuntimeUnavailable("not every op of this model runs on mkldnn tensors: "
+                                 f"{str(exc).splitlines()[0][:160]}") from exc
+    compile_s = time.perf_counter() - start
+
+    def run(x: torch.Tensor) -> Output:
+        with torch.no_grad():
+            return blocked(_as_runtime_input(x, options.input_layout))
+
+    precision = ("bf16 weights and activations (to_mkldnn(model, torch.bfloat16)); fp32 inputs "
+                 "and outputs" if dtype is torch.bfloat16 else "fp32")
+    return RuntimeModel(options, run, f"oneDNN blocked {precision}",
+                        "torch.utils.mkldnn.to_mkldnn", torch.__version__, threads, convert_s,
                         compile_s)
 
 

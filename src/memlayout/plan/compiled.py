@@ -20,10 +20,12 @@ those that agree interleaved round by round, and keeps the fastest:
   parameters become constants, batch norms fold into convolutions, convolution weights are
   prepacked for oneDNN (``mkldnn._convolution_pointwise`` with fused activations). It measured
   faster on some models and slower on others here, so it is measured, not assumed;
-- ``openvino``, ``onnxruntime`` (inference on the CPU, where installed): the original model
-  converted by ``memlayout.runtimes``. These run convolutions in blocked formats (``nChw16c``)
-  that no strided layout expresses. bf16 is the runtime's own (weights cast once inside it),
-  not autocast; its outputs are compared at bf16 tolerance and the record says so.
+- ``openvino``, ``onnxruntime``, ``mkldnn`` (inference on the CPU, where installed): the
+  original model converted by ``memlayout.runtimes`` (``mkldnn``: PyTorch's own
+  ``torch.utils.mkldnn.to_mkldnn``, for models whose every op has an mkldnn kernel). These run
+  convolutions in blocked formats (``nChw16c``) that no strided layout expresses. bf16 is the
+  runtime's own (weights cast once), not autocast; its outputs are compared at bf16 tolerance
+  and the record says so.
 
 ``inductor`` is the default, what a plain ``torch.compile`` gives: another candidate replaces it
 only when faster by more than a margin (2 %). Timing goes through ``memlayout.plan.guard``'s
@@ -76,7 +78,7 @@ INDUCTOR = "inductor"  # the original model compiled with the settings given: In
 FROZEN = "inductor+freezing"  # the same with Inductor's freezing: weights folded and prepacked
 PLAN_STANDS = {"layout_optimization": False}
 FREEZING = {"freezing": True}
-RUNTIMES: tuple[str, ...] = rt.RUNTIMES  # peer runtimes tried by default, where installed
+RUNTIMES: tuple[str, ...] = rt.ADAPTERS  # tried by default, where installed
 
 
 def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,  # noqa: A001
@@ -94,8 +96,9 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     interleaved per-round ratios).
 
     ``freezing``: also the original compiled with Inductor's ``freezing`` (inference only).
-    ``runtimes``: the peer runtimes to try (``memlayout.runtimes.RUNTIMES``; those not installed
-    are recorded as unavailable); ``()`` keeps to PyTorch. They are candidates for inference on
+    ``runtimes``: the blocked-format runtimes to try (``memlayout.runtimes.ADAPTERS``: OpenVINO,
+    ONNX Runtime, mkldnn; those not installed are recorded as unavailable); ``()`` keeps to
+    Inductor's strided models. They are candidates for inference on
     the CPU with one tensor input only: not for ``plan_kwargs={"train": True}``, a CUDA device,
     fp16, or several inputs (the record says so). ``plan_kwargs`` go to ``memlayout.optimize``
     (``memory=False``, ...; ``refresh=True`` also measures this decision again);
@@ -344,9 +347,11 @@ class RuntimeModule(OptimizedModule):
 def _runtimes_unavailable(names: Sequence[str], inputs: tuple[Any, ...], model: nn.Module,
                           dtype: torch.dtype | None, train: bool) -> dict[str, str]:
     """Why each runtime asked for is not a candidate here (absent: it is one)."""
-    unknown = [n for n in names if n not in rt.RUNTIMES]
+    if isinstance(names, str):
+        raise TypeError(f"runtimes={names!r}: a tuple of names, e.g. ({names!r},)")
+    unknown = [n for n in names if n not in rt.ADAPTERS]
     if unknown:
-        raise ValueError(f"unknown runtimes {unknown}; expected some of {', '.join(rt.RUNTIMES)}")
+        raise ValueError(f"unknown runtimes {unknown}; expected some of {', '.join(rt.ADAPTERS)}")
     device = device_of(inputs, model)
     common = ("a runtime model cannot train: training plans are compiled in PyTorch" if train
               else f"runtimes run on the CPU only; the model runs on {device}"
@@ -366,7 +371,7 @@ def _runtimes_unavailable(names: Sequence[str], inputs: tuple[Any, ...], model: 
 
 def _precision(name: str, dtype: torch.dtype | None) -> str:
     """What a candidate computes in, before it is built (a runtime's own words replace it)."""
-    if name in rt.RUNTIMES:
+    if name in rt.ADAPTERS:
         return f"{name} {dtype_name(dtype)}"
     return "fp32" if dtype is None else f"torch.autocast {dtype_name(dtype)} (weights fp32)"
 
@@ -379,7 +384,7 @@ def _versions(candidates: Mapping[str, Any]) -> dict[str, str]:
     out = {}
     for name in candidates:
         try:
-            out[name] = md.version(name) if name in rt.RUNTIMES else ""
+            out[name] = md.version(name) if name in rt.RUNTIMES else ""  # mkldnn: torch's
         except md.PackageNotFoundError:
             out[name] = ""
     return out
