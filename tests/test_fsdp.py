@@ -19,7 +19,7 @@ from torch import nn
 
 from memlayout.errors import FSDPError, TrainError
 from memlayout.models import load_model
-from memlayout.plan.api import optimize
+from memlayout.plan.pipeline import optimize
 from memlayout.train import TrainConfig, load_checkpoint, make_synthetic, train
 from memlayout.train.checkpoint import (
     LATEST,

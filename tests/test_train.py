@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from memlayout.cli import app
 from memlayout.errors import CheckpointError, ExportError, MemlayoutError, TrainError
 from memlayout.layout import Format
-from memlayout.plan.api import optimize
+from memlayout.plan.pipeline import optimize
 from memlayout.tensors import convert_module, format_of, in_format
 from memlayout.train import (
     TrainConfig,

@@ -10,12 +10,14 @@ OpInfo, PIL, torch.distributed), and ``memlayout --help`` should not wait for th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -697,10 +699,22 @@ app.add_typer(cache_app, name="cache")
 CACHE_HELP = "The cache file. Default: $MEMLAYOUT_CACHE_DIR/costs.sqlite, else $XDG_CACHE_HOME/memlayout/costs.sqlite."
 
 
-def _cache_file(path: str | None) -> Path:
-    from memlayout.plan.cache import cache_path
+@contextlib.contextmanager
+def _cache_store(path: str | None) -> Iterator[tuple[Any, Path] | None]:
+    """The cache at ``path`` (default: the user's) opened for one verb and closed after it;
+    ``None``, said on screen, when there is no cache file."""
+    from memlayout.plan.cache import CostCache, cache_path
 
-    return Path(path) if path else cache_path()
+    file = Path(path) if path else cache_path()
+    if not file.is_file():
+        console.print(f"no cache at {file}", markup=False, highlight=False)
+        yield None
+        return
+    store = CostCache(file)
+    try:
+        yield store, file
+    finally:
+        store.close()
 
 
 @cache_app.command("show")
@@ -708,17 +722,11 @@ def cache_show(
     path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
 ) -> None:
     """The cache's file and its entries, grouped by machine, kind and quality, with ages."""
-    from memlayout.plan.cache import CostCache, render
+    from memlayout.plan.cache import render
 
-    file = _cache_file(path)
-    if not file.is_file():
-        console.print(f"no cache at {file}", markup=False, highlight=False)
-        return
-    store = CostCache(file)
-    try:
-        render(store.summary(), console)
-    finally:
-        store.close()
+    with _cache_store(path) as opened:
+        if opened is not None:
+            render(opened[0].summary(), console)
 
 
 @cache_app.command("prune")
@@ -729,8 +737,6 @@ def cache_prune(
     path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
 ) -> None:
     """Drop entries older than --older-than days, noisy ones, or another machine's."""
-    from memlayout.plan.cache import CostCache
-
     try:
         if older_than is None and not noisy and not other_machines:
             raise UsageError("cache prune: give --older-than DAYS, --noisy and/or "
@@ -739,19 +745,13 @@ def cache_prune(
             raise UsageError(f"--older-than {older_than}: give a number of days >= 0")
     except MemlayoutError as exc:
         _fail(exc)
-    file = _cache_file(path)
-    if not file.is_file():
-        console.print(f"no cache at {file}", markup=False, highlight=False)
-        return
-    store = CostCache(file)
-    try:
-        dropped = store.prune(older_than_days=older_than, noisy_only=noisy,
-                              other_machines=other_machines)
-        left = store.summary().count
-    finally:
-        store.close()
-    console.print(f"pruned {dropped} entries from {file}; {left} left", markup=False,
-                  highlight=False)
+    with _cache_store(path) as opened:
+        if opened is not None:
+            store, file = opened
+            dropped = store.prune(older_than_days=older_than, noisy_only=noisy,
+                                  other_machines=other_machines)
+            console.print(f"pruned {dropped} entries from {file}; {store.summary().count} left",
+                          markup=False, highlight=False)
 
 
 @cache_app.command("clear")
@@ -759,18 +759,11 @@ def cache_clear(
     path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
 ) -> None:
     """Drop every entry: the next plan measures everything."""
-    from memlayout.plan.cache import CostCache
-
-    file = _cache_file(path)
-    if not file.is_file():
-        console.print(f"no cache at {file}", markup=False, highlight=False)
-        return
-    store = CostCache(file)
-    try:
-        dropped = store.clear()
-    finally:
-        store.close()
-    console.print(f"cleared {dropped} entries from {file}", markup=False, highlight=False)
+    with _cache_store(path) as opened:
+        if opened is not None:
+            store, file = opened
+            console.print(f"cleared {store.clear()} entries from {file}", markup=False,
+                          highlight=False)
 
 
 if __name__ == "__main__":

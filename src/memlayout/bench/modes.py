@@ -62,8 +62,8 @@ from memlayout.bench.config import CONTROL, DTYPES, RUNTIME_MODES, ModeUnavailab
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
-from memlayout.plan.api import optimize
 from memlayout.plan.compiled import compile as plan_and_compile
+from memlayout.plan.pipeline import optimize
 from memlayout.plan.verify import TOLERANCE
 from memlayout.plan.verify import compare as compare_outputs
 from memlayout.tensors import format_name, format_of, mean_square_loss, torch_memory_format

@@ -195,7 +195,7 @@ def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
     ``weights="contiguous"`` for FSDP (every parameter contiguous)."""
     # The planner (torch.fx, scipy) takes about as long to import as the rest of training:
     # only --layout planned loads it.
-    from memlayout.plan.api import optimize
+    from memlayout.plan.pipeline import optimize
 
     return optimize(module, example, dtype=dtype, input_format="channels_last",
                     measure=measure, name=name, train=True, weights=weights)
