@@ -20,6 +20,10 @@ from memlayout.bench.runner import GEMM, PEAK_EVENT_MODEL
 from memlayout.plan.verify import compare
 from memlayout.runtimes import INSTALL, RuntimeOptions, RuntimeUnavailable, build_runtime
 
+# Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
+# these tests in a pytest process of their own (see the Makefile).
+pytestmark = pytest.mark.runtimes
+
 HAVE = {name: runtimes.available(name) is None for name in runtimes.RUNTIMES}
 needs = {name: pytest.mark.skipif(not ok, reason=f"{name} not installed ({INSTALL})")
          for name, ok in HAVE.items()}
@@ -27,6 +31,7 @@ needs = {name: pytest.mark.skipif(not ok, reason=f"{name} not installed ({INSTAL
 NETS = """
 import torch
 from torch import nn
+
 
 def convs():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),

@@ -5,12 +5,17 @@ Compiles are slow on this machine: tiny models only, and each test compiles at m
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import memlayout
 from memlayout.plan import compiled as c
 from memlayout.plan.result import Plan
+
+# Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
+# these tests in a pytest process of their own (see the Makefile).
+pytestmark = pytest.mark.runtimes
 
 # the memory / padding / blocked reports: slow here, not what these tests are about
 QUICK = {"memory": False, "padding": False, "blocked": False}

@@ -19,6 +19,10 @@ from memlayout.errors import MemlayoutError
 from memlayout.plan import compiled as c
 from memlayout.plan.result import Plan
 
+# Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
+# these tests in a pytest process of their own (see the Makefile).
+pytestmark = pytest.mark.runtimes
+
 QUICK = {"memory": False, "padding": False, "blocked": False}
 # the plan's own guard off: it would call the injected timer too
 needs_openvino = pytest.mark.skipif(runtimes.available("openvino") is not None,
