@@ -16,6 +16,7 @@ from torch import nn
 
 import memlayout
 from memlayout.tensors import iter_tensors
+from tests.test_plan_capture_export import conv_calls
 
 Example = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
@@ -86,18 +87,6 @@ MODELS: dict[str, Callable[[], Example]] = {f.__name__: f for f in (
     timm_coatnet, monai_unet3d)}
 
 
-def conv_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Convolution calls of one forward, counted by forward hooks on the modules."""
-    calls = [0]
-    handles = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-               for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
-    with torch.no_grad():
-        model(*args, **kwargs)
-    for h in handles:
-        h.remove()
-    return calls[0]
-
-
 def assert_same_outputs(got: Any, want: Any) -> None:
     got, want = list(iter_tensors(got)), list(iter_tensors(want))
     assert len(got) == len(want) and got
@@ -136,7 +125,7 @@ def test_a_real_model_is_planned_whole_verified_and_a_drop_in(name: str) -> None
     opt = memlayout.optimize(model, args, kwargs=kwargs, measure=False, cache=False,
                              memory=False)
     coverage = opt.plan.coverage
-    assert coverage.total == conv_calls(model, args, kwargs) > 0
+    assert coverage.total == conv_calls(model, *args, **kwargs) > 0
     assert coverage.planned >= 0.95 * coverage.total, coverage.text()
     assert opt.plan.verification.ok
     with torch.no_grad():
