@@ -36,8 +36,7 @@ from memlayout.plan import padding as pad
 from memlayout.plan.capture import META_KEY, Captured, capture, node_target_name
 from memlayout.plan.label import Label
 from memlayout.plan.module import OptimizedModule, inputs_in
-from memlayout.plan.problem import formulate
-from memlayout.plan.records import RegionSolution, Solution, solve_labels
+from memlayout.plan.records import RegionSolution, Solution, region_formulation, solve_labels
 from memlayout.plan.result import UNPADDED, Plan
 from memlayout.plan.solve import Problem
 from memlayout.plan.verify import module_state
@@ -192,10 +191,7 @@ def _solution(plan: Plan, captured: Captured, costs: Any, options: Any) -> Solut
     """Each region's formulation with every layout node pinned to the plan's format."""
     regions = []
     for region, table in zip(captured.regions, costs.tables, strict=True):
-        top = region.path == ""
-        form = formulate(region.gm, table,
-                         input_label=options.root_input_label if top else None,
-                         output_label=options.output_label if top else "keep")
+        form = region_formulation(region, table, options)
         pins = {**form.integer.pins, **{n.name: int(Label.parse(n.format)) for n in plan.nodes
                                          if n.region == region.path}}
         labels = solve_labels(Problem(form.integer.unary, form.integer.tensors, pins,

@@ -62,7 +62,7 @@ from memlayout.plan.drops import drop_notes, notes_of
 from memlayout.plan.label import LABELS, Label
 from memlayout.plan.module import OptimizedModule, inputs_in, keyword_call, shape_signature
 from memlayout.plan.padding import plan_padding
-from memlayout.plan.problem import AUTO, OUTPUT_PREFIX, baseline_labels, formulate
+from memlayout.plan.problem import AUTO, OUTPUT_PREFIX, baseline_labels
 from memlayout.plan.records import (
     Build,
     Costs,
@@ -73,6 +73,7 @@ from memlayout.plan.records import (
     RegionCheck,
     RegionSolution,
     Solution,
+    region_formulation,
     solve_labels,
 )
 from memlayout.plan.result import (
@@ -324,9 +325,7 @@ def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Sol
     solved = []
     for region, table in zip(captured.regions, costs.tables, strict=True):
         top = region.path == ""
-        form = formulate(region.gm, table,
-                         input_label=options.root_input_label if top else None,
-                         output_label=options.output_label if top else "keep")
+        form = region_formulation(region, table, options)
         if options.keep_weight_formats and not options.contiguous_weights:
             # (contiguous weights say nothing of the format their node runs in)
             form = _pin_weight_formats(region.gm, form, options.ranks)

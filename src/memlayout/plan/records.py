@@ -20,7 +20,7 @@ from torch import nn
 
 from memlayout.plan.capture import Region
 from memlayout.plan.costs import CostTable, Progress
-from memlayout.plan.problem import AUTO, Formulation
+from memlayout.plan.problem import AUTO, Formulation, formulate
 from memlayout.plan.result import Conversion, GuardRecord, MemoryReport, NodeChoice
 from memlayout.plan.solve import Problem, solve_min_cut
 
@@ -199,3 +199,11 @@ class MemoryDecision:
 
     build: Build
     record: MemoryReport | None
+
+
+def region_formulation(region: Region, table: CostTable, options: PlanOptions) -> Formulation:
+    """One region's min-cut formulation: the top-level graph takes the run's input and output
+    formats, a submodule's inputs are as captured and its outputs kept."""
+    top = region.path == ""
+    return formulate(region.gm, table, input_label=options.root_input_label if top else None,
+                     output_label=options.output_label if top else "keep")
