@@ -114,6 +114,23 @@ def _models_file(tmp_path):
         def cpu_hungry():
             return CpuHungry()
 
+        class Conditioned(nn.Module):
+            # an image, a timestep and a keyword input: a diffusion UNet's call, in small
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(3, 4, 3, padding=1)
+                self.proj = nn.Linear(5, 4)
+            def forward(self, x, t, cond=None, scale=1.0):
+                y = self.conv(x) * t.view(-1, 1, 1, 1)
+                return (y + self.proj(cond).mean(1)[:, :, None, None]) * scale
+
+        def conditioned():
+            return Conditioned(), (torch.randn(3, 3, 8, 8), torch.tensor([1.0, 2.0, 3.0])), \
+                {"cond": torch.randn(3, 6, 5), "scale": 0.5}
+
+        def conditioned_starved():
+            return Starved(), (torch.randn(4, 3, 8, 8),)
+
         def dies():
             import os
 
@@ -227,7 +244,8 @@ def test_every_mode_trains_or_reports_why(tmp_path):
             opt = memlayout.optimize(built.module.train(), (built.example_input,),
                                      dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[r.dtype]),
                                      measure=False, train=True, input_format="auto")
-            assert r.note == opt.plan.headline()
+            # then how the input was made (a module alone: invented, and it says so)
+            assert r.note == f"{opt.plan.headline()}; {built.note}"
             # timed with its input in the format the plan chose, converted beforehand
             assert r.input_format == opt.plan.input_format
         if r.mode == "planned+compile":
@@ -390,7 +408,41 @@ def test_planned_mode_is_used(tmp_path):
     cfg = BenchConfig.from_strings([f"{path}:tiny"], modes="nchw,planned", batch=2, image_size=8,
                                    rounds=2, gemm_size=32)
     planned = run_bench(cfg).records[1]
-    assert planned.status in ("ok", "error") and planned.setup_s is not None or planned.error
+    assert planned.status == "ok", planned.error
+    assert planned.setup_s > 0 and planned.rounds == 2 and "plan" in planned.note
+
+
+def test_a_factory_with_several_and_keyword_inputs_is_benched_in_every_mode(tmp_path):
+    path = _models_file(tmp_path)
+    cfg = BenchConfig.from_strings([f"{path}:conditioned"], modes="nchw,nhwc,planned,openvino",
+                                   batch=8, image_size=8, rounds=2, gemm_size=32)
+    records = {r.mode: r for r in run_bench(cfg).records}
+    for mode in ("nchw", "nhwc", "planned"):
+        r = records[mode]
+        assert r.status == "ok", (mode, r.error)
+        # the factory's own input, at its own batch: --batch 8 did not apply, and it says so
+        assert (r.batch, r.input_shape) == (3, "3x3x8x8 3 3x6x5"), mode
+        assert "--batch and --image-size do not apply" in r.note
+    assert records["nhwc"].input_format == "channels_last"
+    assert records["openvino"].status == "unavailable"
+    assert "one tensor input" in records["openvino"].error or "pip install" in records["openvino"].error
+    # every mode computes what the model does with its keyword inputs
+    spec = load_model(f"{path}:conditioned")
+    want = spec.module(*spec.example_input, **spec.example_kwargs)
+    module, args = runner.case_inputs(spec, batch=8)
+    for mode in ("nchw", "nhwc", "planned"):
+        got = prepare_mode(mode, module, args, dtype="fp32", task="infer").step()
+        torch.testing.assert_close(got, want, msg=mode)
+
+
+def test_out_of_memory_at_a_factory_input_is_an_error_not_a_retry(tmp_path):
+    path = _models_file(tmp_path)
+    cfg = BenchConfig.from_strings([f"{path}:conditioned_starved"], modes="nchw,nhwc", batch=8,
+                                   rounds=2, gemm_size=32)
+    records = run_bench(cfg).records
+    assert [r.status for r in records] == ["error", "error"]
+    assert all("factory's own input" in (r.error or "") and "retried" not in r.note
+               for r in records)
 
 
 class TwoHeads(nn.Module):

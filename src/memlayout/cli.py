@@ -36,6 +36,7 @@ from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
 from memlayout.models import load_model
+from memlayout.tensors import format_name, format_of, iter_tensors
 
 if TYPE_CHECKING:
     from memlayout.plan.compare import ModelComparison
@@ -183,10 +184,14 @@ def inspect(
         device = _device(device)
         spec = load_model(model, batch=batch, image_size=image_size)
         inputs = _on_device(spec.example_input, device)
-        report = inspection.inspect_model(spec.module.to(device), inputs, spec.fmt)
+        report = inspection.inspect_model(spec.module.to(device), inputs, spec.fmt,
+                                          kwargs=_on_device(spec.example_kwargs, device))
     except MemlayoutError as exc:
         _fail(exc)
-    inspection.render_terminal(report, console, model=model, input_shape=tuple(spec.example_input.shape))
+    if spec.note:
+        console.print(f"note: {spec.note}", markup=False, highlight=False)
+    first = next(iter_tensors(spec.example_input))
+    inspection.render_terminal(report, console, model=model, input_shape=tuple(first.shape))
 
 
 @app.command()
@@ -220,13 +225,17 @@ def audit(
         fmt = fmt or spec.fmt
         module = spec.module.to(device).train(train)
         inputs = _on_device(spec.example_input, device)
+        kwargs = _on_device(spec.example_kwargs, device)
+        if spec.note:
+            console.print(f"note: {spec.note}", markup=False, highlight=False)
         if overhead:
-            c = measure_overhead(module, inputs, train=train, fmt=fmt, dtype=dtype, rounds=rounds, device=device)
+            c = measure_overhead(module, inputs, train=train, fmt=fmt, dtype=dtype, rounds=rounds,
+                                 device=device, kwargs=kwargs)
             for name in ("plain", "audited"):
                 if not c[name].ok:
                     raise MemlayoutError(f"the {name} run failed: {c[name].error}")
         else:
-            report = run_audit(module, inputs, train=train, fmt=fmt, dtype=dtype)
+            report = run_audit(module, inputs, train=train, fmt=fmt, dtype=dtype, kwargs=kwargs)
     except MemlayoutError as exc:
         _fail(exc)
     if overhead:
@@ -423,7 +432,6 @@ def optimize(
     from memlayout.plan.module import keyword_call
     from memlayout.plan.pipeline import example_inputs_of, format_label
     from memlayout.plan.pipeline import optimize as plan_model
-    from memlayout.tensors import format_name, format_of, iter_tensors
 
     try:  # the options first: a bad one is reported before any model is built
         run_dtype = parse_dtype(dtype)

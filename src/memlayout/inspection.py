@@ -49,9 +49,11 @@ class InspectReport:
     outputs: tuple[ModuleOutput, ...]
 
 
-def inspect_model(model: nn.Module, inputs: Any, fmt: Format = Format.CHANNELS_LAST) -> InspectReport:
+def inspect_model(model: nn.Module, inputs: Any, fmt: Format = Format.CHANNELS_LAST, *,
+                  kwargs: dict[str, Any] | None = None) -> InspectReport:
     """Run ``model`` once in ``fmt`` (on copies; the caller's objects are untouched) and report
-    the format of every parameter group and module output.
+    the format of every parameter group and module output. ``inputs``: one tensor or a tuple
+    of ``forward``'s positional inputs; ``kwargs``: its keyword inputs.
 
     >>> from torch import nn
     >>> r = inspect_model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), torch.randn(2, 3, 8, 8))
@@ -60,6 +62,7 @@ def inspect_model(model: nn.Module, inputs: Any, fmt: Format = Format.CHANNELS_L
     """
     model = convert_module(copy.deepcopy(model), fmt)
     inputs = convert_batch(inputs, fmt)
+    kwargs = convert_batch(dict(kwargs or {}), fmt)
     groups: dict[int, list[torch.Tensor]] = {}
     for t in [*model.parameters(), *model.buffers()]:
         groups.setdefault(t.dim(), []).append(t)
@@ -81,9 +84,9 @@ def inspect_model(model: nn.Module, inputs: Any, fmt: Format = Format.CHANNELS_L
     try:
         with torch.no_grad():
             if isinstance(inputs, (list, tuple)):
-                model(*inputs)
+                model(*inputs, **kwargs)
             else:
-                model(inputs)
+                model(inputs, **kwargs)
     finally:
         for h in handles:
             h.remove()

@@ -20,20 +20,21 @@ from memlayout.timing import Comparison, device_sync, interleaved
 
 def overhead(model: nn.Module, inputs: Any, *, train: bool = False,
              fmt: Format | str = Format.CHANNELS_LAST, dtype: Any = None,
-             rounds: int = 5, warmup: int = 1, device: str = "cpu") -> Comparison:
+             rounds: int = 5, warmup: int = 1, device: str = "cpu",
+             kwargs: dict[str, Any] | None = None) -> Comparison:
     """Interleaved timings of ``audited`` and ``plain``; ``c.speedup("plain")`` is the median
     per-round ratio audited time / plain time (the audit's overhead factor)."""
     fmt = Format.parse(fmt)
     autocast_dtype = parse_dtype(dtype)
-    plain_model, plain_inputs = prepare(model, inputs, fmt)
+    plain_model, plain_inputs, plain_kwargs = prepare(model, inputs, fmt, kwargs)
 
     def plain() -> None:
-        run_once(plain_model, plain_inputs, train=train, dtype=autocast_dtype)
+        run_once(plain_model, plain_inputs, train=train, dtype=autocast_dtype, kwargs=plain_kwargs)
         if train:
             plain_model.zero_grad(set_to_none=True)
 
     def audited() -> None:
-        audit(model, inputs, train=train, fmt=fmt, dtype=dtype)
+        audit(model, inputs, train=train, fmt=fmt, dtype=dtype, kwargs=kwargs)
 
     return interleaved({"audited": audited, "plain": plain}, rounds=rounds, warmup=warmup,
                        baseline="audited", sync=device_sync(device))

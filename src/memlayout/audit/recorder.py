@@ -451,9 +451,10 @@ def strict(fmt: Format | str = Format.CHANNELS_LAST, *, model: nn.Module | None 
 
 
 # -- one-call audit ---------------------------------------------------------------------------
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(*inputs)`` for a tuple or list, ``model(inputs)`` otherwise."""
-    return model(*inputs) if isinstance(inputs, (list, tuple)) else model(inputs)
+def call_model(model: nn.Module, inputs: Any, kwargs: dict[str, Any] | None = None) -> Any:
+    """``model(*inputs, **kwargs)`` for a tuple or list, ``model(inputs, **kwargs)`` otherwise."""
+    kwargs = kwargs or {}
+    return model(*inputs, **kwargs) if isinstance(inputs, (list, tuple)) else model(inputs, **kwargs)
 
 
 def scalar_loss(outputs: Any) -> torch.Tensor:
@@ -477,12 +478,13 @@ def _device_of(model: nn.Module, inputs: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def prepare(model: nn.Module, inputs: Any, fmt: Format) -> tuple[nn.Module, Any]:
-    """Copies of ``model`` and ``inputs`` in ``fmt``; inputs that require grad are detached
-    leaves of their own, so nothing flows back into the caller's tensors or graph."""
+def prepare(model: nn.Module, inputs: Any, fmt: Format,
+            kwargs: dict[str, Any] | None = None) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Copies of ``model``, ``inputs`` and keyword inputs in ``fmt``; inputs that require grad
+    are detached leaves of their own, so nothing flows back into the caller's tensors or graph."""
     model = convert_module(copy.deepcopy(model), fmt)
     inputs = convert_batch(inputs, fmt)
-    return model, _fresh_leaves(inputs)
+    return model, _fresh_leaves(inputs), _fresh_leaves(convert_batch(dict(kwargs or {}), fmt))
 
 
 def _fresh_leaves(obj: Any) -> Any:
@@ -499,11 +501,12 @@ def _fresh_leaves(obj: Any) -> Any:
     return obj
 
 
-def run_once(model: nn.Module, inputs: Any, *, train: bool, dtype: torch.dtype | None) -> Any:
+def run_once(model: nn.Module, inputs: Any, *, train: bool, dtype: torch.dtype | None,
+             kwargs: dict[str, Any] | None = None) -> Any:
     """One forward (no grad unless ``train``), then backward of ``scalar_loss`` when ``train``."""
     with torch.set_grad_enabled(train):
         with autocast(_device_of(model, inputs), dtype):
-            out = call_model(model, inputs)
+            out = call_model(model, inputs, kwargs)
         if train:
             scalar_loss(out).backward()
     return out
@@ -534,10 +537,12 @@ def coverage_notes(records: Any, fmt: Format, meta: dict[str, Any]) -> dict[str,
 
 def audit(model: nn.Module, inputs: Any, *, train: bool = False,
           fmt: Format | str = Format.CHANNELS_LAST,
-          dtype: torch.dtype | str | None = None) -> AuditReport:
-    """Audit one run of ``model`` on ``inputs`` in ``fmt`` (on copies: the caller's model and
-    tensors are left as they were): forward, plus backward of the outputs' sum when ``train``,
-    under autocast when ``dtype`` is bf16/fp16. The model runs in the mode it is in.
+          dtype: torch.dtype | str | None = None,
+          kwargs: dict[str, Any] | None = None) -> AuditReport:
+    """Audit one run of ``model`` on ``inputs`` (one tensor, or a tuple of ``forward``'s
+    positional inputs) and keyword inputs ``kwargs`` in ``fmt`` (on copies: the caller's model
+    and tensors are left as they were): forward, plus backward of the outputs' sum when
+    ``train``, under autocast when ``dtype`` is bf16/fp16. The model runs in the mode it is in.
 
     >>> from torch import nn
     >>> m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
@@ -547,12 +552,12 @@ def audit(model: nn.Module, inputs: Any, *, train: bool = False,
     """
     fmt = Format.parse(fmt)
     autocast_dtype = parse_dtype(dtype)
-    run_model, run_inputs = prepare(model, inputs, fmt)
+    run_model, run_inputs, run_kwargs = prepare(model, inputs, fmt, kwargs)
     meta = {"model": type(model).__name__, "train": train,
             "dtype": _dtype_name(autocast_dtype) if autocast_dtype else "float32",
-            "inputs": [list(t.shape) for t in iter_tensors(run_inputs)],
+            "inputs": [list(t.shape) for t in iter_tensors((run_inputs, run_kwargs))],
             "device": str(_device_of(run_model, run_inputs))}
     with AuditMode(run_model, fmt, meta=meta) as rec:
-        run_once(run_model, run_inputs, train=train, dtype=autocast_dtype)
+        run_once(run_model, run_inputs, train=train, dtype=autocast_dtype, kwargs=run_kwargs)
     return rec.report
 

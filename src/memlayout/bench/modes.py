@@ -66,7 +66,14 @@ from memlayout.plan.compiled import compile as plan_and_compile
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.verify import TOLERANCE
 from memlayout.plan.verify import compare as compare_outputs
-from memlayout.tensors import format_name, format_of, mean_square_loss, torch_memory_format
+from memlayout.tensors import (
+    convert_batch,
+    format_name,
+    format_of,
+    iter_tensors,
+    mean_square_loss,
+    torch_memory_format,
+)
 from memlayout.timing import device_sync
 
 LEARNING_RATE = 1e-3
@@ -137,13 +144,23 @@ def _train_loss(out: Any) -> torch.Tensor:
     return loss
 
 
-def _step_fn(model: nn.Module, x: torch.Tensor, dtype: str, task: str,
+def _positional(inputs: torch.Tensor | tuple[Any, ...]) -> tuple[Any, ...]:
+    """A model's positional inputs: one tensor, or a tuple of them (keyword inputs made
+    trailing positional ones by ``memlayout.plan.module.keyword_call``)."""
+    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+
+
+def _on(inputs: tuple[Any, ...], device: str) -> tuple[Any, ...]:
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in inputs)
+
+
+def _step_fn(model: nn.Module, args: tuple[Any, ...], dtype: str, task: str,
              device: str) -> Callable[[], object]:
     run_dtype = _autocast_dtype(dtype)
     if task == "infer":
         def infer() -> object:
             with torch.no_grad(), autocast(device, run_dtype):
-                return model(x)
+                return model(*args)
         return infer
 
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
@@ -152,7 +169,7 @@ def _step_fn(model: nn.Module, x: torch.Tensor, dtype: str, task: str,
     def train() -> object:
         optimizer.zero_grad(set_to_none=True)
         with autocast(device, run_dtype):
-            out = model(x)
+            out = model(*args)
         loss = _train_loss(out)
         loss.backward()
         optimizer.step()
@@ -160,32 +177,32 @@ def _step_fn(model: nn.Module, x: torch.Tensor, dtype: str, task: str,
     return train
 
 
-def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
-                 fmt: Format = Format.CHANNELS_LAST, device: str = "cpu",
+def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any, ...], *,
+                 dtype: str, task: str, fmt: Format = Format.CHANNELS_LAST, device: str = "cpu",
                  compile_backend: str = "inductor", plan_measure: bool = True) -> PreparedMode:
     """Copy ``module``, apply ``mode``, make one untimed first call and return the timed step.
+    ``inputs``: one tensor or a tuple of ``forward``'s positional inputs.
 
     An exception is the mode failing on this model, for the caller to record.
     """
+    args = _on(_positional(inputs), device)
     if mode in RUNTIME_MODES:
-        return _prepare_runtime(mode, module, x, dtype=dtype, task=task, device=device)
+        return _prepare_runtime(mode, module, args, dtype=dtype, task=task, device=device)
     start = time.perf_counter()
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")
-    x = x.to(device)
     note = ""
     if mode in ("nhwc", CONTROL):
-        memory_format = torch_memory_format(fmt)
-        model = model.to(memory_format=memory_format)
-        x = x.contiguous(memory_format=memory_format)
+        model = model.to(memory_format=torch_memory_format(fmt))
+        args = convert_batch(args, fmt)  # every input of the format's rank
     elif mode == "planned+compile" and task == "infer":
         # memlayout.compile: the fastest verified of the plan compiled so that it stands,
         # Inductor's own layout and the peer runtimes installed (CPU); Inductor's unless
         # another measured >2 % faster. The input in the format the winner reads, converted
         # once here, as the planned mode's is.
-        model = plan_and_compile(model, (x,), dtype=_autocast_dtype(dtype), measure=plan_measure,
+        model = plan_and_compile(model, args, dtype=_autocast_dtype(dtype), measure=plan_measure,
                                  backend=compile_backend)
-        (x,) = model.prepare_inputs(x)
+        args = model.prepare_inputs(*args)
         record = model.plan.compiled  # type: ignore[union-attr]
         note = (f"memlayout.compile(backend={compile_backend!r}): kept {record.kept} "
                 f"({record.precision.get(record.kept, dtype)}); compile time = its "
@@ -193,19 +210,19 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
     elif mode in ("planned", "planned+compile"):
         # task train: planned for a training step (forward + backward costs, gradients verified)
         own_input = mode == "planned"  # its input in the plan's format, like nhwc's (above)
-        model = optimize(model, (x,), dtype=_autocast_dtype(dtype), measure=plan_measure,
+        model = optimize(model, args, dtype=_autocast_dtype(dtype), measure=plan_measure,
                          **({"train": True} if task == "train" else {}),
                          **({"input_format": "auto"} if own_input else {}))
         model.train(task == "train")
         plan = getattr(model, "plan", None)
         note = plan.headline() if plan is not None else ""
         if own_input and hasattr(model, "prepare_inputs"):
-            (x,) = model.prepare_inputs(x)
+            args = model.prepare_inputs(*args)
     if mode == "compile" or (mode == "planned+compile" and task == "train"):
         model = torch.compile(model, backend=compile_backend)
         note = "; ".join(n for n in (note, f"torch.compile(backend={compile_backend!r}); "
                                       "first call = compile time") if n)
-    step = _step_fn(model, x, dtype, task, device)
+    step = _step_fn(model, args, dtype, task, device)
     setup_s = time.perf_counter() - start
 
     sync = device_sync(device)
@@ -221,12 +238,19 @@ def prepare_mode(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, t
         step()
         sync()
         peak = torch.cuda.max_memory_allocated(device)
-    return PreparedMode(mode, step, setup_s, first_call_s, format_name(format_of(x)), peak, note,
+    return PreparedMode(mode, step, setup_s, first_call_s, _input_format(args), peak, note,
                         model)
 
 
-def _prepare_runtime(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
-                     device: str) -> PreparedMode:
+def _input_format(args: tuple[Any, ...]) -> str:
+    """The format of the first image-like (rank 3-5) input, else of the first tensor."""
+    tensors = list(iter_tensors(args))
+    first = next((t for t in tensors if 3 <= t.dim() <= 5), tensors[0] if tensors else None)
+    return format_name(format_of(first)) if first is not None else "none"
+
+
+def _prepare_runtime(mode: str, module: nn.Module, args: tuple[Any, ...], *, dtype: str,
+                     task: str, device: str) -> PreparedMode:
     """A peer runtime as a mode: converted, compiled, called once and checked against eager
     NCHW in the same dtype (autocast for bf16, as the ``nchw`` mode runs)."""
     if task != "infer":
@@ -236,6 +260,10 @@ def _prepare_runtime(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: st
     reason = runtimes.available(mode)
     if reason:
         raise ModeUnavailable(reason)
+    if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        raise ModeUnavailable(f"{mode} is built here for a model with one tensor input; this "
+                              f"one takes {len(args)} inputs")
+    x = args[0]
     run_dtype = _autocast_dtype(dtype)
     start = time.perf_counter()
     try:
@@ -264,22 +292,22 @@ def _prepare_runtime(mode: str, module: nn.Module, x: torch.Tensor, *, dtype: st
                         None, model.convert_s + model.compile_s)
 
 
-def count_flops(module: nn.Module, x: torch.Tensor, *, dtype: str, task: str,
-                device: str = "cpu") -> int:
+def count_flops(module: nn.Module, inputs: torch.Tensor | tuple[Any, ...], *, dtype: str,
+                task: str, device: str = "cpu") -> int:
     """FLOPs of one step (forward; forward + backward for ``train``) by
     ``torch.utils.flop_counter.FlopCounterMode``: matmuls and convolutions, the same in every
     layout, so one count serves every mode. The optimizer step is not counted."""
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")
-    x = x.to(device)
+    args = _on(_positional(inputs), device)
     run_dtype = _autocast_dtype(dtype)
     with FlopCounterMode(display=False) as counter:
         if task == "infer":
             with torch.no_grad(), autocast(device, run_dtype):
-                model(x)
+                model(*args)
         else:
             with autocast(device, run_dtype):
-                out = model(x)
+                out = model(*args)
             _train_loss(out).backward()
     return int(counter.get_total_flops())
 

@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from memlayout import malloc
 from memlayout.bench.config import BASELINE, BenchConfig, ModeUnavailable
@@ -38,6 +40,8 @@ from memlayout.bench.modes import (
 )
 from memlayout.bench.records import BenchRecord, Environment
 from memlayout.models import ModelSpec, load_model
+from memlayout.plan.module import keyword_call
+from memlayout.tensors import iter_tensors
 from memlayout.timing import Comparison, device_sync, interleaved
 
 #: name of the matmul timed for the peak (not a mode: it yields no record of its own)
@@ -131,6 +135,10 @@ def _run_case(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str
             return _measure(config, env, spec, dtype, task, batch, notes, emit, clock, peaks)
         except _OutOfMemory as oom:
             _release_memory()
+            if not isinstance(spec.example_input, torch.Tensor):
+                return _failed_case(env, spec.spec, dtype, task, config, "error",
+                                    f"out of memory at the factory's own input, whose batch "
+                                    f"memlayout cannot halve ({oom})", notes)
             if batch == 1:
                 return _failed_case(env, spec.spec, dtype, task, config, "error",
                                     f"out of memory at batch 1 ({oom})", notes)
@@ -138,16 +146,33 @@ def _run_case(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str
             batch //= 2
 
 
+def case_inputs(spec: ModelSpec, batch: int) -> tuple[nn.Module, tuple[Any, ...]]:
+    """The module and positional inputs every mode of a case is timed with: a built input at
+    ``batch``, or a factory's own inputs as given (keyword inputs become trailing positional
+    ones, ``memlayout.plan.module.KeywordCall``, so every mode passes one tuple)."""
+    if isinstance(spec.example_input, torch.Tensor):
+        return spec.module, (spec.example_input[:batch],)
+    args = tuple(spec.example_input) if isinstance(spec.example_input, (tuple, list)) else (
+        spec.example_input,)
+    return keyword_call(spec.module, args, dict(spec.example_kwargs))
+
+
 def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str, task: str,
              batch: int, notes: list[str], emit: Callable[[BenchEvent], None],
              clock: Callable[[], float], peaks: dict[str, GemmPeak]) -> list[BenchRecord]:
-    x = spec.example_input[:batch]
+    module, args = case_inputs(spec, batch)
+    first = next(iter_tensors(args), None)
+    if first is not None and first.dim() > 0:
+        batch = first.shape[0]  # a factory's own input has its own batch
+    if spec.note:
+        notes = [*notes, spec.note]
     common = {"env": env, "model": spec.spec, "dtype": dtype, "task": task, "kind": spec.kind,
               "batch": batch, "requested_batch": config.batch,
-              "input_shape": "x".join(str(s) for s in x.shape)}
+              "input_shape": " ".join("x".join(str(s) for s in t.shape)
+                                      for t in iter_tensors(args))}
     flops: int | None = None
     try:
-        flops = count_flops(spec.module, x, dtype=dtype, task=task, device=config.device)
+        flops = count_flops(module, args, dtype=dtype, task=task, device=config.device)
     except Exception as exc:  # FLOPs are a column, not a reason to skip the case
         if is_out_of_memory(exc):
             raise _OutOfMemory("flop count", _describe(exc)) from exc
@@ -160,7 +185,7 @@ def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str,
     for mode in config.modes:
         emit(BenchEvent(spec.spec, dtype, task, mode, "setup", batch=batch))
         try:
-            prepared[mode] = prepare_mode(mode, spec.module, x, dtype=dtype, task=task,
+            prepared[mode] = prepare_mode(mode, module, args, dtype=dtype, task=task,
                                           fmt=spec.fmt, device=config.device,
                                           compile_backend=config.compile_backend,
                                           plan_measure=config.plan_measure)
