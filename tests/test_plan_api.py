@@ -390,8 +390,18 @@ def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
     snap = _snapshot(model)
     # the analytical model puts both convs in channels-last: x is converted for conv "a"
     with pytest.raises(LayoutVerificationError, match=r"first divergent node: a \(Conv2d\)"):
-        memlayout.optimize(model, x, measure=False, output_format=None)
+        memlayout.optimize(model, x, measure=False, output_format=None, fallback=False)
     assert _same(snap, model)
+    # by default the plan gives way to the model run in one format, verified, and says why
+    with pytest.warns(UserWarning, match=r"first divergent node: a \(Conv2d\).*kept all_"):
+        opt = memlayout.optimize(model, x, measure=False, output_format=None)
+    assert _same(snap, model)
+    kept = opt.plan.guard.kept
+    assert kept in ("all_channels_last", "all_contiguous") and opt.plan.verification.ok
+    assert any("failed verification" in n and f"kept {kept}" in n for n in opt.plan.notes)
+    assert f"kept {kept}" in opt.plan.summary()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
 
 
 def test_a_wrong_rewrite_of_a_submodule_is_named_and_never_returned(db, monkeypatch) -> None:
@@ -403,5 +413,5 @@ def test_a_wrong_rewrite_of_a_submodule_is_named_and_never_returned(db, monkeypa
     snap = _snapshot(model)
     # planned at its traceable child "net" only; the whole model is compared, then the region
     with pytest.raises(LayoutVerificationError, match=r"in net: _0 \(Conv2d\)"):
-        memlayout.optimize(model, x, measure=False)
+        memlayout.optimize(model, x, measure=False, fallback=False)
     assert _same(snap, model)

@@ -137,7 +137,17 @@ def test_a_padding_that_changes_values_is_never_returned(tmp_path, monkeypatch) 
     net, x = odd_channels_small()
     before = copy.deepcopy(net.state_dict())
     with pytest.raises(LayoutVerificationError):
-        optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
+        optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False,
+                 fallback=False)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    # by default: the model run in one format, unpadded, verified, and the plan says so
+    with pytest.warns(UserWarning, match="failed verification"):
+        opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1,
+                       blocked=False)
+    assert not any(isinstance(m, PaddedConv2d) for m in opt.module.modules())
+    assert opt.plan.padding == () and opt.plan.verification.ok
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), net.eval()(x))
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
 
 

@@ -401,8 +401,18 @@ def test_an_in_place_change_hidden_by_a_conversion_is_refused_naming_the_op(monk
             seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
 
     monkeypatch.setattr(pipeline, "_pin_inplace_on_inputs", pin_to_channels_last)
+    model = InPlaceInput().eval()
     with pytest.raises(LayoutVerificationError, match=r"in place \(mul_ \(\.mul_\) on input x\)"):
-        optimize(InPlaceInput().eval(), _x(), measure=False, cache=False)
+        optimize(model, _x(), measure=False, cache=False, fallback=False)
+    # by default the model run in one format is kept instead: the one whose input is not a
+    # copy (NCHW, as the input arrives) changes the caller's tensor as the original does
+    with pytest.warns(UserWarning, match=r"in place \(mul_"):
+        opt = optimize(model, _x(), measure=False, cache=False)
+    x = _x()
+    xr, xo = x.clone(), x.clone()
+    with torch.no_grad():
+        assert _close(model(xr), opt(xo))
+    assert torch.equal(xr, xo) and opt.plan.guard.kept == "all_contiguous"
 
 
 def test_an_in_place_change_with_an_input_format_is_refused_naming_the_op() -> None:

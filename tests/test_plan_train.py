@@ -164,8 +164,13 @@ def test_a_rewrite_wrong_only_in_the_backward_is_named(db, monkeypatch) -> None:
     # forward-only verification would not see it: the values are right
     monkeypatch.setattr(rewrite_module, "convert_value", _bad_convert)
     with pytest.raises(LayoutVerificationError, match="gradient") as err:
-        optimize(model, _x(), train=True, measure=False, cache=db)
+        optimize(model, _x(), train=True, measure=False, cache=db, fallback=False)
     assert f"differ: {first_served} (" in str(err.value)
+    # by default: the model trained in one format instead, its training step verified
+    with pytest.warns(UserWarning, match=f"differ: {first_served} "):
+        kept = optimize(model, _x(), train=True, measure=False, cache=db)
+    assert kept.plan.verification.ok and kept.plan.verification.train
+    assert kept.plan.guard.kept in ("all_channels_last", "all_contiguous")
     optimize(model, _x(), train=False, measure=False, cache=db)  # inference: values are right
 
 

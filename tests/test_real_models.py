@@ -135,13 +135,36 @@ def test_a_real_model_is_planned_whole_verified_and_a_drop_in(name: str) -> None
         DROP_IN[name](model, opt, args)
 
 
-def test_a_diffusers_unet_training_step_is_planned_and_verified() -> None:
+@pytest.mark.parametrize("name", ["unet2d", "monai_unet3d"])
+def test_a_training_step_is_planned_and_verified(name: str) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS[name]()
+    opt = memlayout.optimize(model.train(), args, kwargs=kwargs, measure=False, cache=False,
+                             memory=False, train=True)
+    plan = opt.plan
+    assert plan.verification.ok and plan.verification.train
+    if plan.guard is not None and plan.guard.kept != "planned":
+        # a plan that failed verification (a 3-d norm's CPU backward is wrong for a
+        # channels-last gradient in some torch builds) gave way, and said so
+        assert any("failed verification" in n for n in plan.notes)
+    else:
+        assert plan.coverage.planned >= 0.95 * plan.coverage.total
+    out = opt(*args, **kwargs)
+    sum(t.square().mean() for t in iter_tensors(out)).backward()
+    assert all(p.grad is not None for p in opt.parameters() if p.requires_grad)
+
+
+def test_a_diffusers_model_through_the_measured_guard_with_its_input_format_chosen() -> None:
+    """The path the benchmark takes: measured costs, the guard's whole-model candidates
+    (outputs converted back to the original's format: a diffusers output is a dataclass and
+    a dict that refuses ``update``), the input format chosen by the plan."""
     torch.manual_seed(0)
     model, args, _ = unet2d()
-    opt = memlayout.optimize(model.train(), args, measure=False, cache=False, memory=False,
-                             train=True)
-    assert opt.plan.verification.ok and opt.plan.verification.train
-    assert opt.plan.coverage.planned >= 0.95 * opt.plan.coverage.total
-    out = opt(*args).sample
-    out.square().mean().backward()
-    assert all(p.grad is not None for p in opt.parameters() if p.requires_grad)
+    model.eval()
+    opt = memlayout.optimize(model, args, input_format="auto", cache=False, rounds=1,
+                             guard_rounds=1, memory=False, padding=False)
+    assert opt.plan.guard is not None and opt.plan.guard.source == "measured"
+    with torch.no_grad():
+        want, got = model(*args), opt(*opt.prepare_inputs(*args))
+    assert type(got) is type(want)
+    assert_same_outputs(got, want)

@@ -149,3 +149,37 @@ def test_convert_batch_walks_nested_structures():
     assert out3["sample"].video.is_contiguous(memory_format=torch.channels_last_3d)
     assert out3["pair"].image is x4
     assert convert_batch(5, Format.CHANNELS_LAST) == 5
+
+
+@dataclasses.dataclass
+class ModelOutput(collections.OrderedDict):
+    """diffusers' ``BaseOutput`` in small: a dataclass and an OrderedDict of its fields that
+    refuses ``update``."""
+
+    sample: torch.Tensor
+    extra: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                super().__setitem__(f.name, getattr(self, f.name))
+
+    def update(self, *args, **kwargs):
+        raise Exception(f"You cannot use ``update`` on a {type(self).__name__} instance.")
+
+
+def test_convert_batch_remakes_a_model_output_that_is_a_dataclass_and_a_dict():
+    x = torch.randn(2, 3, 4, 4)
+    outputs = [ModelOutput(x)]
+    try:  # and the real one, where diffusers is installed
+        from diffusers.models.unets.unet_2d import UNet2DOutput
+    except ImportError:
+        UNet2DOutput = None
+    if UNet2DOutput is not None:
+        outputs.append(UNet2DOutput(sample=x))
+    for out in outputs:
+        got = convert_batch(out, Format.CHANNELS_LAST)
+        assert type(got) is type(out) and got is not out
+        assert got.sample.is_contiguous(memory_format=torch.channels_last)
+        assert got["sample"] is got.sample and list(got) == ["sample"]  # the dict follows
+        assert out.sample is x  # the original is not touched

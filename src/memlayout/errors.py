@@ -23,7 +23,13 @@ class CaptureError(MemlayoutError):
 
 
 class LayoutVerificationError(MemlayoutError):
-    """A planned model whose results differ from the original's beyond dtype tolerance."""
+    """A planned model whose results differ from the original's beyond dtype tolerance.
+
+    ``fallback``: whether the model run entirely in one format may be verified in the plan's
+    place (``False`` for a refusal that no format changes, e.g. an in-place change of an
+    input that arrives converted)."""
+
+    fallback = True
 
 
 class LayoutDropError(MemlayoutError):

@@ -149,6 +149,10 @@ def convert_batch(obj: Any, fmt: Format) -> Any:
     """
     if isinstance(obj, torch.Tensor):
         return to_format(obj, fmt) if _applies(obj, fmt) else obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # before Mapping: a diffusers output is a dataclass *and* an OrderedDict that
+        # refuses ``update``; made anew through its constructor, its dict follows its fields
+        return _convert_dataclass(obj, fmt)
     if isinstance(obj, Mapping):
         items = {k: convert_batch(v, fmt) for k, v in obj.items()}
         try:
@@ -161,12 +165,21 @@ def convert_batch(obj: Any, fmt: Format) -> Any:
         return type(obj)(*(convert_batch(v, fmt) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(convert_batch(v, fmt) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
-        for field in dataclasses.fields(obj):
-            object.__setattr__(out, field.name, convert_batch(getattr(obj, field.name), fmt))
-        return out
     return obj
+
+
+def _convert_dataclass(obj: Any, fmt: Format) -> Any:
+    fields = dataclasses.fields(obj)
+    if all(f.init for f in fields):
+        try:
+            return dataclasses.replace(
+                obj, **{f.name: convert_batch(getattr(obj, f.name), fmt) for f in fields})
+        except Exception:  # a constructor that checks more than its fields: set them instead
+            pass
+    out = copy.copy(obj)
+    for field in fields:
+        object.__setattr__(out, field.name, convert_batch(getattr(obj, field.name), fmt))
+    return out
 
 
 def iter_tensors(obj: Any):

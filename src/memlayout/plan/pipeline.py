@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import re
 import time
 import warnings
 from pathlib import Path
@@ -118,7 +119,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              memory_budget: int | str | None = None, padding: bool = True,
              blocked: bool = False, refresh: bool = False,
              kwargs: dict[str, Any] | None = None,
-             weights: str = CONVERTED) -> OptimizedModule:
+             weights: str = CONVERTED, fallback: bool = True) -> OptimizedModule:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -178,9 +179,16 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
 
     - ``kwargs``: keyword inputs of the example (a diffusers UNet's ``encoder_hidden_states``);
       the optimized model is then called with the same keywords.
+    - ``fallback``: a plan whose verification fails (a rewrite that is wrong, or a kernel of
+      this build that computes something else in one format, e.g. a backward that is wrong
+      for a channels-last gradient) gives way to the model run entirely in one format, eager
+      NHWC or NCHW, the faster first as the guard measured them, verified the same way; the
+      plan then says so in a note (naming the divergent node) and a warning is issued.
+      ``False``: raise ``LayoutVerificationError`` instead.
 
     Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
-    planned model would compute something else.
+    planned model would compute something else (and, with ``fallback``, no model run in one
+    format verifies either: the original's own forward does not repeat, say).
     """
     start = time.perf_counter()
     if not isinstance(model, nn.Module):
@@ -195,7 +203,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
         guard_rounds=guard_rounds, train=train, keep_weight_formats=keep_weight_formats,
         max_plans=max_plans, guard_margin=guard_margin, memory=memory,
         memory_budget=memory_budget, padding=padding, blocked=blocked, refresh=refresh,
-        weights=weights)
+        weights=weights, fallback=fallback)
     if options.input_label is not None:
         inputs = inputs_in(inputs, options.input_label, options.ranks)
     work = working_copy(model, options.train)
@@ -272,10 +280,22 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
         memory = memory_step(work, captured, solution, decision, inputs, padded, options,
                              store, signature)
         blocked = blocked_step(memory.build, inputs, options, store, signature)
-        verification = verify_step(work, captured, memory.build, example, options, state)
+        try:
+            verification = verify_step(work, captured, memory.build, example, options, state)
+        except LayoutVerificationError as failure:
+            if not (options.fallback and failure.fallback):
+                raise
+            decision, verification, fell_back = verified_fallback(
+                work, captured, solution, decision, inputs, example, options, state, failure)
+            memory, padded, blocked = MemoryDecision(decision.build, None), (), None
+        else:
+            fell_back = None
         plan = make_plan(captured, solution, decision, memory, inputs, options,
                          verification=verification, padding=padded, blocked=blocked,
                          seconds=time.perf_counter() - start)
+        if fell_back is not None:
+            plan.notes.append(fell_back)
+            warnings.warn(f"memlayout: {fell_back}", stacklevel=3)
         if disagree is not None:
             note = g.suspect_note(solution.predicted["planned"], decision.record, disagree)
             plan.notes.append(note)
@@ -477,12 +497,12 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
     planned = built.module
     inplace = [f for r in captured.regions if r.path == "" for f in inplace_on_inputs(r.gm)]
     if inplace and (options.input_label is not None or options.auto_input):
-        raise LayoutVerificationError(
+        raise _no_fallback(LayoutVerificationError(
             f"the forward changes its input in place ({', '.join(inplace)}), and with "
             "input_format the planned model converts inputs that arrive in another format on "
             "entry: the change would land on that copy, not on the caller's tensor. Plan "
             "without input_format (inputs taken as they come), or make the op out of place "
-            "(x = x * 2 instead of x.mul_(2)); the plan was not applied")
+            "(x = x * 2 instead of x.mul_(2)); the plan was not applied"))
     restore_state(work, state)
     want = call_twice(work, inputs, dtype=options.dtype, device=options.device)
     changes = state_changes(state, work)
@@ -512,6 +532,51 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
         restore_state(planned, state)
     verification = dataclasses.replace(verification, semantics=count)
     return dataclasses.replace(verification, seconds=time.perf_counter() - start)
+
+
+def verified_fallback(work: nn.Module, captured: Captured, solution: Solution,
+                      decision: GuardDecision, inputs: tuple[Any, ...], example: tuple[Any, ...],
+                      options: PlanOptions, state: ModuleState,
+                      failure: LayoutVerificationError) -> tuple[GuardDecision, Verification, str]:
+    """The plan failed verification: the model run entirely in one format, the faster first
+    (as the guard measured them; unmeasured: NHWC, then NCHW), the first that verifies, with
+    the note that says so. Raises ``failure`` when none does."""
+    timed = decision.record.candidates if decision.record is not None else {}
+    names = sorted((n for n in g.UNIFORM if n != decision.kept),
+                   key=lambda n: (-timed[n].median if n in timed else 0.0,
+                                  -g.UNIFORM[n]))  # faster first; unmeasured: NHWC first
+    outputs = _output_label(captured.output, options.output_label, options.ranks)
+    own_inputs = options.auto_input and decision.input_label is not None
+    why = _first_sentence(failure)
+    tried = []
+    for name in names:
+        label = g.UNIFORM[name]
+        built = build_uniform(work, solution, inputs_in(inputs, label, options.ranks)
+                              if own_inputs else inputs, label, outputs, options,
+                              arrive=label if own_inputs else None)
+        try:
+            verification = verify_step(work, captured, built, example, options, state)
+        except LayoutVerificationError as exc:
+            tried.append(f"{name}: {_first_sentence(exc)}")
+            continue
+        record = (dataclasses.replace(decision.record, kept=name) if decision.record is not None
+                  else GuardRecord(name, options.guard_margin, "none", 0))
+        kept = GuardDecision(built, record, label if own_inputs else decision.input_label)
+        note = (f"the {decision.kept} model failed verification ({why}); kept {name}, the "
+                f"model run entirely in {Label(label).text}, verified"
+                + (f" (also failed: {'; '.join(tried)})" if tried else ""))
+        return kept, verification, note
+    raise failure
+
+
+def _no_fallback(exc: LayoutVerificationError) -> LayoutVerificationError:
+    exc.fallback = False  # no format changes this: the model run in one format would fail too
+    return exc
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """What went wrong, without what the error goes on to advise."""
+    return re.split(r"[.;] [Tt]he plan was not applied", str(exc))[0].strip()
 
 
 def _cause_known(exc: LayoutVerificationError) -> str:

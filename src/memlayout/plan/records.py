@@ -52,6 +52,7 @@ class PlanOptions:
     memory_budget: int | None = None
     padding: bool = True
     blocked: bool = False
+    fallback: bool = True  # a plan that fails verification gives way to a verified eager one
     progress: Progress | None = field(default=None, compare=False, repr=False)
 
     @property
