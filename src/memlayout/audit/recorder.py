@@ -46,7 +46,7 @@ from memlayout.dispatch import ObservingMode
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import LayoutDropError, MemlayoutError
 from memlayout.layout import Format, formats_of
-from memlayout.plan.spatial import PASS_NAMES, is_spatial_name
+from memlayout.spatial import PASS_NAMES, is_spatial_name
 from memlayout.tensors import (
     convert_batch,
     convert_module,
@@ -412,7 +412,7 @@ def _weak(t: torch.Tensor) -> Any:
 @cache
 def _spatial_op(func: Any) -> bool:
     """A convolution, pooling, spatial normalization, padding or resampling op (and their
-    backward ops), by name: ``memlayout.plan.spatial``'s rule."""
+    backward ops), by name: ``memlayout.spatial``'s rule."""
     return is_spatial_name(str(func.overloadpacket))
 
 

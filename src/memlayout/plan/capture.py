@@ -6,7 +6,7 @@ non-strict ``torch.export``: :mod:`memlayout.plan.export`) and runs the graph on
 example inputs (no grad, under autocast when a dtype is given), recording for every node a
 :class:`ValueMeta` under ``node.meta["memlayout"]``: shape, strides, dtype and the full set of
 formats (``formats_of``) of each tensor in its output; only image-like values keep a layout
-label (:mod:`memlayout.plan.spatial`). When the whole model cannot be captured, the largest
+label (:mod:`memlayout.spatial`). When the whole model cannot be captured, the largest
 capturable submodules are, each with the arguments it received in one eager run (inside
 containers too); the parts left eager are listed with the reason, and ``Captured.coverage``
 counts the convolution calls planned against those that run.
@@ -41,7 +41,7 @@ from memlayout.plan.export import (
 )
 from memlayout.plan.label import Label
 from memlayout.plan.result import Coverage
-from memlayout.plan.spatial import mark_spatial
+from memlayout.spatial import mark_spatial
 from memlayout.tensors import iter_tensors
 
 # The ranks planned (a value's format is a choice): 4 and 5 always (channels_last(_3d)); 3

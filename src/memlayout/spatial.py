@@ -1,4 +1,4 @@
-"""Which rank-3/4/5 values are image-like (L2 plan, capture): the planner's layout variables.
+"""Which rank-3/4/5 values are image-like (L1): the planner's layout variables, the audit's drops.
 
 A value is *spatial* when it feeds or comes from a spatial op (convolution, pooling, spatial
 normalization, padding, resampling) or is joined to one by element-wise ops (activations,
