@@ -253,6 +253,24 @@ def test_compare_trains_every_layout_from_the_same_start(work):
     assert loss_a == pytest.approx(loss_b, rel=1e-4)
 
 
+def test_compare_takes_an_a_a_control_a_second_copy_of_a_layout(tmp_path, work):
+    models = write_models(tmp_path)
+    args = ["train", f"{models}:plain", "--data", str(tmp_path / "ds"), "--synthetic", "16",
+            "--image-size", "12", "--batch", "4", "--log-every", "2", "--rounds", "2"]
+    res = CliRunner().invoke(app, [*args, "--compare", "nchw,nhwc,nchw-again"])
+    assert res.exit_code == 0, res.output
+    assert "A/A control: nchw-again/nchw images/s" in res.output
+    # its own model, trained as nchw is: the same losses as the first copy, same weights
+    cfg = config(work, model=f"{work / 'tiny_models.py'}:plain", log_every=2)
+    result = compare_layouts(cfg, ["nchw", "nchw-again"], rounds=2)
+    assert result.final["nchw"] == result.final["nchw-again"]
+    ratios = result.comparison.per_round("nchw", "nchw-again")
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)
+    # a control of a layout not compared is refused before any work
+    res = CliRunner().invoke(app, [*args, "--compare", "nchw,nhwc-again"])
+    assert res.exit_code == 2 and "nhwc-again" in res.output and "add nhwc" in res.output
+
+
 def test_cli_train_prints_the_log_and_rejects_bad_layouts(tmp_path):
     models = write_models(tmp_path)
     runner = CliRunner()

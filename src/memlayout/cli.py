@@ -601,7 +601,7 @@ def train(
     image_size: Annotated[int, typer.Option(help="Image height and width (images are resized to it). Default: 64.")] = 64,
     workers: Annotated[int, typer.Option(help="DataLoader worker processes. Default: 0.")] = 0,
     log_every: Annotated[int, typer.Option(help="Steps per log line (and per timed interval of --compare). Default: 10.")] = 10,
-    compare: Annotated[str | None, typer.Option(help="Comma-separated layouts (e.g. nchw,planned) trained side by side in this process, interval by interval (memlayout.timing.interleaved); prints images/s and per-round ratios over the first. Default: off.")] = None,
+    compare: Annotated[str | None, typer.Option(help="Comma-separated layouts (e.g. nchw,planned) trained side by side in this process, interval by interval (memlayout.timing.interleaved); prints images/s and per-round ratios over the first. LAYOUT-again (e.g. nchw-again) trains a second copy of a compared layout: an A/A control whose ratio is the run's noise. Default: off.")] = None,
     rounds: Annotated[int, typer.Option(help="Timed intervals per layout with --compare. Default: 7.")] = 7,
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps in all. Default: epochs x steps per epoch.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda (under torchrun: cuda:LOCAL_RANK). Default: cpu.")] = "cpu",
@@ -624,7 +624,7 @@ def train(
         make_synthetic,
     )
     from memlayout.train.ddp import barrier, collectives, shutdown
-    from memlayout.train.loop import IntervalLog
+    from memlayout.train.loop import IntervalLog, check_compare, layout_of
     from memlayout.train.render import interval_line, render_comparison, render_run
 
     layouts = [s.strip() for s in compare.split(",") if s.strip()] if compare else []
@@ -637,7 +637,9 @@ def train(
                           device=_device(device), plan_measure=plan_costs == "measured",
                           sync_batchnorm=sync_bn, timeout=timeout, strategy=strategy)
         for name in layouts or [layout]:
-            dataclasses.replace(cfg, layout=name).check()
+            dataclasses.replace(cfg, layout=layout_of(name)).check()
+        if layouts:
+            check_compare(layouts)
     except MemlayoutError as exc:
         _fail(exc)
     out = console

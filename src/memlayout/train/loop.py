@@ -597,22 +597,44 @@ class LayoutComparison:
         return self.images_per_interval / self.comparison[layout].median
 
 
+#: ``--compare nchw,planned,nchw-again``: a second copy of a layout compared, trained exactly
+#: as it is (its own model, same weights and data order): an A/A control, whose ratio to the
+#: first copy is the run's noise floor
+CONTROL_SUFFIX = "-again"
+
+
+def layout_of(name: str) -> str:
+    """The layout a ``--compare`` entry trains: ``nchw-again`` trains ``nchw``."""
+    return name.removesuffix(CONTROL_SUFFIX)
+
+
+def check_compare(layouts: list[str]) -> None:
+    """``TrainError`` for a ``--compare`` list that cannot be run: fewer than two entries, a
+    repeat, or an A/A control whose layout is not itself compared."""
+    if len(layouts) < 2 or len(set(layouts)) != len(layouts):
+        raise TrainError(f"--compare needs two or more different layouts, got {layouts}")
+    alone = [n for n in layouts if n != layout_of(n) and layout_of(n) not in layouts]
+    if alone:
+        raise TrainError(f"--compare: {', '.join(alone)} is a second copy of a layout (an A/A "
+                         f"control) that is not itself compared; add {layout_of(alone[0])}")
+
+
 def compare_layouts(config: TrainConfig, layouts: list[str], *, rounds: int = 7,
                     dist_info: DistInfo | None = None, on_event: Event | None = None,
                     on_step: Callable[[int, str], None] | None = None) -> LayoutComparison:
     """Train one model per layout (same initial weights and data order), alternating
     ``config.log_every`` steps of each, ``rounds`` timed rounds after one warm-up interval;
-    the first layout is the baseline of the ratios. Under torchrun every rank runs the same
-    order, so DDP's collectives line up."""
-    if len(layouts) < 2 or len(set(layouts)) != len(layouts):
-        raise TrainError(f"--compare needs two or more different layouts, got {layouts}")
+    the first layout is the baseline of the ratios. ``LAYOUT-again`` (e.g. ``nchw-again``)
+    is a second copy of a layout also compared: an A/A control. Under torchrun every rank
+    runs the same order, so DDP's collectives line up."""
+    check_compare(layouts)
     info = dist_info or DistInfo()
     base = replace(config, checkpoint=None, resume=False, max_steps=None)
     trainers = {}
     for layout in layouts:
         if on_event is not None:
             on_event(f"building {layout}")
-        trainers[layout] = Trainer(replace(base, layout=layout), info, on_event)
+        trainers[layout] = Trainer(replace(base, layout=layout_of(layout)), info, on_event)
     final: dict[str, tuple[float, float]] = {}
 
     def interval(layout: str) -> Callable[[], None]:

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memlayout.machine import SPREAD_LIMIT, noisy
-from memlayout.train.loop import IntervalLog, LayoutComparison, TrainResult
+from memlayout.train.loop import IntervalLog, LayoutComparison, TrainResult, layout_of
 
 
 def interval_line(event: IntervalLog) -> str:
@@ -47,6 +47,14 @@ def render_comparison(result: LayoutComparison, layouts: list[str], console: Con
             console.print(f"ratio {name}/{base} images/s: {c.speedup(name):.3f}x (median of "
                           f"{len(c.ratios(name))} per-round ratios, range {span[0]:.3f}-{span[1]:.3f})",
                           markup=False, highlight=False)
+    for name in layouts:
+        first = layout_of(name)
+        if name != first and c[name].ok and c[first].ok:
+            r = c.per_round(first, name)
+            if r:
+                console.print(f"A/A control: {name}/{first} images/s {statistics.median(r):.3f}x "
+                              f"(range {min(r):.3f}-{max(r):.3f}): two copies of one layout, the "
+                              "noise of every ratio above", markup=False, highlight=False)
     loose = [name for name in layouts if c[name].ok and noisy(c[name].spread)]
     if loose:
         console.print(f"[yellow]warning[/yellow]: the {', '.join(loose)} rounds spread more than "
