@@ -27,9 +27,11 @@ class LayoutVerificationError(MemlayoutError):
 
     ``fallback``: whether the model run entirely in one format may be verified in the plan's
     place (``False`` for a refusal that no format changes, e.g. an in-place change of an
-    input that arrives converted)."""
+    input that arrives converted). ``inputs_changed``: the difference is in the caller's
+    inputs after the call (the forward changes an input in place)."""
 
     fallback = True
+    inputs_changed = False
 
 
 class LayoutDropError(MemlayoutError):

@@ -514,6 +514,10 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
         count = verify_semantics(work, planned, inputs, state, want, dtype=options.dtype,
                                  device=options.device, inplace=tuple(inplace))
     except LayoutVerificationError as exc:
+        if exc.inputs_changed and (options.input_label is not None or options.auto_input):
+            # inputs that arrive in another format are converted on entry whichever format
+            # the model runs in: no model run in one format keeps the change either
+            raise _no_fallback(exc) from None
         if changes:  # a likelier cause than a wrong conversion
             raise LayoutVerificationError(
                 f"{_cause_known(exc)}. The original's forward changes "

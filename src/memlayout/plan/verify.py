@@ -616,12 +616,14 @@ def check_semantics(want: Calls, got: Calls, dtype: torch.dtype | None, *,
         if not ok:
             cause = (f"it changes its input in place ({', '.join(inplace)})" if inplace else
                      "it changes its input in place")
-            raise LayoutVerificationError(
+            exc = LayoutVerificationError(
                 f"after a call, the caller's input tensors differ between the planned model and "
                 f"the original by {err:.3g} (relative): {cause}, and the planned model converts "
                 "that input to another format first, so the change lands on a copy. Make the "
                 "op out of place in forward (x = x * 2 instead of x.mul_(2)), or pass inputs "
                 "already in the format the plan gives them; the plan was not applied")
+            exc.inputs_changed = True
+            raise exc
     ok, err, n = compare(want.outputs[1], got.outputs[1], dtype)
     count += n
     if not ok:
