@@ -1,28 +1,45 @@
 """Capture of what really runs: grad-mode regions, containers, attribute reads, keyword inputs,
 attention tensors, and the coverage a plan states (checked against the original model and
-against convolution calls counted by forward hooks)."""
+against convolution calls counted where Python makes them)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import memlayout
 from memlayout.errors import PlanError
 from memlayout.plan.result import Plan
 
+#: the convolutions a forward calls from Python: every convolution module's forward calls
+#: one, and a forward may call one itself (diffusers' 1-d resampling kernels)
+CONVOLUTIONS = frozenset({
+    nn.functional.conv1d, nn.functional.conv2d, nn.functional.conv3d,
+    nn.functional.conv_transpose1d, nn.functional.conv_transpose2d,
+    nn.functional.conv_transpose3d})
+
+
+class _ConvCalls(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.calls += func in CONVOLUTIONS
+        return func(*args, **(kwargs or {}))
+
 
 def conv_calls(model: nn.Module, *args: object, **kwargs: object) -> int:
-    """Convolution calls of one forward, counted by forward hooks on the modules."""
-    calls = [0]
-    handles = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-               for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
-    with torch.no_grad():
+    """Convolution calls of one forward, counted where Python makes them (the
+    ``torch.nn.functional`` convolutions), not at dispatch as the planner counts them."""
+    with torch.no_grad(), _ConvCalls() as count:
         model(*args, **kwargs)
-    for h in handles:
-        h.remove()
-    return calls[0]
+    return count.calls
 
 
 def grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
@@ -182,6 +199,36 @@ def test_attention_tensors_are_not_layout_nodes() -> None:
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+class Skip(nn.Module):
+    """A skip input joined only when it is a tensor (MONAI's ``UpCat``): torch.fx sees a
+    Proxy and records the other branch, whose graph fails on the example (``cat``: the last
+    convolution expects the skip's channels too) or computes other values (``add``)."""
+
+    def __init__(self, join: str) -> None:
+        super().__init__()
+        self.join = join
+        self.up = nn.Conv2d(4, 4, 3, padding=1)
+        self.out = nn.Conv2d(8 if join == "cat" else 4, 2, 1)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
+        y = self.up(x)
+        if isinstance(skip, torch.Tensor):
+            y = torch.cat([skip, y], 1) if self.join == "cat" else y + skip
+        return self.out(y)
+
+
+@pytest.mark.parametrize("join", ["cat", "add"])
+def test_a_torch_fx_graph_that_is_not_forward_gives_way_to_torch_export(join: str) -> None:
+    model, args = Skip(join).eval(), (torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8))
+    opt = memlayout.optimize(model, args, measure=False, cache=False, memory=False)
+    plan = opt.plan
+    assert plan.regions == [""] and plan.coverage.methods == ("torch.export",)
+    assert plan.coverage.planned == plan.coverage.total == conv_calls(model, *args)
+    assert plan.verification.ok
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args), rtol=1e-4, atol=1e-5)
+
+
 class Keyed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -203,6 +250,29 @@ def test_keyword_inputs() -> None:
             with pytest.raises(PlanError, match="keyword inputs"):
                 opt(x, **other)
     assert list(opt.state_dict()) == list(model.state_dict())
+
+
+class Conditioned(nn.Module):
+    """A keyword input that is a dict of tensors (diffusers' ``added_cond_kwargs``): the
+    exported graph takes its leaves, one placeholder each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, *, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.conv(x) * cond["scale"][:, :, None, None] + cond["shift"]
+
+
+def test_a_keyword_input_holding_a_dict_of_tensors() -> None:
+    model, x = Conditioned().eval(), torch.randn(2, 3, 8, 8)
+    cond = {"scale": torch.randn(2, 4), "shift": torch.randn(2, 4, 1, 1)}
+    opt = memlayout.optimize(model, x, kwargs={"cond": cond}, measure=False, cache=False,
+                             memory=False)
+    assert opt.plan.verification.ok and opt.plan.regions == [""]
+    assert opt.plan.coverage.planned == opt.plan.coverage.total == conv_calls(model, x, cond=cond)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, cond=cond), model(x, cond=cond), rtol=1e-4, atol=1e-5)
 
 
 def test_coverage_goes_through_json() -> None:

@@ -1,6 +1,6 @@
 """Real third-party models (diffusers, segmentation_models_pytorch, timm hybrids, MONAI), tiny
 configurations with random weights, planned whole: coverage against the convolution calls
-counted by forward hooks, outputs against the original model's, the drop-in attributes.
+counted where Python makes them, outputs against the original model's, the drop-in attributes.
 
 Needs the ``models`` extra (``pip install -e '.[models]'``); each library is skipped where
 missing. Nothing is downloaded: every configuration is built in code."""
@@ -50,6 +50,31 @@ def unet2d_condition() -> Example:
         {"encoder_hidden_states": torch.randn(1, 3, 16)}
 
 
+def unet2d_text_time() -> Example:
+    """SDXL's conditioning: ``added_cond_kwargs``, a keyword input that is a dict of tensors."""
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(16, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+        norm_num_groups=8, attention_head_dim=8, addition_embed_type="text_time",
+        addition_time_embed_dim=8, projection_class_embeddings_input_dim=16 + 6 * 8)
+    added = {"text_embeds": torch.randn(1, 16), "time_ids": torch.randn(1, 6)}
+    return model, (torch.randn(1, 4, 8, 8), torch.tensor([10])), \
+        {"encoder_hidden_states": torch.randn(1, 3, 16), "added_cond_kwargs": added}
+
+
+def unet1d() -> Example:
+    """Rank-3 (1-d convolutions), and resampling by ``F.conv1d`` with a fixed kernel in
+    forward: convolution calls that are no module's."""
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet1DModel(
+        sample_size=32, in_channels=2, out_channels=2, extra_in_channels=64,
+        block_out_channels=(32, 32, 32), norm_num_groups=8, time_embedding_type="fourier",
+        use_timestep_embedding=False, flip_sin_to_cos=True)
+    return model, (torch.randn(1, 2, 32), torch.tensor([10])), {}
+
+
 def smp_unet() -> Example:
     smp = pytest.importorskip("segmentation_models_pytorch")
     model = smp.Unet("resnet18", encoder_weights=None, classes=2, encoder_depth=3,
@@ -82,9 +107,18 @@ def monai_unet3d() -> Example:
     return model, (torch.randn(1, 1, 16, 16, 16),), {}
 
 
+def monai_basic_unet3d() -> Example:
+    """``UpCat`` joins its skip input only when ``torch.jit.isinstance(x_e, torch.Tensor)``:
+    torch.fx's graph takes the other branch and fails on the example; export takes it."""
+    nets = pytest.importorskip("monai.networks.nets")
+    model = nets.BasicUNet(spatial_dims=3, in_channels=1, out_channels=2,
+                           features=(4, 4, 8, 16, 32, 4))
+    return model, (torch.randn(1, 1, 32, 32, 32),), {}
+
+
 MODELS: dict[str, Callable[[], Example]] = {f.__name__: f for f in (
-    unet2d, autoencoder_kl, unet2d_condition, smp_unet, smp_deeplabv3plus, timm_mobilevitv2,
-    timm_coatnet, monai_unet3d)}
+    unet2d, autoencoder_kl, unet2d_condition, unet2d_text_time, unet1d, smp_unet,
+    smp_deeplabv3plus, timm_mobilevitv2, timm_coatnet, monai_unet3d, monai_basic_unet3d)}
 
 
 def assert_same_outputs(got: Any, want: Any) -> None:
@@ -135,7 +169,7 @@ def test_a_real_model_is_planned_whole_verified_and_a_drop_in(name: str) -> None
         DROP_IN[name](model, opt, args)
 
 
-@pytest.mark.parametrize("name", ["unet2d", "monai_unet3d"])
+@pytest.mark.parametrize("name", ["unet2d", "unet2d_text_time", "monai_unet3d"])
 def test_a_training_step_is_planned_and_verified(name: str) -> None:
     torch.manual_seed(0)
     model, args, kwargs = MODELS[name]()

@@ -176,7 +176,8 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     """Capture ``model`` (whole, or its largest capturable submodules) and record layouts.
 
     A whole model is taken by ``torch.fx.symbolic_trace`` when that records it faithfully
-    (no grad-mode or autocast change inside forward, which fx would drop), else by non-strict
+    (no grad-mode or autocast change inside forward, which fx would drop, and a graph that
+    runs on the example and computes what forward does), else by non-strict
     ``torch.export`` (:mod:`memlayout.plan.export`: control flow, containers, keyword
     arguments and attribute reads run as Python). When neither takes it whole, each
     submodule called once is tried the same way, descending into containers; what stays
@@ -190,23 +191,41 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     """
     ranks = planned_ranks(model) if ranks is None else tuple(ranks)
     device = device_of(inputs, model) if device is None else device
-    gm, reason = graph_of(model, inputs, {})
-    if gm is not None:
+    reasons: list[str] = []
+    eager: tuple[Any, int] | None = None  # forward's output and convolution calls, run once
+    for gm, reason in graphs(model, inputs, {}):
+        if gm is None:
+            reasons.append(reason)
+            continue
+        method = gm.meta.get(METHOD_KEY, FX)
         # the graph against forward itself, with the same random draws (dropout): the count
         # of convolution calls is the eager run's, and a graph that computes something else
         # is not planned
-        with _seeded(device):  # first: a bad input is named at its node
-            output = propagate(gm, inputs, dtype=dtype, ranks=ranks, device=device)
-        with _seeded(device), ConvolutionCount() as count:
-            expected = _run(model, inputs, dtype, device)
-        same, error = _agree(expected, output, dtype)
+        try:
+            with _seeded(device):  # first: a bad input is named at its node
+                output = propagate(gm, inputs, dtype=dtype, ranks=ranks, device=device)
+        except CaptureError as exc:
+            if method != FX:
+                raise
+            try:
+                if eager is None:
+                    eager = _counted_run(model, inputs, dtype, device)
+            except CaptureError:
+                raise exc from None
+            # forward runs where fx's graph fails: fx took a branch on a value it could only
+            # see as a Proxy (``torch.jit.isinstance(x, torch.Tensor)``, ``type(x) is ...``)
+            reasons.append(f"the torch.fx graph fails where forward runs ({_first_line(exc)})")
+            continue
+        if eager is None:
+            eager = _counted_run(model, inputs, dtype, device)
+        same, error = _agree(eager[0], output, dtype)
         if same:
             mark_spatial(gm)
-            method = gm.meta.get(METHOD_KEY, FX)
             return Captured([Region("", gm, inputs, output)], [], output, ranks,
-                            Coverage(count_convolutions(gm), count.calls, (method,)))
-        reason = (f"the {gm.meta.get(METHOD_KEY, FX)} graph computes other values than "
-                  f"forward (relative error {error:.3g})")
+                            Coverage(count_convolutions(gm), eager[1], (method,)))
+        reasons.append(f"the {method} graph computes other values than forward (relative "
+                       f"error {error:.3g})")
+    reason = "; ".join(reasons)
     calls, output, total = _record_submodule_calls(model, inputs, dtype, device)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
@@ -242,6 +261,14 @@ def _seeded(device: torch.device) -> Any:
     return _Block()
 
 
+def _counted_run(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
+                 device: torch.device) -> tuple[Any, int]:
+    """Forward's output on the example (seeded as the graph's run) and its convolution calls."""
+    with _seeded(device), ConvolutionCount() as count:
+        output = _run(model, inputs, dtype, device)
+    return output, count.calls
+
+
 def _run(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
          device: torch.device) -> Any:
     try:
@@ -261,22 +288,21 @@ def _agree(want: Any, got: Any, dtype: torch.dtype | None) -> tuple[bool, float]
     return ok, error
 
 
-def graph_of(module: nn.Module, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> tuple[fx.GraphModule | None, str]:
-    """A graph of ``module`` called with ``args``/``kwargs``: ``symbolic_trace`` where it
-    records the forward faithfully (positional inputs, no grad-mode or autocast change),
-    else non-strict ``torch.export``; ``(None, why neither did)``."""
-    reason = ""
+def graphs(module: nn.Module, args: tuple[Any, ...],
+           kwargs: dict[str, Any]) -> Iterator[tuple[fx.GraphModule | None, str]]:
+    """Graphs of ``module`` called with ``args``/``kwargs``, each made when asked for:
+    ``symbolic_trace``'s where it records the forward faithfully (positional inputs, no
+    grad-mode or autocast change), then non-strict ``torch.export``'s; ``(None, why)`` for
+    one that could not be made. The caller takes the first that runs as forward does."""
     if not kwargs:
         try:
-            return faithful_trace(module), ""
+            yield faithful_trace(module), ""
         except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-            reason = f"torch.fx: {type(exc).__name__}: {_first_line(exc)}"
+            yield None, f"torch.fx: {type(exc).__name__}: {_first_line(exc)}"
     try:
-        return export_graph(module, args, kwargs), ""
+        yield export_graph(module, args, kwargs), ""
     except Exception as exc:  # export raises many types (UserError, GuardOnDataDependent...)
-        return None, f"{reason}; " * bool(reason) + f"torch.export: {type(exc).__name__}: " \
-            f"{_first_line(exc)}"
+        yield None, f"torch.export: {type(exc).__name__}: {_first_line(exc)}"
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
@@ -285,10 +311,12 @@ def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype
     :class:`ValueMeta` (for layout ``ranks``) in every node's meta; returns the output (the
     reference the planned model is verified against)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(inputs) > len(placeholders) or len(inputs) < sum(not n.args for n in placeholders):
+    # an exported graph takes the inputs' leaves (a dict of tensors is several placeholders)
+    given = len(gm.graph.process_inputs(*inputs))
+    if given > len(placeholders) or given < sum(not n.args for n in placeholders):
         raise CaptureError(
             f"the model's forward takes {len(placeholders)} inputs "
-            f"({', '.join(n.target for n in placeholders)}), the example gave {len(inputs)}; "
+            f"({', '.join(n.target for n in placeholders)}), the example gave {given}; "
             "pass example_inputs as one tensor or a tuple of forward's positional arguments"
         )
     copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
@@ -393,22 +421,35 @@ def _capture_children(module: nn.Module, prefix: str, calls: dict[str, _Call],
             # a graph holds the shapes of one call: a module called several times (shared
             # blocks, loops) is planned at its children's level
             reason = f"called {call.count} times per forward"
-            gm = None
         else:
-            gm, reason = graph_of(child, call.args, call.kwargs)
-        if gm is not None:
-            try:
-                flat = flat_inputs(gm, call.args, call.kwargs)
-                output = propagate(gm, flat, dtype=dtype, ranks=ranks, device=device)
-                mark_spatial(gm)
-            except Exception as exc:
-                gm, reason = None, f"{type(exc).__name__}: {_first_line(exc)}"
-            else:
-                regions.append(Region(path, gm, flat, output))
+            region, reason = _child_region(child, path, call, dtype, ranks, device)
+            if region is not None:
+                regions.append(region)
                 continue
         uncaptured.append((path, reason))
         if _has_children(child):
             _capture_children(child, path, calls, dtype, ranks, device, regions, uncaptured)
+
+
+def _child_region(child: nn.Module, path: str, call: _Call, dtype: torch.dtype | None,
+                  ranks: tuple[int, ...], device: torch.device) -> tuple[Region | None, str]:
+    """The region of a submodule called once: the first of its graphs that runs on the
+    arguments it received, or ``(None, why none did)``."""
+    reasons = []
+    for gm, reason in graphs(child, call.args, call.kwargs):
+        if gm is None:
+            reasons.append(reason)
+            continue
+        try:
+            flat = flat_inputs(gm, call.args, call.kwargs)
+            output = propagate(gm, flat, dtype=dtype, ranks=ranks, device=device)
+            mark_spatial(gm)
+        except Exception as exc:
+            reasons.append(f"the {gm.meta.get(METHOD_KEY, FX)} graph: {type(exc).__name__}: "
+                           f"{_first_line(exc)}")
+        else:
+            return Region(path, gm, flat, output), ""
+    return None, "; ".join(reasons)
 
 
 def _convolutions_under(model: nn.Module, path: str) -> int:
