@@ -32,3 +32,17 @@ def _quiet_machine(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
     monkeypatch.setattr(costs, "noisy", noisy)
     monkeypatch.setattr(cache, "noisy", noisy)
+
+
+@pytest.fixture
+def one_member_group(tmp_path):
+    """A gloo group of this process alone: for code that needs a process group (FSDP's
+    fully_shard, collectives) without torchrun."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

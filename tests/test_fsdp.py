@@ -120,19 +120,6 @@ def test_fsdp_on_two_ranks_equals_one_process_and_resumes_on_one(work):
     assert (work / "resume" / LATEST_SHARDED).is_symlink()
 
 
-@pytest.fixture
-def one_member_group(tmp_path):
-    """A gloo group of this process alone: fully_shard needs a process group."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _net() -> nn.Module:
     return load_model("torchvision:resnet18", batch=1, image_size=IMAGE, seed=0).module
 

@@ -19,6 +19,7 @@ from memlayout.plan.pipeline import optimize
 from memlayout.tensors import convert_module, format_of, in_format
 from memlayout.train import (
     TrainConfig,
+    Trainer,
     compare_layouts,
     convert_sync_batchnorm,
     export_model,
@@ -281,3 +282,64 @@ def test_cli_train_prints_the_log_and_rejects_bad_layouts(tmp_path):
     assert "Epoch: [0][   2/4]" in res.output and "img/s" in res.output and "Loss" in res.output
     res = runner.invoke(app, [*args, "--layout", "nhcw"])
     assert res.exit_code == 2 and "nhcw" in res.output and "nchw, nhwc, planned" in res.output
+
+
+# ---------------------------------------------------------------------------------------
+# The plan timed with every rank computing at once
+
+
+class _Ticks(nn.Module):
+    """A model whose forward advances a fake clock by ``cost``: a known time per call."""
+
+    def __init__(self, now: list, cost: float) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+        self.now, self.cost = now, cost
+
+    def forward(self, x):
+        self.now[0] += self.cost
+        return self.bn(self.conv(x))
+
+
+def test_the_plan_timed_together_keeps_the_faster_and_leaves_both_models_as_they_were(
+        one_member_group):
+    from memlayout.train.together import ORIGINAL, PLANNED, ROUNDS, check_together
+
+    now = [0.0]
+    for planned_cost, kept in ((2.0, ORIGINAL), (0.5, PLANNED)):
+        planned, original = _Ticks(now, planned_cost), _Ticks(now, 1.0)
+        before = {id(m): copy.deepcopy(m.state_dict()) for m in (planned, original)}
+        x = torch.randn(2, 3, 6, 6)
+        check = check_together(planned, original, x.contiguous(memory_format=torch.channels_last),
+                               x, world_size=1, clock=lambda: now[0])
+        # per round: original time / planned time (the same number of steps each)
+        assert check.ratios == (1.0 / planned_cost,) * ROUNDS and check.kept == kept
+        for m in (planned, original):  # BatchNorm ran in train mode: its statistics restored
+            for k, v in before[id(m)].items():
+                assert torch.equal(m.state_dict()[k], v), k
+            assert all(p.grad is None for p in m.parameters())
+
+
+def test_a_plan_slower_together_gives_way_to_the_original_model_and_the_nchw_pipeline(
+        work, monkeypatch):
+    from memlayout.train import loop
+    from memlayout.train.together import TogetherCheck
+
+    trainer = Trainer(config(work, layout="planned", model=f"{work / 'tiny_models.py'}:plain"))
+    assert trainer.data_layout == "planned"
+    original = load_factory(work / "tiny_models.py", "plain")
+    monkeypatch.setattr(loop, "check_together",
+                        lambda *a, **k: TogetherCheck((0.8, 0.9, 0.85), world_size=2))
+    events: list[str] = []
+    trainer.on_event = events.append
+    kept = trainer._check_together(trainer.model, original, torch.randn(4, 3, IMAGE, IMAGE),
+                                   torch.randn(4, 3, IMAGE, IMAGE))
+    assert kept is original and trainer.data_layout == "nchw"
+    assert events and events[0].startswith("note: planned vs the original model")
+    assert "0.850x" in trainer.plan_summary and "NCHW" in trainer.plan_summary
+    trainer.model = kept
+    trainer.optimizer = torch.optim.SGD(kept.parameters(), lr=0.01)
+    images, labels = trainer.next_batch()
+    assert images.dim() == 4 and images.is_contiguous()  # the NCHW pipeline's batch
+    loss, _ = trainer.train_step(images, labels)
+    assert torch.isfinite(loss)

@@ -567,7 +567,7 @@ def verified_fallback(work: nn.Module, captured: Captured, solution: Solution,
                   else GuardRecord(name, options.guard_margin, "none", 0))
         kept = GuardDecision(built, record, label if own_inputs else decision.input_label)
         note = (f"the {decision.kept} model failed verification ({why}); kept {name}, the "
-                f"model run entirely in {Label(label).text}, verified"
+                f"model run entirely {'channels-last' if label else 'contiguous'}, verified"
                 + (f" (also failed: {'; '.join(tried)})" if tried else ""))
         return kept, verification, note
     raise failure

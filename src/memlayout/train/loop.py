@@ -46,6 +46,8 @@ from memlayout.train.ddp import (
     wrap_ddp,
 )
 from memlayout.train.fsdp import fsdp_available, wrap_fsdp
+from memlayout.train.together import PLANNED as TOGETHER_PLANNED
+from memlayout.train.together import TogetherCheck, check_together
 
 #: how a torchrun job shares the model: DDP (a full replica per rank) or FSDP2 (sharded)
 STRATEGIES = ("ddp", "fsdp")
@@ -258,6 +260,10 @@ class Trainer:
             raise CheckpointError(problem if self.dist.is_main else f"rank 0: {problem}")
 
     def _build(self, config: TrainConfig, device: torch.device) -> None:
+        # the pipeline the model's input comes from: the layout's, unless a plan gives way
+        # to the original model (``memlayout.train.together``)
+        self.data_layout = config.layout
+        self.together: TogetherCheck | None = None
         self.dataset = image_folder(config.data, config.layout, config.image_size)
         self.sampler = DistributedSampler(self.dataset, num_replicas=self.dist.world_size,
                                           rank=self.dist.rank, shuffle=True, seed=config.seed)
@@ -281,7 +287,11 @@ class Trainer:
         elif config.layout == "planned":
             example = convert_batch(spec.example_input.to(device), spec.fmt)
             with collectives(self.dist, config.timeout, "rank 0 planned the model"):
-                model = self._plan(model, example)
+                planned = self._plan(model, example)
+            if self.dist.distributed and config.plan_measure:
+                planned = self._check_together(planned, model, example,
+                                               spec.example_input.to(device))
+            model = planned
         model.train()
         notice = batchnorm_notice(model, self.dist, device=device,
                                   sync_batchnorm=config.sync_batchnorm)
@@ -311,13 +321,13 @@ class Trainer:
                 ckpt.LATEST_SHARDED if config.sharded else ckpt.LATEST))
         self._stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, kind: str = "warning") -> None:
         # the CLI prints events above its progress bar; a library caller without a handler
         # still hears it
         if self.on_event is _ignore:
             warnings.warn(f"memlayout: {message}", stacklevel=3)
         else:
-            self.on_event(f"warning: {message}")
+            self.on_event(f"{kind}: {message}")
 
     def close(self) -> None:
         """Release the checkpoint folder (rank 0). Idempotent."""
@@ -363,6 +373,26 @@ class Trainer:
         self.plan_summary = plan.summary() if plan is not None else None
         return planned
 
+    def _check_together(self, planned: nn.Module, original: nn.Module, example: torch.Tensor,
+                        original_input: torch.Tensor) -> nn.Module:
+        """The plan against the original model with every rank computing at once; the
+        original (and the NCHW pipeline) when the plan is not faster so."""
+        with collectives(self.dist, self.config.timeout, "the ranks timed the plan together"):
+            check = check_together(planned, original, example, original_input,
+                                   world_size=self.dist.world_size,
+                                   dtype=self.autocast_dtype)
+        self.together = check
+        self.plan_summary = "\n".join(s for s in (self.plan_summary, check.describe()) if s)
+        if check.kept == TOGETHER_PLANNED:
+            if self.dist.is_main:
+                self.on_event(check.describe())
+            return planned
+        if self.dist.is_main:
+            self._warn(check.describe(), kind="note")
+        self.data_layout = "nchw"
+        self.dataset = image_folder(self.config.data, self.data_layout, self.config.image_size)
+        return original
+
     # -- data --------------------------------------------------------------------------
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches from the current step on, epoch after epoch (a resumed epoch skips what
@@ -371,7 +401,7 @@ class Trainer:
             epoch, done = divmod(self.step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch)
             sampler = SkipSampler(self.sampler, done * self.config.batch)
-            data = loader(self.dataset, self.config.layout, batch=self.config.batch,
+            data = loader(self.dataset, self.data_layout, batch=self.config.batch,
                           sampler=sampler, image_size=self.config.image_size,
                           workers=self.config.workers,
                           pin_memory=self.device.type == "cuda",
@@ -391,7 +421,7 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, optimizer step on one batch; returns (loss, correct) tensors."""
-        x = model_input(images, self.config.layout, self.device)
+        x = model_input(images, self.data_layout, self.device)
         y = labels.to(self.device, non_blocking=True)
         # under FSDP its MixedPrecisionPolicy casts parameters and inputs: no autocast
         with autocast(self.device, None if self.fsdp else self.autocast_dtype):

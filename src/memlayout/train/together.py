@@ -1,0 +1,140 @@
+"""The planned model against the original one with every rank computing at once (L2 train).
+
+The planner times its candidates in one process: under torchrun, rank 0 plans alone while
+the other ranks wait. In training every rank computes at the same time, on cores, caches
+and memory they share, and what one process measured alone does not always carry over. On
+this project's 2-vCPU machine (resnet18, 64 px, a training step per rank on one thread
+each), a plan the guard measured 5-8 % faster than eager NCHW alone ran 26 % slower than it
+with both ranks computing together, and 8 % slower under FSDP (``docs/training.md``).
+
+So before a distributed run trains a plan made with measured costs, every rank times the
+planned model and the original (eager NCHW, the model as built) on the example batch:
+forward and backward, interleaved, each call started together after a barrier and ended
+after one, so that every timed call shares the machine as training will. Rank 0 decides
+from its rounds and every rank keeps the same model. Both models are left in the state
+they had (buffers, gradients, the RNG).
+
+>>> check = TogetherCheck(ratios=(1.2, 1.1, 1.3), world_size=2)
+>>> check.kept, round(check.median, 2)
+('planned', 1.2)
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memlayout.dtypes import autocast
+from memlayout.tensors import mean_square_loss
+from memlayout.timing import device_sync
+
+#: timed rounds (each model once per round) and training steps per timed call
+ROUNDS = 5
+STEPS = 2
+PLANNED, ORIGINAL = "planned", "original"
+
+
+@dataclass(frozen=True)
+class TogetherCheck:
+    """Per-round ratios ``original time / planned time`` (> 1: the plan is faster) measured
+    with ``world_size`` ranks computing at once, and the model kept: the plan when it was
+    faster in the median, else the original."""
+
+    ratios: tuple[float, ...]
+    world_size: int
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def kept(self) -> str:
+        return PLANNED if self.ratios and self.median > 1.0 else ORIGINAL
+
+    def describe(self) -> str:
+        """One line for the log: the ratio, its range, and what is trained."""
+        what = ("the plan is trained" if self.kept == PLANNED else
+                "the original model is trained instead, in NCHW (layout nchw): the plan, "
+                "faster in one process alone, is not when every rank computes")
+        return (f"planned vs the original model with all {self.world_size} ranks computing at "
+                f"once: {self.median:.3f}x (range {min(self.ratios):.3f}-{max(self.ratios):.3f}, "
+                f"{len(self.ratios)} interleaved rounds of {STEPS} training steps); {what}")
+
+
+def time_together(fns: Mapping[str, Callable[[], object]], *, rounds: int,
+                  barrier: Callable[[], None], sync: Callable[[], None] = lambda: None,
+                  clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds of each call of each ``fns`` entry, ``rounds`` rounds after one untimed warm-up
+    round, in an order that rotates per round; every call starts after ``barrier()`` and its
+    time ends after ``sync()`` and ``barrier()`` (every rank called the same entry together).
+
+    >>> ticks = iter(range(100))
+    >>> time_together({"a": lambda: None, "b": lambda: None}, rounds=2, barrier=lambda: None,
+    ...               clock=lambda: next(ticks))
+    {'a': [1, 1], 'b': [1, 1]}
+    """
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(-1, rounds):
+        k = max(r, 0) % len(names)
+        for name in names[k:] + names[:k]:
+            barrier()
+            start = clock()
+            fns[name]()
+            sync()
+            barrier()
+            if r >= 0:
+                times[name].append(clock() - start)
+    return times
+
+
+def check_together(planned: nn.Module, original: nn.Module, planned_input: torch.Tensor,
+                   original_input: torch.Tensor, *, world_size: int,
+                   dtype: torch.dtype | None = None, rounds: int = ROUNDS,
+                   clock: Callable[[], float] = time.perf_counter) -> TogetherCheck:
+    """Time ``planned`` (on ``planned_input``, in its format) and ``original`` (on
+    ``original_input``) with every rank of the default process group doing the same; rank
+    0's ratios, shared with every rank. Both models come back in the state they were in."""
+    device = planned_input.device
+    saved = {name: (copy.deepcopy(m.state_dict()), m.training)
+             for name, m in ((PLANNED, planned), (ORIGINAL, original))}
+
+    def steps(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(STEPS):
+                with autocast(device, dtype):
+                    out = model(x)
+                loss = mean_square_loss(out)
+                if loss is not None:
+                    loss.backward()
+                model.zero_grad(set_to_none=True)
+        return run
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        planned.train()
+        original.train()
+        times = time_together({PLANNED: steps(planned, planned_input),
+                               ORIGINAL: steps(original, original_input)},
+                              rounds=rounds, barrier=dist.barrier, sync=device_sync(str(device)),
+                              clock=clock)
+    for name, m in ((PLANNED, planned), (ORIGINAL, original)):
+        state, training = saved[name]
+        m.load_state_dict(state)
+        m.train(training)
+        m.zero_grad(set_to_none=True)
+    ratios = [o / p for o, p in zip(times[ORIGINAL], times[PLANNED], strict=True) if p > 0]
+    box: list[Any] = [ratios]
+    dist.broadcast_object_list(box, src=0)  # rank 0 decides for everyone
+    return TogetherCheck(tuple(box[0]), world_size)
+
+
+__all__ = ["ORIGINAL", "PLANNED", "ROUNDS", "STEPS", "TogetherCheck", "check_together",
+           "time_together"]
