@@ -120,6 +120,29 @@ def test_fsdp_on_two_ranks_equals_one_process_and_resumes_on_one(work):
     assert (work / "resume" / LATEST_SHARDED).is_symlink()
 
 
+def test_with_measured_costs_the_ranks_time_the_plan_together_and_train_what_they_keep(work,
+                                                                                     tmp_path):
+    """Measured costs under torchrun: every rank times the plan against the original model
+    at once, rank 0 decides, and the run says which it trains; it trains without a layout
+    warning either way (the decision itself is timing: tests/test_train.py fakes the clock)."""
+    run = torchrun("-m", "memlayout.cli", "train", f"{work / 'tiny_fsdp.py'}:blocks",
+                   "--strategy", "fsdp", "--layout", "planned", "--batch", "2",
+                   "--data", str(work / "data"), "--image-size", str(IMAGE), "--max-steps", "2",
+                   "--log-every", "1", "--plan-costs", "measured", cwd=tmp_path,
+                   env={"MEMLAYOUT_CACHE_DIR": str(tmp_path / "cache")})
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-3000:]
+    said = re.findall(r"planned vs the original model with all 2 ranks computing at once: "
+                      r"(\d+\.\d+)x .*?; (the plan is trained|the original model is trained)",
+                      " ".join(run.stdout.split()))
+    assert len(said) >= 1, log[-3000:]  # in the plan summary (and a note when it gives way)
+    ratio, kept = float(said[0][0]), said[0][1]
+    assert (ratio > 1.0) == (kept == "the plan is trained")
+    assert len(re.findall(r"Loss (\d+\.\d+)", run.stdout)) == 2
+    for text in LAYOUT_WARNINGS:
+        assert text not in log
+
+
 def _net() -> nn.Module:
     return load_model("torchvision:resnet18", batch=1, image_size=IMAGE, seed=0).module
 

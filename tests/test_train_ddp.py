@@ -25,8 +25,8 @@ LAYOUT_WARNINGS = ("Grad strides do not match", "bucket view", "gradient layout 
 TIMEOUT = 240
 
 
-def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "always", "OMP_NUM_THREADS": "1"}
+def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "always", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
