@@ -361,6 +361,11 @@ def test_video_models_in_channels_last_3d():
     r3d = audit(torchvision.models.video.r3d_18(num_classes=4).eval(), torch.randn(1, 3, 2, 16, 16),
                 fmt=Format.CHANNELS_LAST_3D)
     assert any(o.format == "channels_last_3d" for r in r3d.records for o in r.outputs)
+    # without a format, a rank-5 input is audited in channels_last_3d: the same report
+    default = audit(small, x, train=True)
+    assert default.fmt == "channels_last_3d"
+    assert [(r.op, r.module, r.phase) for r in default.drops] == \
+        [(r.op, r.module, r.phase) for r in report.drops]
 
 
 def test_a_call_that_cannot_be_recorded_does_not_break_the_run(monkeypatch):

@@ -12,19 +12,19 @@ from typing import Any
 
 from torch import nn
 
-from memlayout.audit.recorder import audit, prepare, run_once
+from memlayout.audit.recorder import audit, inputs_format, prepare, run_once
 from memlayout.dtypes import parse_dtype
 from memlayout.layout import Format
 from memlayout.timing import Comparison, device_sync, interleaved
 
 
 def overhead(model: nn.Module, inputs: Any, *, train: bool = False,
-             fmt: Format | str = Format.CHANNELS_LAST, dtype: Any = None,
+             fmt: Format | str | None = None, dtype: Any = None,
              rounds: int = 5, warmup: int = 1, device: str = "cpu",
              kwargs: dict[str, Any] | None = None) -> Comparison:
     """Interleaved timings of ``audited`` and ``plain``; ``c.speedup("plain")`` is the median
     per-round ratio audited time / plain time (the audit's overhead factor)."""
-    fmt = Format.parse(fmt)
+    fmt = inputs_format(inputs, kwargs) if fmt is None else Format.parse(fmt)
     autocast_dtype = parse_dtype(dtype)
     plain_model, plain_inputs, plain_kwargs = prepare(model, inputs, fmt, kwargs)
 

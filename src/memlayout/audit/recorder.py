@@ -478,6 +478,17 @@ def _device_of(model: nn.Module, inputs: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def inputs_format(inputs: Any, kwargs: dict[str, Any] | None = None) -> Format:
+    """The channels-last format of a model's inputs: ``CHANNELS_LAST_3D`` when the first
+    tensor has rank 5, else ``CHANNELS_LAST``.
+
+    >>> inputs_format(torch.zeros(1, 1, 4, 4, 4)).name, inputs_format((torch.zeros(2, 3, 8, 8), 1)).name
+    ('CHANNELS_LAST_3D', 'CHANNELS_LAST')
+    """
+    first = next(iter_tensors((inputs, kwargs or {})), None)
+    return Format.CHANNELS_LAST_3D if first is not None and first.dim() == 5 else Format.CHANNELS_LAST
+
+
 def prepare(model: nn.Module, inputs: Any, fmt: Format,
             kwargs: dict[str, Any] | None = None) -> tuple[nn.Module, Any, dict[str, Any]]:
     """Copies of ``model``, ``inputs`` and keyword inputs in ``fmt``; inputs that require grad
@@ -536,13 +547,15 @@ def coverage_notes(records: Any, fmt: Format, meta: dict[str, Any]) -> dict[str,
 
 
 def audit(model: nn.Module, inputs: Any, *, train: bool = False,
-          fmt: Format | str = Format.CHANNELS_LAST,
+          fmt: Format | str | None = None,
           dtype: torch.dtype | str | None = None,
           kwargs: dict[str, Any] | None = None) -> AuditReport:
     """Audit one run of ``model`` on ``inputs`` (one tensor, or a tuple of ``forward``'s
     positional inputs) and keyword inputs ``kwargs`` in ``fmt`` (on copies: the caller's model
     and tensors are left as they were): forward, plus backward of the outputs' sum when
     ``train``, under autocast when ``dtype`` is bf16/fp16. The model runs in the mode it is in.
+    ``fmt`` defaults to the inputs' channels-last format: ``channels_last_3d`` when the first
+    input tensor has rank 5 (a 3-d model), else ``channels_last``.
 
     >>> from torch import nn
     >>> m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
@@ -550,7 +563,7 @@ def audit(model: nn.Module, inputs: Any, *, train: bool = False,
     >>> [(r.phase, r.where(), r.op, r.bytes) for r in report.drops]
     [('forward', '1 (Flatten)', 'aten.clone.default', 12544)]
     """
-    fmt = Format.parse(fmt)
+    fmt = inputs_format(inputs, kwargs) if fmt is None else Format.parse(fmt)
     autocast_dtype = parse_dtype(dtype)
     run_model, run_inputs, run_kwargs = prepare(model, inputs, fmt, kwargs)
     meta = {"model": type(model).__name__, "train": train,
