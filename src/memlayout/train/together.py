@@ -9,8 +9,9 @@ with both ranks computing together, and 8 % slower under FSDP (``docs/training.m
 
 So before a distributed run trains a plan made with measured costs, every rank times the
 planned model and the original (eager NCHW, the model as built) on the example batch:
-forward and backward, interleaved, each call started together after a barrier and ended
-after one, so that every timed call shares the machine as training will. Rank 0 decides
+forward and backward, interleaved (``memlayout.timing.interleaved``), each call started
+together after a barrier and ended by one, so that every timed call shares the machine as
+training will. Rank 0 decides
 from its rounds and every rank keeps the same model. Both models are left in the state
 they had (buffers, gradients, the RNG).
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from memlayout.dtypes import autocast
+from memlayout.errors import TrainError
 from memlayout.tensors import mean_square_loss
-from memlayout.timing import device_sync
+from memlayout.timing import device_sync, interleaved
 
 #: timed rounds (each model once per round) and training steps per timed call
 ROUNDS = 5
@@ -69,33 +71,6 @@ class TogetherCheck:
                 f"{len(self.ratios)} interleaved rounds of {STEPS} training steps); {what}")
 
 
-def time_together(fns: Mapping[str, Callable[[], object]], *, rounds: int,
-                  barrier: Callable[[], None], sync: Callable[[], None] = lambda: None,
-                  clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
-    """Seconds of each call of each ``fns`` entry, ``rounds`` rounds after one untimed warm-up
-    round, in an order that rotates per round; every call starts after ``barrier()`` and its
-    time ends after ``sync()`` and ``barrier()`` (every rank called the same entry together).
-
-    >>> ticks = iter(range(100))
-    >>> time_together({"a": lambda: None, "b": lambda: None}, rounds=2, barrier=lambda: None,
-    ...               clock=lambda: next(ticks))
-    {'a': [1, 1], 'b': [1, 1]}
-    """
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(-1, rounds):
-        k = max(r, 0) % len(names)
-        for name in names[k:] + names[:k]:
-            barrier()
-            start = clock()
-            fns[name]()
-            sync()
-            barrier()
-            if r >= 0:
-                times[name].append(clock() - start)
-    return times
-
-
 def check_together(planned: nn.Module, original: nn.Module, planned_input: torch.Tensor,
                    original_input: torch.Tensor, *, world_size: int,
                    dtype: torch.dtype | None = None, rounds: int = ROUNDS,
@@ -118,23 +93,29 @@ def check_together(planned: nn.Module, original: nn.Module, planned_input: torch
                 model.zero_grad(set_to_none=True)
         return run
 
+    device_done = device_sync(str(device))
+
+    def together() -> None:  # before each clock read: every rank starts and ends each call at once
+        device_done()
+        dist.barrier()
+
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         planned.train()
         original.train()
-        times = time_together({PLANNED: steps(planned, planned_input),
-                               ORIGINAL: steps(original, original_input)},
-                              rounds=rounds, barrier=dist.barrier, sync=device_sync(str(device)),
-                              clock=clock)
+        c = interleaved({PLANNED: steps(planned, planned_input),
+                         ORIGINAL: steps(original, original_input)},
+                        rounds=rounds, warmup=1, baseline=ORIGINAL, sync=together, clock=clock)
     for name, m in ((PLANNED, planned), (ORIGINAL, original)):
         state, training = saved[name]
         m.load_state_dict(state)
         m.train(training)
         m.zero_grad(set_to_none=True)
-    ratios = [o / p for o, p in zip(times[ORIGINAL], times[PLANNED], strict=True) if p > 0]
-    box: list[Any] = [ratios]
+    failed = [f"{name}: {c[name].error}" for name in (PLANNED, ORIGINAL) if not c[name].ok]
+    if failed:
+        raise TrainError(f"timing the plan with every rank computing failed ({'; '.join(failed)})")
+    box: list[Any] = [list(c.per_round(ORIGINAL, PLANNED))]
     dist.broadcast_object_list(box, src=0)  # rank 0 decides for everyone
     return TogetherCheck(tuple(box[0]), world_size)
 
 
-__all__ = ["ORIGINAL", "PLANNED", "ROUNDS", "STEPS", "TogetherCheck", "check_together",
-           "time_together"]
+__all__ = ["ORIGINAL", "PLANNED", "ROUNDS", "STEPS", "TogetherCheck", "check_together"]
