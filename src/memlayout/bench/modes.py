@@ -63,7 +63,7 @@ from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.plan.compiled import compile as plan_and_compile
-from memlayout.plan.pipeline import optimize
+from memlayout.plan.pipeline import example_inputs_of, optimize
 from memlayout.plan.verify import TOLERANCE
 from memlayout.plan.verify import compare as compare_outputs
 from memlayout.tensors import (
@@ -144,14 +144,11 @@ def _train_loss(out: Any) -> torch.Tensor:
     return loss
 
 
-def _positional(inputs: torch.Tensor | tuple[Any, ...]) -> tuple[Any, ...]:
-    """A model's positional inputs: one tensor, or a tuple of them (keyword inputs made
-    trailing positional ones by ``memlayout.plan.module.keyword_call``)."""
-    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-
-
-def _on(inputs: tuple[Any, ...], device: str) -> tuple[Any, ...]:
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in inputs)
+def _on(inputs: torch.Tensor | tuple[Any, ...], device: str) -> tuple[Any, ...]:
+    """A model's positional inputs (one tensor, or a tuple: keyword inputs made trailing
+    positional ones by ``memlayout.plan.module.keyword_call``), copied onto ``device``."""
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a
+                 for a in example_inputs_of(inputs))
 
 
 def _step_fn(model: nn.Module, args: tuple[Any, ...], dtype: str, task: str,
@@ -185,7 +182,7 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
 
     An exception is the mode failing on this model, for the caller to record.
     """
-    args = _on(_positional(inputs), device)
+    args = _on(inputs, device)
     if mode in RUNTIME_MODES:
         return _prepare_runtime(mode, module, args, dtype=dtype, task=task, device=device)
     start = time.perf_counter()
@@ -299,7 +296,7 @@ def count_flops(module: nn.Module, inputs: torch.Tensor | tuple[Any, ...], *, dt
     layout, so one count serves every mode. The optimizer step is not counted."""
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")
-    args = _on(_positional(inputs), device)
+    args = _on(inputs, device)
     run_dtype = _autocast_dtype(dtype)
     with FlopCounterMode(display=False) as counter:
         if task == "infer":
