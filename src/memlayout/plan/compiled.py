@@ -377,16 +377,17 @@ def _precision(name: str, dtype: torch.dtype | None) -> str:
 
 
 def _versions(candidates: Mapping[str, Any]) -> dict[str, str]:
-    """Every candidate with its runtime's version (a cached decision is for these; torch's
-    own version is in the key already)."""
+    """Every candidate with its runtime's version and settings (a cached decision is for
+    these; torch's own version is in the key already)."""
     import importlib.metadata as md
 
     out = {}
     for name in candidates:
         try:
-            out[name] = md.version(name) if name in rt.RUNTIMES else ""  # mkldnn: torch's
+            version = md.version(name) if name in rt.RUNTIMES else ""  # mkldnn: torch's
         except md.PackageNotFoundError:
-            out[name] = ""
+            version = ""
+        out[name] = " ".join(v for v in (version, rt.SETTINGS.get(name, "")) if v)
     return out
 
 
