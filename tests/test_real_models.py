@@ -39,13 +39,17 @@ def autoencoder_kl() -> Example:
     return model, (torch.randn(1, 3, 16, 16),), {}
 
 
+#: a UNet2DConditionModel with cross-attention, at test size
+SMALL_CONDITIONED = dict(
+    sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+    block_out_channels=(16, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+    norm_num_groups=8, attention_head_dim=8)
+
+
 def unet2d_condition() -> Example:
     diffusers = pytest.importorskip("diffusers")
-    model = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(16, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
-        norm_num_groups=8, attention_head_dim=8)
+    model = diffusers.UNet2DConditionModel(**SMALL_CONDITIONED)
     return model, (torch.randn(1, 4, 8, 8), torch.tensor([10])), \
         {"encoder_hidden_states": torch.randn(1, 3, 16)}
 
@@ -54,11 +58,8 @@ def unet2d_text_time() -> Example:
     """SDXL's conditioning: ``added_cond_kwargs``, a keyword input that is a dict of tensors."""
     diffusers = pytest.importorskip("diffusers")
     model = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(16, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
-        norm_num_groups=8, attention_head_dim=8, addition_embed_type="text_time",
-        addition_time_embed_dim=8, projection_class_embeddings_input_dim=16 + 6 * 8)
+        **SMALL_CONDITIONED, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=16 + 6 * 8)
     added = {"text_embeds": torch.randn(1, 16), "time_ids": torch.randn(1, 6)}
     return model, (torch.randn(1, 4, 8, 8), torch.tensor([10])), \
         {"encoder_hidden_states": torch.randn(1, 3, 16), "added_cond_kwargs": added}
