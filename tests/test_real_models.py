@@ -170,6 +170,26 @@ def test_a_real_model_is_planned_whole_verified_and_a_drop_in(name: str) -> None
         DROP_IN[name](model, opt, args)
 
 
+@pytest.mark.parametrize("name", ["unet2d", "autoencoder_kl", "unet2d_condition"])
+def test_an_exported_model_is_planned_under_bf16_autocast(name: str) -> None:
+    """Export traces in fp32 and checks dtypes where forward converts a tensor; a bf16 plan
+    runs that graph under autocast (a diffusers UNet casts its time embedding to the sample's
+    dtype, bf16 there): planned whole and verified all the same."""
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS[name]()
+    model.eval()
+    opt = memlayout.optimize(model, args, kwargs=kwargs, dtype="bf16", measure=False,
+                             cache=False, memory=False)
+    assert opt.plan.verification.ok
+    assert opt.plan.coverage.planned == opt.plan.coverage.total > 0
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want = model(*args, **kwargs)
+    with torch.no_grad():
+        got = opt(*args, **kwargs)
+    for g, w in zip(iter_tensors(got), iter_tensors(want), strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)
+
+
 @pytest.mark.parametrize("name", ["unet2d", "unet2d_text_time", "monai_unet3d"])
 def test_a_training_step_is_planned_and_verified(name: str) -> None:
     torch.manual_seed(0)

@@ -114,6 +114,7 @@ def export_graph(module: nn.Module, args: tuple[Any, ...],
     gm = ep.module()
     gm._forward_pre_hooks.clear()  # export's input checks: a plan is per input signature
     _drop_guard_calls(gm)
+    _drop_metadata_asserts(gm)
     _keep_wrappers(gm)
     _dropout_as_torch_functions(gm)
     gm.recompile()
@@ -137,6 +138,25 @@ def _drop_guard_calls(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(n)
             if hasattr(gm, str(n.target)):
                 delattr(gm, str(n.target))
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """Export checks the dtype (and device) of a tensor where forward converts it
+    (``x.to(dtype)``): as traced, in fp32. A plan runs the graph under autocast, where such a
+    tensor may be bf16 (a diffusers UNet casts its time embedding to the sample's dtype):
+    the check would fail where forward runs. The planned model is verified against the
+    original's outputs instead; nested graphs too."""
+    target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    if target is None:  # an older torch exports no such check
+        return
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in (target, getattr(target, "default", None)) \
+                and not n.users:
+            gm.graph.erase_node(n)
+    for sub in gm.children():
+        if isinstance(sub, fx.GraphModule):
+            _drop_metadata_asserts(sub)
+            sub.recompile()
 
 
 def _keep_wrappers(gm: fx.GraphModule) -> None:
