@@ -188,6 +188,29 @@ def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> No
     assert record.check == "float64 re-check" and "float64 re-check" in record.describe()
 
 
+def test_an_inference_plan_passes_a_rounding_level_mismatch_through_float64_too(db, monkeypatch) -> None:
+    """The same for one forward: a deep bf16 network's NHWC and NCHW kernels can round
+    apart by more than bf16's tolerance; equal in float64, the plan is verified, and says so.
+    A wrong rewrite differs in float64 as well: it is not passed (the fallback keeps a model
+    run in one format instead)."""
+    from memlayout.plan import verify as v
+
+    monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
+    opt = optimize(Net().eval(), _x(), measure=False, cache=db, output_format=None)
+    record = opt.plan.verification
+    assert opt.plan.guard is None and record.max_error > 1e-9
+    assert record.float64_error is not None and record.float64_error <= 1e-9
+    assert record.check == "float64 re-check" and "float64 re-check" in record.describe()
+    monkeypatch.setattr(rewrite_module, "convert_value", _bad_value)
+    with pytest.raises(LayoutVerificationError, match="first divergent node"):
+        optimize(Net().eval(), _x(), measure=False, cache=db, output_format=None, fallback=False)
+
+
+def _bad_value(value, label, ranks):  # noqa: ANN001, ANN202
+    out = convert_value(value, label, ranks)
+    return out * 1.5 if isinstance(out, torch.Tensor) else out
+
+
 def test_bf16_training_plan_is_verified_and_trains(db) -> None:
     model = Net()
     reference = copy.deepcopy(model).train()

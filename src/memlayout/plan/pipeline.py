@@ -96,6 +96,7 @@ from memlayout.plan.verify import (
     ModuleState,
     call_twice,
     compare,
+    float64_agreement,
     inplace_on_inputs,
     module_state,
     mutates_in_place,
@@ -510,7 +511,7 @@ def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple
         restore_state(work, state)
         restore_state(planned, state)
         verification = (_verify_training(work, built, inputs, options) if options.train
-                        else _verify(built, inputs, options, expected=want.outputs[0]))
+                        else _verify(work, built, inputs, options, expected=want.outputs[0]))
         count = verify_semantics(work, planned, inputs, state, want, dtype=options.dtype,
                                  device=options.device, inplace=tuple(inplace))
     except LayoutVerificationError as exc:
@@ -812,7 +813,7 @@ def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -
 # ---------------------------------------------------------------- verifying
 
 
-def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
+def _verify(work: nn.Module, built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
             expected: Any) -> Verification:
     """Run the planned model once and compare with ``expected`` (the original's output on
     the same inputs, from the same state). A whole-model plan is one region: compared (and on
@@ -824,10 +825,15 @@ def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
         region, planned = checks[0].region, checks[0].planned
         v = verify(region.gm, planned, inputs, dtype=dtype, planned_graph=planned.graph,
                    expected=expected, device=options.device)
-        return Verification(True, DTYPE_TOLERANCE, v.max_error, v.tolerance, v.tensors)
+        return Verification(True, DTYPE_TOLERANCE if v.float64_error is None else FLOAT64_RECHECK,
+                            v.max_error, v.tolerance, v.tensors, float64_error=v.float64_error)
     with torch.no_grad(), dtypes.autocast(options.device, dtype):
         got = built.module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     ok, err, count = compare(expected, got, dtype)
+    rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
+    exact = None if ok else float64_agreement(work, built.module, inputs, device=options.device)
+    if exact is not None:  # rounding of the run dtype, equal in float64
+        return Verification(True, FLOAT64_RECHECK, err, rtol, count, float64_error=exact)
     if not ok:
         for check in checks:  # raises naming the node where a region diverges
             assert isinstance(check.planned, PlannedGraph)
@@ -839,7 +845,6 @@ def _verify(built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
         raise LayoutVerificationError(
             f"the planned model's outputs differ from the original's by {err:.3g} (relative) "
             f"{where}; the plan was not applied")
-    rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
     return Verification(True, DTYPE_TOLERANCE, err, rtol, count)
 
 

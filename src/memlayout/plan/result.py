@@ -136,7 +136,7 @@ def _mismatch(where: str, tp: Any, value: Any) -> PlanError:
 @dataclass(frozen=True)
 class Verification(Record):
     """How the planned model was checked against the original: which check passed
-    (``DTYPE_TOLERANCE`` or, for a training step, ``FLOAT64_RECHECK``), the worst relative
+    (``DTYPE_TOLERANCE`` or, beyond it, ``FLOAT64_RECHECK``), the worst relative
     error in the run dtype against the tolerance, how many tensors were compared."""
 
     ok: bool
