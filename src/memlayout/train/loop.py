@@ -47,7 +47,7 @@ from memlayout.train.ddp import (
 )
 from memlayout.train.fsdp import fsdp_available, wrap_fsdp
 from memlayout.train.together import PLANNED as TOGETHER_PLANNED
-from memlayout.train.together import TogetherCheck, check_together
+from memlayout.train.together import check_together
 
 #: how a torchrun job shares the model: DDP (a full replica per rank) or FSDP2 (sharded)
 STRATEGIES = ("ddp", "fsdp")
@@ -263,7 +263,6 @@ class Trainer:
         # the pipeline the model's input comes from: the layout's, unless a plan gives way
         # to the original model (``memlayout.train.together``)
         self.data_layout = config.layout
-        self.together: TogetherCheck | None = None
         self.dataset = image_folder(config.data, config.layout, config.image_size)
         self.sampler = DistributedSampler(self.dataset, num_replicas=self.dist.world_size,
                                           rank=self.dist.rank, shuffle=True, seed=config.seed)
@@ -381,7 +380,6 @@ class Trainer:
             check = check_together(planned, original, example, original_input,
                                    world_size=self.dist.world_size,
                                    dtype=self.autocast_dtype)
-        self.together = check
         self.plan_summary = "\n".join(s for s in (self.plan_summary, check.describe()) if s)
         if check.kept == TOGETHER_PLANNED:
             if self.dist.is_main:
