@@ -24,7 +24,8 @@ def _quiet_machine(monkeypatch):
     10x as noisy (real rounds beside other jobs spread 1-18x, so a cached cost would be
     measured again at random; a test of the noise rules injects a clock with 30x rounds, or
     its own load reading)."""
-    from memlayout.plan import cache, costs
+    from memlayout.plan.costs import cache
+    from memlayout.plan.costs import measure as costs
 
     def noisy(spread: float | None) -> bool:
         return spread is not None and spread > 10.0

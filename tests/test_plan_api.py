@@ -12,9 +12,9 @@ from torch import fx, nn
 import memlayout
 from memlayout import Format, format_of
 from memlayout.errors import CaptureError, LayoutVerificationError, PlanError
-from memlayout.plan.capture import capture
-from memlayout.plan.costs import CostCache, convert_value, measure_costs
-from memlayout.plan.verify import verify
+from memlayout.plan.capture.regions import capture
+from memlayout.plan.check.verify import verify
+from memlayout.plan.costs.measure import CostCache, convert_value, measure_costs
 
 
 class Branchy(nn.Module):
@@ -203,10 +203,10 @@ def test_auto_input_format_is_the_better_of_the_two_pinned_ones(db, model_cls) -
 def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
     # after the guard, a memory budget's candidate plans are solved again (conversion bytes
     # weighed more): the inputs' format is settled by then and they must keep it
-    from memlayout.plan.memory import PENALTIES, _labels_weighing_bytes
-    from memlayout.plan.problem import AUTO, formulate
-    from memlayout.plan.records import RegionSolution
-    from memlayout.plan.solve import solve_min_cut
+    from memlayout.plan.check.memory import PENALTIES, _labels_weighing_bytes
+    from memlayout.plan.options import RegionSolution
+    from memlayout.plan.solve.formulate import AUTO, formulate
+    from memlayout.plan.solve.mincut import solve_min_cut
 
     x = _x()
     region = capture(Branchy().eval(), (x,)).regions[0]
@@ -225,7 +225,7 @@ def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
 
 
 def test_inputs_already_in_the_plans_format_pass_untouched() -> None:
-    from memlayout.plan.module import _arrive, _call_signature, shape_signature
+    from memlayout.plan.steer.module import _arrive, _call_signature, shape_signature
 
     cl = memlayout.to_format(torch.randn(2, 3, 8, 8), Format.CHANNELS_LAST)
     args = (cl, 3)
@@ -380,7 +380,7 @@ def test_permute_runs_where_its_output_has_a_format(db) -> None:
 
 
 def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
-    import memlayout.plan.rewrite as rewrite
+    import memlayout.plan.steer.rewrite as rewrite
 
     def corrupting(value, label, ranks):  # a conversion that changes values: a planner bug
         return convert_value(value, label, ranks) * 1.5
@@ -405,7 +405,7 @@ def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
 
 
 def test_a_wrong_rewrite_of_a_submodule_is_named_and_never_returned(db, monkeypatch) -> None:
-    import memlayout.plan.rewrite as rewrite
+    import memlayout.plan.steer.rewrite as rewrite
 
     monkeypatch.setattr(rewrite, "convert_value", lambda v, label, ranks: convert_value(v, label, ranks) * 1.5)
     model, x = Untraceable().eval(), _x().abs()

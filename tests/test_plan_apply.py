@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 import memlayout
 from memlayout.cli import app
 from memlayout.errors import PlanError
-from memlayout.plan import costs
-from memlayout.plan import guard as g
+from memlayout.plan.check import guard as g
+from memlayout.plan.costs import measure as costs
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.result import (
+from memlayout.plan.report.result import (
     DTYPE_TOLERANCE,
     SCHEMA,
     Conversion,

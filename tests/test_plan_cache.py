@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 import memlayout
 from memlayout.cli import app
 from memlayout.machine import Conditions
-from memlayout.plan import cache as cache_module
-from memlayout.plan.cache import CacheWarning, CostCache
-from memlayout.plan.capture import capture
-from memlayout.plan.costs import measure_costs
+from memlayout.plan.capture.regions import capture
+from memlayout.plan.costs import cache as cache_module
+from memlayout.plan.costs.cache import CacheWarning, CostCache
+from memlayout.plan.costs.measure import measure_costs
 from tests.test_plan_api import Branchy, Features, _x
 
 QUIET = Conditions(0.5, 2, 2, "PASSIVE", "2026-12-01T10:00:00+00:00")

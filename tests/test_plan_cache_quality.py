@@ -12,12 +12,12 @@ import warnings
 import pytest
 
 import memlayout
-import memlayout.plan.costs as costs
+import memlayout.plan.costs.measure as costs
 from memlayout.machine import Conditions
-from memlayout.plan import guard
-from memlayout.plan.cache import CostCache
-from memlayout.plan.capture import capture
-from memlayout.plan.costs import RETRIES, measure_costs
+from memlayout.plan.capture.regions import capture
+from memlayout.plan.check import guard
+from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.measure import RETRIES, measure_costs
 from tests.test_plan_api import Branchy, Features, _x
 
 QUIET = Conditions(0.5, 2, 2, "PASSIVE", "2026-12-01T10:00:00+00:00")

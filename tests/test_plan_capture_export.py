@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import memlayout
 from memlayout.errors import PlanError
-from memlayout.plan.result import Plan
+from memlayout.plan.report.result import Plan
 
 #: the convolutions a forward calls from Python: every convolution module's forward calls
 #: one, and a forward may call one itself (diffusers' 1-d resampling kernels)

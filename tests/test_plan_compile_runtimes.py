@@ -16,8 +16,8 @@ from torch import nn
 import memlayout
 from memlayout import runtimes
 from memlayout.errors import MemlayoutError
-from memlayout.plan import compiled as c
-from memlayout.plan.result import Plan
+from memlayout.plan.candidates import compiled as c
+from memlayout.plan.report.result import Plan
 
 # Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
 # these tests in a pytest process of their own (see the Makefile).

@@ -7,8 +7,10 @@ from torch import nn
 
 import memlayout
 from memlayout.layout import Format
-from memlayout.plan import capture, records, rewrite
-from memlayout.plan.solve import Solution
+from memlayout.plan import options as records
+from memlayout.plan.capture import regions as capture
+from memlayout.plan.solve.mincut import Solution
+from memlayout.plan.steer import rewrite
 
 
 def _net() -> nn.Module:

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 import memlayout
-import memlayout.plan.costs as costs
-import memlayout.plan.guard as guard
+import memlayout.plan.check.guard as guard
+import memlayout.plan.costs.measure as costs
 from memlayout import timing
 from memlayout.machine import Conditions
-from memlayout.plan import records
-from memlayout.plan.capture import capture
-from memlayout.plan.label import Label
-from memlayout.plan.result import RatioRange
-from memlayout.plan.solve import Solution
+from memlayout.plan import options as records
+from memlayout.plan.capture.regions import capture
+from memlayout.plan.graph import Label
+from memlayout.plan.report.result import RatioRange
+from memlayout.plan.solve.mincut import Solution
 from tests.test_plan_api import Branchy, Features, _x
 
 
@@ -164,7 +164,7 @@ def test_an_eager_candidate_keeps_dict_outputs_in_their_format(db, monkeypatch) 
 
 
 def test_a_plan_uniform_end_to_end_runs_as_that_eager_model(db, monkeypatch) -> None:
-    from memlayout.plan.rewrite import PlannedGraph
+    from memlayout.plan.steer.rewrite import PlannedGraph
 
     _fake_clock(monkeypatch, {"planned": 1.0})
     _plan_all_contiguous(monkeypatch)

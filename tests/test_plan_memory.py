@@ -11,10 +11,10 @@ from torch import nn
 
 from memlayout.bench.unets import unet_small
 from memlayout.errors import PlanError
-from memlayout.plan import padding as padding_mod
-from memlayout.plan.memory import budget_bytes, peak_memory
+from memlayout.plan.candidates import padding as padding_mod
+from memlayout.plan.check.memory import budget_bytes, peak_memory
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.result import Plan
+from memlayout.plan.report.result import Plan
 
 
 def _nbytes(*shape: int) -> int:
@@ -94,8 +94,8 @@ def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
 def _plan_all_channels_last(monkeypatch: pytest.MonkeyPatch) -> None:
     """The solver labels every unpinned node channels-last: the same plan whatever the noisy
     measurements say (which labels a plan gets decides where its peak falls)."""
-    from memlayout.plan import records
-    from memlayout.plan.solve import Solution
+    from memlayout.plan import options as records
+    from memlayout.plan.solve.mincut import Solution
 
     real = records.solve_min_cut
     monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
@@ -149,7 +149,8 @@ def test_cuda_peaks_come_from_the_allocator() -> None:
 
 def test_a_second_plan_reads_memory_padding_and_mkldnn_records_from_the_cache(
         tmp_path, monkeypatch) -> None:
-    from memlayout.plan import blocked, memory
+    from memlayout.plan.candidates import blocked
+    from memlayout.plan.check import memory
 
     net, x = unet_small()
     options = dict(cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=True)

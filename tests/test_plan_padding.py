@@ -12,8 +12,8 @@ from torch import nn
 
 from memlayout.bench.unets import odd_channels_small
 from memlayout.errors import LayoutVerificationError
-from memlayout.plan import padding as padding_mod
-from memlayout.plan.padding import UNPADDED, PaddedConv2d, block_sizes, decide, variants
+from memlayout.plan.candidates import padding as padding_mod
+from memlayout.plan.candidates.padding import UNPADDED, PaddedConv2d, block_sizes, decide, variants
 from memlayout.plan.pipeline import optimize
 
 CASES = [  # (C in, C out, kernel, stride, padding, dilation, bias)
@@ -154,7 +154,7 @@ def test_a_padding_that_changes_values_is_never_returned(tmp_path, monkeypatch) 
 # ---------------------------------------------------------------- blocked (mkldnn) formats
 
 def test_mkldnn_chains_are_measured_and_reported_with_their_values_checked() -> None:
-    from memlayout.plan import blocked
+    from memlayout.plan.candidates import blocked
 
     ok, why = blocked.available()
     if not ok:
@@ -172,9 +172,9 @@ def test_mkldnn_chains_are_measured_and_reported_with_their_values_checked() -> 
 
 
 def test_no_mkldnn_is_said_in_the_plan(monkeypatch) -> None:
-    from memlayout.plan import blocked
-    from memlayout.plan.describe import blocked_summary
-    from memlayout.plan.result import BlockedReport
+    from memlayout.plan.candidates import blocked
+    from memlayout.plan.report.describe import blocked_summary
+    from memlayout.plan.report.result import BlockedReport
 
     monkeypatch.setattr(blocked, "available", lambda: (False, "no mkldnn in this build"))
     record = blocked.measure_blocked(nn.Conv2d(3, 4, 1), (torch.randn(1, 3, 4, 4),))

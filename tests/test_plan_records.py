@@ -8,9 +8,9 @@ import json
 import pytest
 
 from memlayout.machine import Conditions
-from memlayout.plan.compare import ModelComparison
-from memlayout.plan.describe import drop_lines, guard_summary, memory_summary
-from memlayout.plan.result import (
+from memlayout.plan.report.compare import ModelComparison
+from memlayout.plan.report.describe import drop_lines, guard_summary, memory_summary
+from memlayout.plan.report.result import (
     DTYPE_TOLERANCE,
     FLOAT64_RECHECK,
     BlockedChain,

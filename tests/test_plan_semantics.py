@@ -320,7 +320,7 @@ def test_a_call_counter_starts_from_the_caller_s_state_after_guarded_planning(
     """Capture, cost measurement, the guard's timing and verification all ran the model:
     none of those calls shows in the returned model (the guard keeps eager NCHW here, which
     runs the counter as the original does, whatever this machine measures)."""
-    from memlayout.plan import guard
+    from memlayout.plan.check import guard
 
     monkeypatch.setattr(guard, "decide", lambda record, margin: "all_contiguous")
     model = CallCounter().eval()
@@ -441,9 +441,9 @@ def test_every_user_of_a_shared_weight_is_tied_to_one_format() -> None:
     """The min cut ties every node that uses one tensor (through its module, or functionally
     through the module's attribute), so the one converted tensor is in the format each of
     them was planned for."""
-    from memlayout.plan.capture import capture
-    from memlayout.plan.costs import measure_costs
-    from memlayout.plan.problem import formulate
+    from memlayout.plan.capture.regions import capture
+    from memlayout.plan.costs.measure import measure_costs
+    from memlayout.plan.solve.formulate import formulate
 
     captured = capture(FunctionalTie().eval(), (_x(),))
     region = captured.regions[0]

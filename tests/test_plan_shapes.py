@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import memlayout.plan.pipeline as pipeline
-from memlayout.plan.module import shape_signature
 from memlayout.plan.pipeline import optimize
+from memlayout.plan.steer.module import shape_signature
 
 
 class Small(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memlayout.plan.solve import (
+from memlayout.plan.solve.mincut import (
     Problem,
     Tensor,
     objective,
@@ -76,7 +76,7 @@ def test_solver_does_not_import_torch() -> None:
     import sys
 
     # Load the file on its own (the memlayout package itself imports torch).
-    import memlayout.plan.solve as solve
+    import memlayout.plan.solve.mincut as solve
 
     code = ("import importlib.util, sys; "
             f"s = importlib.util.spec_from_file_location('solve', {solve.__file__!r}); "

@@ -9,8 +9,8 @@ from torch import nn
 
 import memlayout
 from memlayout.layout import Format
-from memlayout.plan import records
-from memlayout.plan.solve import Solution
+from memlayout.plan import options as records
+from memlayout.plan.solve.mincut import Solution
 
 VIDEO_MODELS = ("r3d_18", "mc3_18", "r2plus1d_18")
 

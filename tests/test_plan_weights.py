@@ -16,7 +16,7 @@ from memlayout.errors import PlanError
 from memlayout.layout import Format, strides_for
 from memlayout.plan import pipeline
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.weights import AS_IS, PER_CALL, PerCallWeights, convert_per_call
+from memlayout.plan.steer.weights import AS_IS, PER_CALL, PerCallWeights, convert_per_call
 from memlayout.train.ddp import grad_layout_mismatches
 
 

@@ -1,4 +1,4 @@
-"""Does Inductor override the plan's strides? (evidence for memlayout.plan.compiled)
+"""Does Inductor override the plan's strides? (evidence for memlayout.plan.candidates.compiled)
 
 A plan with every node NCHW / NCDHW (the solver is forced to it), compiled with Inductor's
 defaults and with ``layout_optimization`` off; printed: the strides of each convolution's
@@ -13,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 
 import memlayout
 from memlayout.plan import api
-from memlayout.plan.solve import Solution
+from memlayout.plan.solve.mincut import Solution
 
 warnings.filterwarnings("ignore")
 real = api.solve_min_cut

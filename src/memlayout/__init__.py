@@ -36,11 +36,13 @@ def __getattr__(name: str):
     # memlayout.compile: plan, then torch.compile. Not in __all__: `from memlayout import *`
     # must not shadow the builtin compile in the caller's namespace.
     if name == "compile":
-        from memlayout.plan import compiled
+        from memlayout.plan.candidates import compiled
 
         return compiled.compile
     if name in _PLANNER:
-        from memlayout.plan import apply, module, pipeline, result
+        from memlayout.plan import apply, pipeline
+        from memlayout.plan.report import result
+        from memlayout.plan.steer import module
 
         return {"optimize": pipeline.optimize, "apply": apply.apply,
                 "OptimizedModule": module.OptimizedModule, "Plan": result.Plan}[name]

@@ -39,7 +39,7 @@ from memlayout.models import load_model
 from memlayout.tensors import format_name, format_of, iter_tensors
 
 if TYPE_CHECKING:
-    from memlayout.plan.compare import ModelComparison
+    from memlayout.plan.report.compare import ModelComparison
 
 app = typer.Typer(
     help="Tensor memory layout (NCHW / channels-last) for PyTorch models.",
@@ -134,8 +134,8 @@ def _print_conditions(conditions: Conditions) -> None:
 def _print_measuring_conditions(measure: bool) -> None:
     """``optimize``'s first words before it measures: the conditions, and what the planner
     does with numbers taken on a busy machine."""
-    from memlayout.plan.costs import RETRIES
-    from memlayout.plan.guard import SUSPECT
+    from memlayout.plan.check.guard import SUSPECT
+    from memlayout.plan.costs.measure import RETRIES
 
     conditions = Conditions.now()
     _print_conditions(conditions)
@@ -428,10 +428,10 @@ def optimize(
     --compile: against torch.compile's default and eager NCHW)."""
     from memlayout.plan.apply import apply as apply_plan
     from memlayout.plan.apply import read_plan
-    from memlayout.plan.compare import compare_with_eager
-    from memlayout.plan.module import keyword_call
     from memlayout.plan.pipeline import example_inputs_of, format_label
     from memlayout.plan.pipeline import optimize as plan_model
+    from memlayout.plan.report.compare import compare_with_eager
+    from memlayout.plan.steer.module import keyword_call
 
     try:  # the options first: a bad one is reported before any model is built
         run_dtype = parse_dtype(dtype)
@@ -462,7 +462,7 @@ def optimize(
     try:
         spec = load_model(model, batch=batch, image_size=image_size)
         # keyword inputs become trailing positional ones: every step and timer below passes
-        # one tuple (memlayout.plan.module.KeywordCall)
+        # one tuple (memlayout.plan.steer.module.KeywordCall)
         module, example = keyword_call(
             spec.module.to(run_device), _on_device(example_inputs_of(spec.example_input),
                                                    run_device),
@@ -485,7 +485,7 @@ def optimize(
             if saved is not None:
                 opt = apply_plan(module, saved, example)
             elif compile:
-                from memlayout.plan.compiled import compile as plan_and_compile
+                from memlayout.plan.candidates.compiled import compile as plan_and_compile
 
                 opt = plan_and_compile(module, example, dtype=dtype,
                                        measure=measure, cache=cache, progress=progress,
@@ -521,7 +521,7 @@ def optimize(
                              "it is printed above"))
         console.print(f"plan written to {save}")
     if rounds > 0 and compile:
-        from memlayout.plan.compiled import compare_compiled
+        from memlayout.plan.candidates.compiled import compare_compiled
 
         result = compare_compiled(module, opt, example, rounds=rounds)
         _print_comparison(result, "batch")
@@ -713,7 +713,7 @@ CACHE_HELP = "The cache file. Default: $MEMLAYOUT_CACHE_DIR/costs.sqlite, else $
 def _cache_store(path: str | None) -> Iterator[tuple[Any, Path] | None]:
     """The cache at ``path`` (default: the user's) opened for one verb and closed after it;
     ``None``, said on screen, when there is no cache file."""
-    from memlayout.plan.cache import CostCache, cache_path
+    from memlayout.plan.costs.cache import CostCache, cache_path
 
     file = Path(path) if path else cache_path()
     if not file.is_file():
@@ -732,7 +732,7 @@ def cache_show(
     path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
 ) -> None:
     """The cache's file and its entries, grouped by machine, kind and quality, with ages."""
-    from memlayout.plan.cache import render
+    from memlayout.plan.costs.cache import render
 
     with _cache_store(path) as opened:
         if opened is not None:

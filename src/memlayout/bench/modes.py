@@ -26,7 +26,7 @@ modes that call is the compilation (reported as compile time, never mixed into t
   own (OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``), not autocast; ONNX Runtime has no bf16
   convolution on the CPU and is ``unavailable`` there. Conversion and compilation time is the
   record's ``compile_s``. Their first output is checked against eager NCHW in the same dtype
-  (``memlayout.plan.verify`` tolerances): a runtime that computes something else is an error,
+  (``memlayout.plan.check.verify`` tolerances): a runtime that computes something else is an error,
   never a timing.
 
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
@@ -62,10 +62,10 @@ from memlayout.bench.config import CONTROL, DTYPES, RUNTIME_MODES, ModeUnavailab
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
-from memlayout.plan.compiled import compile as plan_and_compile
+from memlayout.plan.candidates.compiled import compile as plan_and_compile
+from memlayout.plan.check.verify import TOLERANCE
+from memlayout.plan.check.verify import compare as compare_outputs
 from memlayout.plan.pipeline import example_inputs_of, optimize
-from memlayout.plan.verify import TOLERANCE
-from memlayout.plan.verify import compare as compare_outputs
 from memlayout.tensors import (
     convert_batch,
     format_name,
@@ -146,7 +146,7 @@ def _train_loss(out: Any) -> torch.Tensor:
 
 def _on(inputs: torch.Tensor | tuple[Any, ...], device: str) -> tuple[Any, ...]:
     """A model's positional inputs (one tensor, or a tuple: keyword inputs made trailing
-    positional ones by ``memlayout.plan.module.keyword_call``), copied onto ``device``."""
+    positional ones by ``memlayout.plan.steer.module.keyword_call``), copied onto ``device``."""
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a
                  for a in example_inputs_of(inputs))
 

@@ -1,5 +1,5 @@
 """Apply a saved plan (L2 plan): ``memlayout.apply(model, plan)`` rebuilds the planned model
-from a :class:`~memlayout.plan.result.Plan` (``Plan.from_json``) without measuring anything,
+from a :class:`~memlayout.plan.report.result.Plan` (``Plan.from_json``) without measuring anything,
 and verifies it like a fresh plan.
 
 The plan says, per captured region and layout node, which format it runs in, and which
@@ -31,15 +31,15 @@ import torch
 from torch import nn
 
 from memlayout.errors import PlanError
-from memlayout.plan import guard as g
-from memlayout.plan import padding as pad
-from memlayout.plan.capture import META_KEY, Captured, capture, node_target_name
-from memlayout.plan.label import Label
-from memlayout.plan.module import OptimizedModule, inputs_in
-from memlayout.plan.records import RegionSolution, Solution, region_formulation, solve_labels
-from memlayout.plan.result import UNPADDED, Plan
-from memlayout.plan.solve import Problem
-from memlayout.plan.verify import module_state
+from memlayout.plan.candidates import padding as pad
+from memlayout.plan.capture.regions import META_KEY, Captured, capture, node_target_name
+from memlayout.plan.check import guard as g
+from memlayout.plan.check.verify import module_state
+from memlayout.plan.graph import Label
+from memlayout.plan.options import RegionSolution, Solution, region_formulation, solve_labels
+from memlayout.plan.report.result import UNPADDED, Plan
+from memlayout.plan.solve.mincut import Problem
+from memlayout.plan.steer.module import OptimizedModule, inputs_in
 from memlayout.tensors import iter_tensors
 
 

@@ -1,6 +1,6 @@
 """``memlayout.optimize``: capture -> costs -> solve -> rewrite -> guard -> memory -> verify.
 
-``optimize`` derives one :class:`~memlayout.plan.records.PlanOptions` from its keywords and
+``optimize`` derives one :class:`~memlayout.plan.options.PlanOptions` from its keywords and
 runs the steps below in order, each returning a frozen record the next one reads.
 
 >>> import torch
@@ -37,11 +37,10 @@ from memlayout.errors import (
     PlanError,
 )
 from memlayout.layout import Format, strides_for
-from memlayout.plan import guard as g
-from memlayout.plan import memory as mem
 from memlayout.plan.apply import model_signature
-from memlayout.plan.blocked import measure_blocked
-from memlayout.plan.capture import (
+from memlayout.plan.candidates.blocked import measure_blocked
+from memlayout.plan.candidates.padding import plan_padding
+from memlayout.plan.capture.regions import (
     FREE,
     NONE,
     Captured,
@@ -51,47 +50,9 @@ from memlayout.plan.capture import (
     planned_ranks,
     value_meta,
 )
-from memlayout.plan.costs import (
-    CostCache,
-    convert_module_to,
-    convert_value,
-    device_name,
-    measure_costs,
-    module_has_layout_params,
-)
-from memlayout.plan.drops import drop_notes, notes_of
-from memlayout.plan.label import LABELS, Label
-from memlayout.plan.module import OptimizedModule, inputs_in, keyword_call, shape_signature
-from memlayout.plan.padding import plan_padding
-from memlayout.plan.problem import AUTO, OUTPUT_PREFIX, baseline_labels
-from memlayout.plan.records import (
-    Build,
-    Costs,
-    GuardDecision,
-    MemoryDecision,
-    PlanOptions,
-    Progress,
-    RegionCheck,
-    RegionSolution,
-    Solution,
-    region_formulation,
-    solve_labels,
-)
-from memlayout.plan.result import (
-    DTYPE_TOLERANCE,
-    FLOAT64_RECHECK,
-    BlockedReport,
-    Conversion,
-    GuardRecord,
-    NodeChoice,
-    PadChoice,
-    Plan,
-    Verification,
-    conv1d_notes,
-)
-from memlayout.plan.rewrite import PlannedGraph, rewrite
-from memlayout.plan.solve import Problem, objective
-from memlayout.plan.verify import (
+from memlayout.plan.check import guard as g
+from memlayout.plan.check import memory as mem
+from memlayout.plan.check.verify import (
     TOLERANCE,
     ModuleState,
     call_twice,
@@ -106,7 +67,52 @@ from memlayout.plan.verify import (
     verify_semantics,
     verify_training,
 )
-from memlayout.plan.weights import CONTIGUOUS, CONVERTED, WEIGHTS, storage_counts, store_weights
+from memlayout.plan.costs.drops import drop_notes, notes_of
+from memlayout.plan.costs.measure import (
+    CostCache,
+    convert_module_to,
+    convert_value,
+    device_name,
+    measure_costs,
+    module_has_layout_params,
+)
+from memlayout.plan.graph import LABELS, Label
+from memlayout.plan.options import (
+    Build,
+    Costs,
+    GuardDecision,
+    MemoryDecision,
+    PlanOptions,
+    Progress,
+    RegionCheck,
+    RegionSolution,
+    Solution,
+    region_formulation,
+    solve_labels,
+)
+from memlayout.plan.report.result import (
+    DTYPE_TOLERANCE,
+    FLOAT64_RECHECK,
+    BlockedReport,
+    Conversion,
+    GuardRecord,
+    NodeChoice,
+    PadChoice,
+    Plan,
+    Verification,
+    conv1d_notes,
+)
+from memlayout.plan.solve.formulate import AUTO, OUTPUT_PREFIX, baseline_labels
+from memlayout.plan.solve.mincut import Problem, objective
+from memlayout.plan.steer.module import OptimizedModule, inputs_in, keyword_call, shape_signature
+from memlayout.plan.steer.rewrite import PlannedGraph, rewrite
+from memlayout.plan.steer.weights import (
+    CONTIGUOUS,
+    CONVERTED,
+    WEIGHTS,
+    storage_counts,
+    store_weights,
+)
 from memlayout.tensors import convert_batch, iter_tensors
 
 
@@ -133,7 +139,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       it on entry, which costs nothing when they already arrive in it.
     - ``output_format``: ``"keep"`` (as the original returns them), a format, or ``None``.
     - ``measure=False``: an analytical cost model instead of timing; ``cache``: ``True`` (the
-      user cache, see ``memlayout.plan.cache.cache_path``), ``False``, or a database path;
+      user cache, see ``memlayout.plan.costs.cache.cache_path``), ``False``, or a database path;
       ``refresh=True`` measures everything again (costs and the guard's, padding's, memory's
       records) and overwrites what the cache held, e.g. numbers taken on a busy machine.
     - ``progress(done, total, what)`` is called while measuring.
@@ -144,7 +150,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       call); the plan is kept unless one is faster by more than ``guard_margin`` (default 0:
       the fastest in the median of per-round ratios is kept).
       ``plan.guard`` records the ratios and the choice; the measurement is cached with the
-      costs (see ``memlayout.plan.guard``).
+      costs (see ``memlayout.plan.check.guard``).
     - ``train``: plan a training step. Costs are forward + backward per node in each format
       (a conversion in the forward brings one of its gradient in the backward: both count),
       the guard times forward + backward, and verification compares one training step
@@ -160,7 +166,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     - ``weights``: ``"converted"`` (a channels-last node's weights converted once, here) or
       ``"contiguous"``: every parameter stays contiguous (what FSDP's ``fully_shard``
       takes), and each channels-last convolution reads its weight as it is or converts it per
-      call, whichever measures faster (``memlayout.plan.weights``).
+      call, whichever measures faster (``memlayout.plan.steer.weights``).
     - ``max_plans``: changing shapes. A call with another input shape signature (shapes,
       dtypes, devices of the tensor arguments: another batch size or image size) is planned
       on first sight, on the live weights, with their formats kept (one set of parameters
@@ -170,12 +176,12 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       and runs the verification (about 5 forward passes; 2 forward + backward in training).
       ``optimized.plans`` holds the plans by signature.
     - ``padding`` (with ``measure``): convolutions whose channel counts are not a multiple of
-      the vector width run padded where that measures faster (``memlayout.plan.padding``).
+      the vector width run padded where that measures faster (``memlayout.plan.candidates.padding``).
     - ``blocked`` (with ``measure``, default off): where this build has mkldnn tensors, chains
       of supported ops are timed in that blocked format too and reported, never applied
-      (``memlayout.plan.blocked``).
+      (``memlayout.plan.candidates.blocked``).
     - ``memory``: ``plan.memory`` reports the peak activation memory of the planned model vs
-      the original (``memlayout.plan.memory``); ``memory_budget`` (bytes, or ``"300MB"``):
+      the original (``memlayout.plan.check.memory``); ``memory_budget`` (bytes, or ``"300MB"``):
       the fastest plan whose peak fits, or ``PlanError`` saying the smallest peak found.
 
     - ``kwargs``: keyword inputs of the example (a diffusers UNet's ``encoder_hidden_states``);
@@ -368,7 +374,7 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
     against the original run entirely in one format (eager NCHW, eager NHWC: weights and
     inputs converted, outputs as the plan keeps them), skipping a format the plan already is
     end to end (or read that measurement from the cache), and keep the fastest
-    (``memlayout.plan.guard``). With ``input_format="auto"`` each candidate is timed with its
+    (``memlayout.plan.check.guard``). With ``input_format="auto"`` each candidate is timed with its
     inputs already in its format, and the inputs then arrive in the kept one's."""
     entry = solution.chosen_input() if options.auto_input else options.input_label
     if not (options.guard and options.measure and solution.has_variables):
@@ -419,7 +425,7 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
     def on_step(_round: int, name: str) -> None:
         steps[0] += 1
         if options.progress is not None:
-            # a close call runs as many rounds again (memlayout.plan.guard.is_close)
+            # a close call runs as many rounds again (memlayout.plan.check.guard.is_close)
             total = rounds * len(builds) * (1 + (steps[0] > rounds * len(builds)))
             options.progress(steps[0], total, f"whole model, {name}")
 
@@ -461,7 +467,7 @@ def memory_step(work: nn.Module, captured: Captured, solution: Solution,
                 decision: GuardDecision, inputs: tuple[Any, ...], padded: tuple[PadChoice, ...],
                 options: PlanOptions, store: CostCache | None, signature: str) -> MemoryDecision:
     """The peak activation memory of the plan against the original's; with a budget, the
-    fastest plan whose peak fits (``memlayout.plan.memory``)."""
+    fastest plan whose peak fits (``memlayout.plan.check.memory``)."""
     if not options.memory and options.memory_budget is None:
         return MemoryDecision(decision.build, None)
     outputs = _output_label(captured.output, options.output_label, options.ranks)

@@ -87,7 +87,7 @@ def mixed_precision(dtype: torch.dtype | None, *, cast_inputs: bool = True) -> A
 
 
 def _is_planned(model: nn.Module) -> bool:
-    planned = sys.modules.get("memlayout.plan.module")  # loaded only when a plan was made
+    planned = sys.modules.get("memlayout.plan.steer.module")  # loaded only when a plan was made
     return planned is not None and isinstance(model, planned.OptimizedModule)
 
 

@@ -209,7 +209,7 @@ def keyed_module(model: nn.Module) -> nn.Module:
     the model inside DDP, or the model itself. DCP's state-dict helpers name optimizer state
     by parameter names, so they must agree with the model's ``state_dict`` keys."""
     model = unwrap(model)
-    planned = sys.modules.get("memlayout.plan.module")  # loaded only when a plan was made
+    planned = sys.modules.get("memlayout.plan.steer.module")  # loaded only when a plan was made
     if planned is not None and isinstance(model, planned.OptimizedModule):
         return model.module
     return model

@@ -17,13 +17,13 @@ from torch import nn
 
 from memlayout.dtypes import autocast
 from memlayout.errors import MemlayoutError, PlanError
-from memlayout.plan.capture import device_of
-from memlayout.plan.costs import convert_value
-from memlayout.plan.label import Label
+from memlayout.plan.capture.regions import device_of
+from memlayout.plan.costs.measure import convert_value
+from memlayout.plan.graph import Label
 from memlayout.tensors import iter_tensors, torch_memory_format
 
 if TYPE_CHECKING:
-    from memlayout.plan.result import Plan
+    from memlayout.plan.report.result import Plan
 
 #: plans a new input shape on the optimized module's live weights: ``(optimized, args) ->
 #: (module, plan)``; ``.base`` runs the original model's computation on the same weights

@@ -9,8 +9,8 @@ the note still names the op. The notes go into ``node.meta[DROPS_KEY]`` of the r
 
 >>> import torch
 >>> from torch import nn
->>> from memlayout.plan.capture import capture
->>> from memlayout.plan.costs import measure_costs
+>>> from memlayout.plan.capture.regions import capture
+>>> from memlayout.plan.costs.measure import measure_costs
 >>> class Net(nn.Module):  # cumsum over channels returns a contiguous tensor
 ...     def __init__(self):
 ...         super().__init__()
@@ -34,8 +34,8 @@ from torch import fx
 
 from memlayout.dtypes import autocast
 from memlayout.layout import Format
-from memlayout.plan.capture import FREE, device_of, graph_ranks
-from memlayout.plan.costs import CostTable, convert_module_to, convert_value
+from memlayout.plan.capture.regions import FREE, device_of, graph_ranks
+from memlayout.plan.costs.measure import CostTable, convert_module_to, convert_value
 
 #: ``node.meta`` key of a dropping node's notes (a list of sentences)
 DROPS_KEY = "memlayout.drops"

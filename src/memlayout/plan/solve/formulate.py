@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from memlayout.plan.capture import FREE, META_KEY, ValueMeta
-from memlayout.plan.costs import CostTable, input_kind, is_layout_node
-from memlayout.plan.solve import Problem, Tensor
+from memlayout.plan.capture.regions import FREE, META_KEY, ValueMeta
+from memlayout.plan.costs.measure import CostTable, input_kind, is_layout_node
+from memlayout.plan.solve.mincut import Problem, Tensor
 
 OUTPUT_PREFIX = "output:"
 

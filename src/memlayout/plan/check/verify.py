@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import strides_agree
-from memlayout.plan.capture import device_of, node_target_name
+from memlayout.plan.capture.regions import device_of, node_target_name
 from memlayout.tensors import iter_tensors
 
 # (rtol, atol) relative to the reference's largest magnitude. Different kernels (channels-last

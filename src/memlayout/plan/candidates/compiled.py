@@ -28,7 +28,7 @@ those that agree interleaved round by round, and keeps the fastest:
   and the record says so.
 
 ``inductor`` is the default, what a plain ``torch.compile`` gives: another candidate replaces it
-only when faster by more than a margin (2 %). Timing goes through ``memlayout.plan.guard``'s
+only when faster by more than a margin (2 %). Timing goes through ``memlayout.plan.check.guard``'s
 timer (``memlayout.timing.interleaved``), after one untimed call each (the compile). The ratios
 are cached (same SQLite store as the costs) under the device, torch version, dtype, a signature
 of the model, the plan, the compile settings and the runtimes asked for: a second ``compile`` of
@@ -61,15 +61,15 @@ from memlayout.dtypes import autocast, dtype_name
 from memlayout.errors import LayoutVerificationError, MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
-from memlayout.plan import guard as g
-from memlayout.plan.capture import device_of
-from memlayout.plan.compare import ModelComparison, busier
-from memlayout.plan.costs import device_name
-from memlayout.plan.module import OptimizedModule
+from memlayout.plan.capture.regions import device_of
+from memlayout.plan.check import guard as g
+from memlayout.plan.check.verify import TOLERANCE, compare
+from memlayout.plan.costs.measure import device_name
+from memlayout.plan.options import Progress
 from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
-from memlayout.plan.records import Progress
-from memlayout.plan.result import CompiledRecord
-from memlayout.plan.verify import TOLERANCE, compare
+from memlayout.plan.report.compare import ModelComparison, busier
+from memlayout.plan.report.result import CompiledRecord
+from memlayout.plan.steer.module import OptimizedModule
 from memlayout.tensors import convert_batch, convert_module
 from memlayout.timing import device_sync, interleaved
 

@@ -41,12 +41,12 @@ from torch.utils._pytree import tree_flatten
 from memlayout.dispatch import ObservingMode
 from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
-from memlayout.plan.capture import device_of
-from memlayout.plan.costs import device_name
-from memlayout.plan.guard import signature as graph_signature
-from memlayout.plan.records import Build, Solution
-from memlayout.plan.result import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
-from memlayout.plan.solve import Problem, Tensor, objective, solve_min_cut
+from memlayout.plan.capture.regions import device_of
+from memlayout.plan.check.guard import signature as graph_signature
+from memlayout.plan.costs.measure import device_name
+from memlayout.plan.options import Build, Solution
+from memlayout.plan.report.result import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
+from memlayout.plan.solve.mincut import Problem, Tensor, objective, solve_min_cut
 
 CUDA_ALLOCATOR = "cuda_allocator"
 TENSOR_LIFETIME = "tensor_lifetime"

@@ -22,7 +22,7 @@ from typing import Any
 
 from memlayout.errors import PlanError
 from memlayout.machine import Conditions
-from memlayout.plan.label import LABELS
+from memlayout.plan.graph import LABELS
 
 SCHEMA = 1  # the version of the plan's JSON
 AUTOCAST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # Plan.dtype names
@@ -123,7 +123,7 @@ def type_name(tp: Any) -> str:
     """How a field's type reads in an error: ``int``, ``list[NodeChoice]``, ``str | None``."""
     if isinstance(tp, type) and not typing.get_args(tp):
         return tp.__name__
-    return str(tp).replace("typing.", "").replace("memlayout.plan.result.", "").replace(
+    return str(tp).replace("typing.", "").replace("memlayout.plan.report.result.", "").replace(
         "memlayout.machine.", "").replace("NoneType", "None")
 
 
@@ -180,7 +180,7 @@ class RatioRange(Record):
 
 @dataclass(frozen=True)
 class GuardRecord(Record):
-    """The whole-model check of the plan (``memlayout.plan.guard``): the candidate kept, the
+    """The whole-model check of the plan (``memlayout.plan.check.guard``): the candidate kept, the
     per-round ratios against each candidate, and the conditions they were measured under."""
 
     kept: str
@@ -209,7 +209,7 @@ class MemoryCandidate(Record):
 @dataclass(frozen=True)
 class MemoryReport(Record):
     """Peak activation memory of the planned model against the original's
-    (``memlayout.plan.memory``), weights, and the choice under a budget."""
+    (``memlayout.plan.check.memory``), weights, and the choice under a budget."""
 
     method: str  # "tensor_lifetime" or "cuda_allocator"
     original: int  # peak bytes
@@ -280,7 +280,7 @@ class BlockedReport(Record):
 
 @dataclass(frozen=True)
 class CompiledRecord(Record):
-    """What ``memlayout.compile`` kept (``memlayout.plan.compiled``): the plan compiled with
+    """What ``memlayout.compile`` kept (``memlayout.plan.candidates.compiled``): the plan compiled with
     Inductor's layout optimization off, the original compiled with Inductor's own layout, or
     a peer runtime's model. ``candidates``: per-round ``baseline / candidate`` time ratios;
     ``compile_seconds``: each candidate's build (conversion, compile, first call)."""
@@ -316,7 +316,7 @@ class NodeChoice:
     format: str
     seconds: dict[str, float | None]
     timed: bool
-    #: why it returns another format when fed channels-last (``memlayout.plan.drops``)
+    #: why it returns another format when fed channels-last (``memlayout.plan.costs.drops``)
     drops: list[str] = field(default_factory=list)
 
 
@@ -414,11 +414,11 @@ class Plan:
     planning_seconds: float = 0.0
     # the checks around the plan (``None``: not run)
     verification: Verification | None = None
-    guard: GuardRecord | None = None  # memlayout.plan.guard
-    padding: tuple[PadChoice, ...] = ()  # memlayout.plan.padding
-    memory: MemoryReport | None = None  # memlayout.plan.memory
-    blocked: BlockedReport | None = None  # memlayout.plan.blocked
-    compiled: CompiledRecord | None = None  # memlayout.plan.compiled
+    guard: GuardRecord | None = None  # memlayout.plan.check.guard
+    padding: tuple[PadChoice, ...] = ()  # memlayout.plan.candidates.padding
+    memory: MemoryReport | None = None  # memlayout.plan.check.memory
+    blocked: BlockedReport | None = None  # memlayout.plan.candidates.blocked
+    compiled: CompiledRecord | None = None  # memlayout.plan.candidates.compiled
     notes: list[str] = field(default_factory=list)  # e.g. why rank 3 is not planned here
     # what it was planned for
     train: bool = False  # planned (costs, guard, verification) for a training step
@@ -426,7 +426,7 @@ class Plan:
     weight_formats_kept: bool = False  # nodes owning weights ran in the weights' formats
     coverage: Coverage | None = None  # convolution calls planned, what stayed eager and why
     #: timed costs (nodes and conversions) and, of those, the noisy ones (measured on a busy
-    #: machine, or rounds spread beyond ``machine.SPREAD_LIMIT``; ``memlayout.plan.cache``)
+    #: machine, or rounds spread beyond ``machine.SPREAD_LIMIT``; ``memlayout.plan.costs.cache``)
     costs_timed: int = 0
     costs_noisy: int = 0
     #: what ``memlayout.apply`` checks a model against (``memlayout.plan.apply.model_signature``)
@@ -507,31 +507,31 @@ class Plan:
 
     def summary(self) -> str:
         """Plain text: counts, conversions, predictions, and one line per check."""
-        from memlayout.plan import describe
+        from memlayout.plan.report import describe
 
         return describe.summary(self)
 
     def headline(self) -> str:
         """One short line: what runs in which format and what the guard kept (for a bench
         record's note, a log line)."""
-        from memlayout.plan import describe
+        from memlayout.plan.report import describe
 
         return describe.headline(self)
 
     def guard_summary(self) -> str:
-        """The whole-model check of the plan (``memlayout.plan.guard``) in one line."""
-        from memlayout.plan import describe
+        """The whole-model check of the plan (``memlayout.plan.check.guard``) in one line."""
+        from memlayout.plan.report import describe
 
         return describe.guard_summary(self.guard) if self.guard else ""
 
     def compiled_summary(self) -> str:
-        """What ``memlayout.compile`` kept (``memlayout.plan.compiled``) in one line."""
-        from memlayout.plan import describe
+        """What ``memlayout.compile`` kept (``memlayout.plan.candidates.compiled``) in one line."""
+        from memlayout.plan.report import describe
 
         return describe.compiled_summary(self.compiled) if self.compiled else ""
 
     def explain(self, console: Any = None) -> None:
         """Render the plan with rich: per node the choice and both costs, then conversions."""
-        from memlayout.plan import describe
+        from memlayout.plan.report import describe
 
         describe.explain(self, console)

@@ -1,5 +1,5 @@
 """What a plan says on screen (L2 plan): plain-text lines and rich tables, read from the plan's
-records (``memlayout.plan.result``) and nothing else.
+records (``memlayout.plan.report.result``) and nothing else.
 
 >>> memory_summary(MemoryReport("tensor_lifetime", 2_000_000, 3_000_000, 0, 0, 10, 10, None,
 ...                             "planned"))
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from memlayout.machine import SPREAD_LIMIT
-from memlayout.plan.result import (
+from memlayout.plan.report.result import (
     UNPADDED,
     BlockedReport,
     CompiledRecord,

@@ -2,7 +2,7 @@
 node.meta.
 
 ``capture`` takes the model whole (``torch.fx.symbolic_trace`` where that is faithful, else
-non-strict ``torch.export``: :mod:`memlayout.plan.export`) and runs the graph once on the
+non-strict ``torch.export``: :mod:`memlayout.plan.capture.trace`) and runs the graph once on the
 example inputs (no grad, under autocast when a dtype is given), recording for every node a
 :class:`ValueMeta` under ``node.meta["memlayout"]``: shape, strides, dtype and the full set of
 formats (``formats_of``) of each tensor in its output; only image-like values keep a layout
@@ -30,7 +30,7 @@ from torch import fx, nn
 from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError
 from memlayout.layout import Format, formats_of
-from memlayout.plan.export import (
+from memlayout.plan.capture.trace import (
     FX,
     METHOD_KEY,
     ConvolutionCount,
@@ -39,8 +39,8 @@ from memlayout.plan.export import (
     faithful_trace,
     flat_inputs,
 )
-from memlayout.plan.label import Label
-from memlayout.plan.result import Coverage
+from memlayout.plan.graph import Label
+from memlayout.plan.report.result import Coverage
 from memlayout.spatial import mark_spatial
 from memlayout.tensors import iter_tensors
 
@@ -178,7 +178,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     A whole model is taken by ``torch.fx.symbolic_trace`` when that records it faithfully
     (no grad-mode or autocast change inside forward, which fx would drop, and a graph that
     runs on the example and computes what forward does), else by non-strict
-    ``torch.export`` (:mod:`memlayout.plan.export`: control flow, containers, keyword
+    ``torch.export`` (:mod:`memlayout.plan.capture.trace`: control flow, containers, keyword
     arguments and attribute reads run as Python). When neither takes it whole, each
     submodule called once is tried the same way, descending into containers; what stays
     eager is listed in ``uncaptured`` with the reason and counted in ``coverage``.
@@ -282,7 +282,7 @@ def _run(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
 
 
 def _agree(want: Any, got: Any, dtype: torch.dtype | None) -> tuple[bool, float]:
-    from memlayout.plan.verify import compare  # verify reads this module's names
+    from memlayout.plan.check.verify import compare  # verify reads this module's names
 
     ok, error, _ = compare(want, got, dtype)
     return ok, error

@@ -15,9 +15,9 @@ import torch
 from torch import fx, nn
 
 from memlayout import layout
-from memlayout.plan.capture import CONV1D_RANKS, META_KEY, graph_ranks
-from memlayout.plan.costs import convert_value, module_has_layout_params
-from memlayout.plan.problem import OUTPUT_PREFIX, Formulation
+from memlayout.plan.capture.regions import CONV1D_RANKS, META_KEY, graph_ranks
+from memlayout.plan.costs.measure import convert_value, module_has_layout_params
+from memlayout.plan.solve.formulate import OUTPUT_PREFIX, Formulation
 
 
 class PlannedGraph:

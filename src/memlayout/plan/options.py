@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlayout.plan.capture import Region
-from memlayout.plan.costs import CostTable, Progress
-from memlayout.plan.problem import AUTO, Formulation, formulate
-from memlayout.plan.result import Conversion, GuardRecord, MemoryReport, NodeChoice
-from memlayout.plan.solve import Problem, solve_min_cut
+from memlayout.plan.capture.regions import Region
+from memlayout.plan.costs.measure import CostTable, Progress
+from memlayout.plan.report.result import Conversion, GuardRecord, MemoryReport, NodeChoice
+from memlayout.plan.solve.formulate import AUTO, Formulation, formulate
+from memlayout.plan.solve.mincut import Problem, solve_min_cut
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class PlanOptions:
     @property
     def weights(self) -> str:
         """How weights are stored: ``"converted"`` (once, to their node's format) or
-        ``"contiguous"`` (``memlayout.plan.weights``)."""
+        ``"contiguous"`` (``memlayout.plan.steer.weights``)."""
         return "contiguous" if self.contiguous_weights else "converted"
 
 

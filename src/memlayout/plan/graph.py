@@ -2,7 +2,7 @@
 
 A label is contiguous or channels-last; which ``Format`` channels-last is depends on the
 tensor's rank (``channels_last_1d`` / ``channels_last`` / ``channels_last_3d``). As an
-``IntEnum`` it is also the 0 / 1 the min-cut solver (``memlayout.plan.solve``) works with.
+``IntEnum`` it is also the 0 / 1 the min-cut solver (``memlayout.plan.solve.mincut``) works with.
 
 >>> Label.CHANNELS_LAST.format(5), Label(0).format(4)
 (<Format.CHANNELS_LAST_3D: 'channels_last_3d'>, <Format.CONTIGUOUS: 'contiguous'>)

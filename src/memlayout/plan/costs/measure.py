@@ -14,7 +14,7 @@ rounds spread more than ``machine.SPREAD_LIMIT`` is taken again (at most ``RETRI
 one still spread that far, or taken while the machine was busy (load above the cores), is
 *noisy*: ``NodeCost.noisy`` / ``ConversionCost.noisy`` say so, and the plan counts them.
 
-Measurements are cached (``memlayout.plan.cache``), keyed by device name, torch version,
+Measurements are cached (``memlayout.plan.costs.cache``), keyed by device name, torch version,
 autocast dtype, op, shapes, strides and dtype, and the machine's fingerprint, with the
 conditions they were taken under: a second plan of the same model measures nothing, except what
 was noisy, when the machine is quiet now. ``measure=False`` runs each layout node once per format (formats only) and
@@ -38,8 +38,7 @@ from torch import fx, nn
 from memlayout.dtypes import autocast
 from memlayout.layout import Format, strides_for
 from memlayout.machine import Conditions, noisy
-from memlayout.plan.cache import CostCache
-from memlayout.plan.capture import (
+from memlayout.plan.capture.regions import (
     FREE,
     META_KEY,
     NONE,
@@ -49,9 +48,16 @@ from memlayout.plan.capture import (
     node_target_name,
     value_meta,
 )
-from memlayout.plan.label import Label
-from memlayout.plan.weights import AS_IS, CONTIGUOUS, CONVERTED, PER_CALL, can_convert_per_call
-from memlayout.plan.weights import convert_per_call as _convert_per_call
+from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.graph import Label
+from memlayout.plan.steer.weights import (
+    AS_IS,
+    CONTIGUOUS,
+    CONVERTED,
+    PER_CALL,
+    can_convert_per_call,
+)
+from memlayout.plan.steer.weights import convert_per_call as _convert_per_call
 from memlayout.tensors import convert_module, iter_tensors, to_format
 from memlayout.timing import Comparison, device_sync, interleaved
 
@@ -218,7 +224,7 @@ def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...], *,
     """``module``'s weights of the layout ``ranks`` in label's format, in place (returns
     ``module``). ``weights=CONTIGUOUS``: every weight contiguous whatever the label, and
     ``PER_CALL``: contiguous, converted per call to the input's format
-    (``memlayout.plan.weights``)."""
+    (``memlayout.plan.steer.weights``)."""
     if weights == PER_CALL:
         _convert_per_call(module)
     if weights != CONVERTED:

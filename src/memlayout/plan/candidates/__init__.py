@@ -1,0 +1,2 @@
+"""Candidates beyond one strided format per node: padded channels, blocked (mkldnn) chains,
+compiled runtimes (``memlayout.compile``)."""

@@ -1,0 +1,1 @@
+"""Application: a solved plan made real on a model (parameter formats, conversions)."""
