@@ -65,9 +65,9 @@ def test_bench_rejects_a_dtype_it_does_not_run_before_its_header(models, tmp_pat
 
 
 def test_bench_accepts_long_dtype_names(models, tmp_path):
-    from memlayout.cli import BENCH_DTYPES, _dtypes
+    from memlayout.cli.common import BENCH_DTYPES, check_dtypes
 
-    assert _dtypes("float32, bfloat16", BENCH_DTYPES) == "fp32,bf16"
+    assert check_dtypes("float32, bfloat16", BENCH_DTYPES) == "fp32,bf16"
 
 
 def test_train_rejects_a_bad_dtype_before_writing_the_data(models, tmp_path):

@@ -1,0 +1,5 @@
+"""``python -m memlayout.cli`` (what torchrun runs): the ``memlayout`` command."""
+
+from memlayout.cli import app
+
+app()

@@ -1,0 +1,135 @@
+"""``memlayout bench``: every layout strategy timed side by side, interleaved."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from memlayout.cli.app import app
+from memlayout.cli.common import (
+    BENCH_DTYPES,
+    DEVICE_HELP,
+    PLAN_COSTS,
+    check_device,
+    check_dtypes,
+    choice,
+    console,
+    fail,
+    print_conditions,
+    progress_bar,
+)
+from memlayout.errors import MemlayoutError
+from memlayout.machine import Conditions
+
+if TYPE_CHECKING:
+    pass
+
+
+def _bench_command(models: list[str] | None, flags: tuple[tuple[str, Any, Any], ...],
+                   steady_heap: bool) -> str:
+    """The command line that reproduces a bench run (flags at their default left out)."""
+    command = ["memlayout", "bench", *(models or [])]
+    for flag, value, default in flags:
+        if value is not None and value != default:
+            command += [flag, str(value)]
+    return shlex.join(command + (["--steady-heap"] if steady_heap else []))
+
+
+@app.command()
+def bench(
+    models: Annotated[list[str] | None, typer.Argument(metavar="[MODEL_SPEC]...", help="Model specs: torchvision:NAME, timm:NAME or file.py:factory. Default: none (use --zoo).")] = None,
+    zoo: Annotated[str | None, typer.Option(help="Add a model zoo: quick (3 small models at 64 px), classification (17 torchvision families) or all (+ segmentation, video, timm if installed). Default: none.")] = None,
+    modes: Annotated[str, typer.Option(help="Comma-separated modes, nchw (the baseline) required: nchw, nhwc, planned, compile, planned+compile; and nhwc-again, a second copy of nhwc whose ratio to it is the run's noise floor (an A/A control); and the peer runtimes openvino, onnxruntime (inference on the CPU; pip install 'memlayout[runtimes]'). Default: the first five.")] = "nchw,nhwc,planned,compile,planned+compile",
+    dtype: Annotated[str, typer.Option(help="Comma-separated dtypes: fp32, bf16 (torch.autocast). Default: fp32.")] = "fp32",
+    task: Annotated[str, typer.Option(help="Comma-separated tasks: infer (no grad), train (forward + backward + SGD step). Default: infer.")] = "infer",
+    batch: Annotated[int, typer.Option(help="Batch size; halved and retried on out of memory. Default: 8.")] = 8,
+    image_size: Annotated[int | None, typer.Option(help="Image height and width. Default: the zoo's (quick: 64), else the model's own (224; inception_v3 299; video 112).")] = None,
+    rounds: Annotated[int, typer.Option(help="Interleaved timed rounds; every mode runs once per round. Default: 7.")] = 7,
+    warmup: Annotated[int, typer.Option(help="Untimed calls per mode before the rounds, after the first (compiling) call. Default: 1.")] = 1,
+    threads: Annotated[int | None, typer.Option(help="torch.set_num_threads for the run. Default: torch's current setting.")] = None,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+    compile_backend: Annotated[str, typer.Option(help="torch.compile backend of the compile modes. Default: inductor.")] = "inductor",
+    gemm_size: Annotated[int | None, typer.Option(help="Side of the square matmul timed as the GEMM peak, once per dtype per run. Default: 2048 on CPU, 8192 on CUDA.")] = None,
+    plan_costs: Annotated[str, typer.Option(help="Planner costs for the planned modes: measured (on this machine, cached) or analytic (no timing, faster). Default: measured.")] = "measured",
+    out: Annotated[str, typer.Option(help="Folder for results.csv, results.json, speedup.png, summary.md, config.json; rewritten after every model x dtype x task, so a stopped run keeps what it measured. Default: bench-results.")] = "bench-results",
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the records already in --out and run only the cases missing there (same settings required; more models, dtypes or tasks are fine). Default: off (start over).")] = False,
+    steady_heap: Annotated[bool, typer.Option("--steady-heap", help="Keep glibc's heap for the whole run (memlayout.malloc.steady_heap): large CPU tensors stop being unmapped and page-faulted in again every step. Default: off (the allocator as users run it).")] = False,
+) -> None:
+    """Time every layout strategy on each model, interleaved round by round in one process, and
+    report speedups over eager NCHW (median of per-round ratios), FLOP/s and compile times."""
+    from memlayout.bench import (
+        BenchConfig,
+        BenchEvent,
+        BenchResult,
+        resume_records,
+        run_bench,
+        write_outputs,
+    )
+    from memlayout.bench import zoo as zoo_entries
+    from memlayout.bench.render import render_header, render_results
+
+    specs = list(models or [])
+    sizes: list[tuple[str, int]] = []
+    try:
+        choice("--plan-costs", plan_costs, PLAN_COSTS)
+        dtypes = check_dtypes(dtype, BENCH_DTYPES) or dtype
+        device = check_device(device)
+        for entry in zoo_entries(zoo) if zoo else ():
+            specs.append(entry.spec)
+            if entry.image_size:
+                sizes.append((entry.spec, entry.image_size))
+        cfg = BenchConfig.from_strings(
+            list(dict.fromkeys(specs)), modes=modes, dtypes=dtypes, tasks=task, batch=batch,
+            image_size=image_size, rounds=rounds, warmup=warmup, threads=threads, device=device,
+            compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=tuple(sizes),
+            plan_measure=plan_costs == "measured", steady_heap=steady_heap)
+        previous = resume_records(Path(out), cfg) if resume else []
+    except MemlayoutError as exc:
+        fail(exc)
+    done = {(r.model, r.dtype, r.task) for r in previous}
+    if previous:
+        console.print(f"--resume: {len(done)} model x dtype x task cases already in {out}, kept")
+    command = _bench_command(models, (
+        ("--zoo", zoo, None), ("--modes", modes, None), ("--dtype", dtype, None),
+        ("--task", task, None), ("--batch", batch, None), ("--image-size", image_size, None),
+        ("--rounds", rounds, None), ("--warmup", warmup, 1), ("--threads", threads, None),
+        ("--device", device, "cpu"), ("--compile-backend", compile_backend, "inductor"),
+        ("--gemm-size", gemm_size, None), ("--plan-costs", plan_costs, "measured"),
+        ("--out", out, None)), steady_heap)
+    render_header(cfg, console)
+    conditions = Conditions.now()
+    if threads is not None:  # the run sets them; state what it will run with
+        conditions = dataclasses.replace(conditions, threads=threads)
+    print_conditions(conditions)
+
+    per_case = len(cfg.modes) * cfg.rounds
+    todo = [(m, d, t) for m in cfg.models for d in cfg.dtypes for t in cfg.tasks if (m, d, t) not in done]
+    total = len(todo) * per_case
+    records = list(previous)
+
+    def save(case: list) -> None:  # after every case: a stopped run keeps what it measured
+        records.extend(case)
+        write_outputs(BenchResult(cfg, case[0].env, tuple(records)), Path(out), command=command)
+    with progress_bar(console) as progress:
+        bar = progress.add_task("starting", total=total)
+
+        def on_event(event: BenchEvent) -> None:
+            name = event.model.removeprefix("torchvision:")
+            where = f"{name} {event.dtype} {event.task} batch {event.batch}"
+            if event.phase == "setup":
+                progress.update(bar, description=f"{where}: building {event.mode}")
+                if not console.is_terminal:  # a log has no live bar: one line per step instead
+                    console.print(f"{where}: building {event.mode}", markup=False, highlight=False)
+            elif event.mode in cfg.modes:  # the GEMM timed alongside is not a step of the bar
+                progress.update(bar, advance=1, description=f"{where}: round {(event.round or 0) + 1}/{cfg.rounds} {event.mode}")
+
+        result = run_bench(cfg, on_event=on_event, skip=done, on_case=save)
+        progress.update(bar, completed=total, description="done")
+    result = BenchResult(cfg, result.env, tuple(records))
+    render_results(result.records, console)
+    paths = write_outputs(result, Path(out), command=command)
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -1,0 +1,89 @@
+"""``memlayout cache show|prune|clear``: the measurement cache."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from memlayout.cli.app import app
+from memlayout.cli.common import UsageError, console, fail
+from memlayout.errors import MemlayoutError
+
+if TYPE_CHECKING:
+    pass
+
+
+cache_app = typer.Typer(help="The measurement cache: show, prune, clear.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+CACHE_HELP = "The cache file. Default: $MEMLAYOUT_CACHE_DIR/costs.sqlite, else $XDG_CACHE_HOME/memlayout/costs.sqlite."
+
+
+@contextlib.contextmanager
+def _cache_store(path: str | None) -> Iterator[tuple[Any, Path] | None]:
+    """The cache at ``path`` (default: the user's) opened for one verb and closed after it;
+    ``None``, said on screen, when there is no cache file."""
+    from memlayout.plan.costs.cache import CostCache, cache_path
+
+    file = Path(path) if path else cache_path()
+    if not file.is_file():
+        console.print(f"no cache at {file}", markup=False, highlight=False)
+        yield None
+        return
+    store = CostCache(file)
+    try:
+        yield store, file
+    finally:
+        store.close()
+
+
+@cache_app.command("show")
+def cache_show(
+    path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
+) -> None:
+    """The cache's file and its entries, grouped by machine, kind and quality, with ages."""
+    from memlayout.plan.costs.cache import render
+
+    with _cache_store(path) as opened:
+        if opened is not None:
+            render(opened[0].summary(), console)
+
+
+@cache_app.command("prune")
+def cache_prune(
+    older_than: Annotated[float | None, typer.Option(help="Drop entries older than this many days. Default: none.")] = None,
+    noisy: Annotated[bool, typer.Option("--noisy", help="Drop noisy entries (busy machine, or rounds spread too far). Default: off.")] = False,
+    other_machines: Annotated[bool, typer.Option("--other-machines", help="Drop entries of another machine fingerprint (CPU, threads, torch, OpenMP wait policy). Default: off.")] = False,
+    path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
+) -> None:
+    """Drop entries older than --older-than days, noisy ones, or another machine's."""
+    try:
+        if older_than is None and not noisy and not other_machines:
+            raise UsageError("cache prune: give --older-than DAYS, --noisy and/or "
+                             "--other-machines (memlayout cache clear drops everything)")
+        if older_than is not None and older_than < 0:
+            raise UsageError(f"--older-than {older_than}: give a number of days >= 0")
+    except MemlayoutError as exc:
+        fail(exc)
+    with _cache_store(path) as opened:
+        if opened is not None:
+            store, file = opened
+            dropped = store.prune(older_than_days=older_than, noisy_only=noisy,
+                                  other_machines=other_machines)
+            console.print(f"pruned {dropped} entries from {file}; {store.summary().count} left",
+                          markup=False, highlight=False)
+
+
+@cache_app.command("clear")
+def cache_clear(
+    path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
+) -> None:
+    """Drop every entry: the next plan measures everything."""
+    with _cache_store(path) as opened:
+        if opened is not None:
+            store, file = opened
+            console.print(f"cleared {store.clear()} entries from {file}", markup=False,
+                          highlight=False)
