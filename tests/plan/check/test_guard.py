@@ -17,7 +17,8 @@ from memlayout.plan.capture.regions import capture
 from memlayout.plan.graph import Label
 from memlayout.plan.report.result import RatioRange
 from memlayout.plan.solve.mincut import Solution
-from tests.test_plan_api import Branchy, Features, _x
+from tests.support.models import Branchy, Features
+from tests.support.models import batch as _x
 
 
 def _fake_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float],

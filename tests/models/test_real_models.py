@@ -16,7 +16,7 @@ from torch import nn
 
 import memlayout
 from memlayout.tensors import iter_tensors
-from tests.test_plan_capture_export import conv_calls
+from tests.support.counting import conv_calls
 
 Example = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 

@@ -20,26 +20,13 @@ from memlayout.layout import (
     strides_for,
     strides_for_order,
 )
-from tests.strategies import shapes, strided_tensors
-
-TORCH_FORMATS = {
-    Format.CONTIGUOUS: torch.contiguous_format,
-    Format.CHANNELS_LAST: torch.channels_last,
-    Format.CHANNELS_LAST_3D: torch.channels_last_3d,
-}
+from tests.support.formats import TORCH_FORMATS, torch_formats
+from tests.support.strategies import shapes, strided_tensors
 
 # torch renamed its Python mirror of c10's check; take whichever this build has.
 _torch_nod = getattr(prims, "is_non_overlapping_and_dense", None) or prims.is_non_overlapping_and_dense_or_false
 
 
-def torch_formats(t: torch.Tensor) -> frozenset[Format]:
-    """The reference: the formats torch says the tensor is contiguous in. Channels-last-1d has
-    no torch format; (N, C, L) is channels-last-1d exactly when (N, C, 1, L) is channels-last."""
-    found = {f for f, mf in TORCH_FORMATS.items()
-             if (f.rank is None or f.rank == t.dim()) and t.is_contiguous(memory_format=mf)}
-    if t.dim() == 3 and t.unsqueeze(2).is_contiguous(memory_format=torch.channels_last):
-        found.add(Format.CHANNELS_LAST_1D)
-    return frozenset(found)
 
 
 @settings(max_examples=400, deadline=None)

@@ -26,9 +26,9 @@ from memlayout.train import load_checkpoint, make_synthetic, train
 from memlayout.train.checkpoint import LATEST, PAUSE_ENV, CheckpointLock, atomic_save
 from memlayout.train.ddp import DistInfo, batchnorm_notice
 from memlayout.train.loop import Trainer
-from tests.test_train import IMAGE, config, write_models
+from tests.support.train import IMAGE, config, write_models
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 WAIT = 90  # seconds: a bound on child processes that must not hang the suite
 
 

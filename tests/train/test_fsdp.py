@@ -3,7 +3,7 @@ planned layouts on 2 gloo ranks equals one process on the global batch, with no 
 warning; its sharded checkpoint (DCP) resumes at another world size (2 ranks, then 1) and
 loads into the plain, unplanned model in one process; a planned model with contiguous weights
 is taken by ``fully_shard`` as it is, a channels-last one refused with what to do. (A frozen
-rank during an FSDP step: tests/test_train_failures.py.)"""
+rank during an FSDP step: tests/train/test_failures.py.)"""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from memlayout.train.checkpoint import (
 )
 from memlayout.train.ddp import grad_layout_mismatches
 from memlayout.train.fsdp import shard_groups, wrap_fsdp
-from tests.test_train_ddp import LAYOUT_WARNINGS, torchrun
+from tests.support.torchrun import LAYOUT_WARNINGS, torchrun
 
 IMAGE = 16
 
@@ -124,7 +124,7 @@ def test_with_measured_costs_the_ranks_time_the_plan_together_and_train_what_the
                                                                                      tmp_path):
     """Measured costs under torchrun: every rank times the plan against the original model
     at once, rank 0 decides, and the run says which it trains; it trains without a layout
-    warning either way (the decision itself is timing: tests/test_train.py fakes the clock)."""
+    warning either way (the decision itself is timing: tests/train/test_train.py fakes the clock)."""
     run = torchrun("-m", "memlayout.cli", "train", f"{work / 'tiny_fsdp.py'}:blocks",
                    "--strategy", "fsdp", "--layout", "planned", "--batch", "2",
                    "--data", str(work / "data"), "--image-size", str(IMAGE), "--max-steps", "2",

@@ -12,8 +12,8 @@ from torch import nn
 
 from memlayout import Format, LayoutError, convert_batch, convert_module, format_of, to_format
 from memlayout.layout import formats_for_rank, strides_for
-from tests.strategies import strided_tensors
-from tests.test_layout import TORCH_FORMATS, torch_formats
+from tests.support.formats import TORCH_FORMATS, torch_formats
+from tests.support.strategies import strided_tensors
 
 
 @settings(max_examples=300, deadline=None)

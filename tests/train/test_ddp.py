@@ -18,18 +18,8 @@ import torch
 from memlayout.models import load_model
 from memlayout.train import TrainConfig, load_checkpoint, make_synthetic, train
 from memlayout.train.checkpoint import LATEST, PAUSE_ENV, stale_temporaries, temporaries
-from tests.test_train import IMAGE, write_models
-
-# What torch says when gradients and DDP buckets disagree in layout (reducer.cpp), and ours.
-LAYOUT_WARNINGS = ("Grad strides do not match", "bucket view", "gradient layout contract")
-TIMEOUT = 240
-
-
-def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "always", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+from tests.support.torchrun import LAYOUT_WARNINGS, TIMEOUT, torchrun
+from tests.support.train import IMAGE, write_models
 
 
 @pytest.fixture(scope="module")

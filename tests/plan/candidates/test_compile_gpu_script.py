@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "docs" / "bench"
 
 
 def _helper():

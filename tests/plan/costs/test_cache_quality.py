@@ -18,7 +18,8 @@ from memlayout.plan.capture.regions import capture
 from memlayout.plan.check import guard
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import RETRIES, measure_costs
-from tests.test_plan_api import Branchy, Features, _x
+from tests.support.models import Branchy, Features
+from tests.support.models import batch as _x
 
 QUIET = Conditions(0.5, 2, 2, "PASSIVE", "2026-12-01T10:00:00+00:00")
 

@@ -1,6 +1,6 @@
 """memlayout.train in one process: layout-neutral checkpoints, resume equivalence, SyncBatchNorm
 conversion, export, the interleaved layout comparison and the CLI. (DDP and killed writers:
-tests/test_train_ddp.py.)"""
+tests/train/test_ddp.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from memlayout.layout import Format
 from memlayout.plan.pipeline import optimize
 from memlayout.tensors import convert_module, format_of, in_format
 from memlayout.train import (
-    TrainConfig,
     Trainer,
     compare_layouts,
     convert_sync_batchnorm,
@@ -32,32 +31,7 @@ from memlayout.train import (
     train,
 )
 from memlayout.train.checkpoint import LATEST
-
-# Tiny CNNs as a model file (file specs reach subprocesses too).
-MODELS = '''
-from torch import nn
-
-
-def plain():
-    """No BatchNorm, no dropout: DDP on N ranks equals one process on the global batch."""
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
-                         nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
-
-
-def bn_dropout():
-    """BatchNorm (running statistics to checkpoint) and dropout (RNG to restore)."""
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.Dropout(0.3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
-'''
-IMAGE = 16
-
-
-def write_models(folder: Path) -> Path:
-    path = folder / "tiny_models.py"
-    path.write_text(MODELS)
-    return path
+from tests.support.train import IMAGE, config, write_models
 
 
 def load_factory(path: Path, name: str) -> nn.Module:
@@ -74,11 +48,6 @@ def work(tmp_path_factory) -> Path:
     return folder
 
 
-def config(work: Path, **kw) -> TrainConfig:
-    base = dict(model=f"{work / 'tiny_models.py'}:bn_dropout", data=str(work / "data"),
-                batch=4, image_size=IMAGE, log_every=3, plan_measure=False, lr=0.05)
-    base.update(kw)
-    return TrainConfig(**base)
 
 
 def channels_last_model(model: nn.Module) -> nn.Module:
