@@ -209,3 +209,17 @@ def mean_square_loss(out: Any) -> torch.Tensor | None:
     terms = [0.5 * t.float().square().mean() for t in iter_tensors(out)
              if t.is_floating_point() and t.requires_grad]
     return torch.stack(terms).sum() if terms else None
+
+
+def device_of(inputs: Any, module: nn.Module | None = None) -> torch.device:
+    """Where a call runs: the device of the first tensor in ``inputs``, else of ``module``'s
+    first parameter, else the CPU.
+
+    >>> device_of((3, torch.zeros(1)))
+    device(type='cpu')
+    """
+    for t in iter_tensors(inputs):
+        return t.device
+    for p in module.parameters() if module is not None else ():
+        return p.device
+    return torch.device("cpu")

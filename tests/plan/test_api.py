@@ -14,7 +14,8 @@ from memlayout import Format, format_of
 from memlayout.errors import CaptureError, LayoutVerificationError, PlanError
 from memlayout.plan.capture.regions import capture
 from memlayout.plan.check.verify import verify
-from memlayout.plan.costs.measure import CostCache, convert_value, measure_costs
+from memlayout.plan.convert import convert_value
+from memlayout.plan.costs.measure import CostCache, measure_costs
 from tests.support.models import Branchy, Features
 
 

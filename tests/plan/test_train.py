@@ -16,7 +16,7 @@ from torch import fx, nn
 from memlayout import Format, format_of
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan.check import guard as g
-from memlayout.plan.costs.measure import convert_value
+from memlayout.plan.convert import convert_value
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.steer import rewrite as rewrite_module
 

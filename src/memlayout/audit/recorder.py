@@ -50,6 +50,7 @@ from memlayout.spatial import PASS_NAMES, is_spatial_name
 from memlayout.tensors import (
     convert_batch,
     convert_module,
+    device_of,
     format_answer,
     format_name,
     iter_tensors,
@@ -470,12 +471,6 @@ def scalar_loss(outputs: Any) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
-def _device_of(model: nn.Module, inputs: Any) -> torch.device:
-    for t in iter_tensors(inputs):
-        return t.device
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def inputs_format(inputs: Any, kwargs: dict[str, Any] | None = None) -> Format:
@@ -516,7 +511,7 @@ def run_once(model: nn.Module, inputs: Any, *, train: bool, dtype: torch.dtype |
              kwargs: dict[str, Any] | None = None) -> Any:
     """One forward (no grad unless ``train``), then backward of ``scalar_loss`` when ``train``."""
     with torch.set_grad_enabled(train):
-        with autocast(_device_of(model, inputs), dtype):
+        with autocast(device_of(inputs, model), dtype):
             out = call_model(model, inputs, kwargs)
         if train:
             scalar_loss(out).backward()
@@ -569,7 +564,7 @@ def audit(model: nn.Module, inputs: Any, *, train: bool = False,
     meta = {"model": type(model).__name__, "train": train,
             "dtype": _dtype_name(autocast_dtype) if autocast_dtype else "float32",
             "inputs": [list(t.shape) for t in iter_tensors((run_inputs, run_kwargs))],
-            "device": str(_device_of(run_model, run_inputs))}
+            "device": str(device_of(run_inputs, run_model))}
     with AuditMode(run_model, fmt, meta=meta) as rec:
         run_once(run_model, run_inputs, train=train, dtype=autocast_dtype, kwargs=run_kwargs)
     return rec.report

@@ -32,15 +32,15 @@ from torch import nn
 
 from memlayout.errors import PlanError
 from memlayout.plan.candidates import padding as pad
-from memlayout.plan.capture.regions import META_KEY, Captured, capture, node_target_name
+from memlayout.plan.capture.regions import Captured, capture
 from memlayout.plan.check import guard as g
 from memlayout.plan.check.verify import module_state
-from memlayout.plan.graph import Label
+from memlayout.plan.graph import META_KEY, Label, node_target_name
 from memlayout.plan.options import RegionSolution, Solution, region_formulation, solve_labels
 from memlayout.plan.report.result import UNPADDED, Plan
 from memlayout.plan.solve.mincut import Problem
 from memlayout.plan.steer.module import OptimizedModule, inputs_in
-from memlayout.tensors import iter_tensors
+from memlayout.tensors import device_of, iter_tensors
 
 
 def model_signature(captured: Captured) -> str:
@@ -148,7 +148,7 @@ def _example(model: nn.Module, plan: Plan, example_inputs: Any) -> tuple[Any, ..
         return example_inputs_of(example_inputs)
     if not plan.input_shapes:
         raise PlanError("the plan records no input shapes: pass example_inputs to apply")
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    device = device_of((), model)
     if device.type == "meta":
         device = torch.device("cpu")  # check_materialized says what to do about the weights
     return tuple(torch.randn(shape, device=device) for shape in plan.input_shapes)

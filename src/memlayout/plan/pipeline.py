@@ -40,16 +40,7 @@ from memlayout.layout import Format, strides_for
 from memlayout.plan.apply import model_signature
 from memlayout.plan.candidates.blocked import measure_blocked
 from memlayout.plan.candidates.padding import plan_padding
-from memlayout.plan.capture.regions import (
-    FREE,
-    NONE,
-    Captured,
-    capture,
-    device_of,
-    iter_nodes,
-    planned_ranks,
-    value_meta,
-)
+from memlayout.plan.capture.regions import Captured, capture
 from memlayout.plan.check import guard as g
 from memlayout.plan.check import memory as mem
 from memlayout.plan.check.verify import (
@@ -67,16 +58,15 @@ from memlayout.plan.check.verify import (
     verify_semantics,
     verify_training,
 )
+from memlayout.plan.convert import convert_module_to, convert_value
 from memlayout.plan.costs.drops import drop_notes, notes_of
 from memlayout.plan.costs.measure import (
     CostCache,
-    convert_module_to,
-    convert_value,
     device_name,
     measure_costs,
     module_has_layout_params,
 )
-from memlayout.plan.graph import LABELS, Label
+from memlayout.plan.graph import FREE, LABELS, NONE, Label, iter_nodes, planned_ranks, value_meta
 from memlayout.plan.options import (
     Build,
     Costs,
@@ -113,7 +103,7 @@ from memlayout.plan.steer.weights import (
     storage_counts,
     store_weights,
 )
-from memlayout.tensors import convert_batch, iter_tensors
+from memlayout.tensors import convert_batch, device_of, iter_tensors
 
 
 def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlayout.plan.capture.regions import device_of
 from memlayout.plan.check.verify import worst_error
 from memlayout.plan.costs.measure import device_name
 from memlayout.plan.report.result import BlockedReport
+from memlayout.tensors import device_of
 from memlayout.timing import interleaved
 
 _SUPPORTED: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d)

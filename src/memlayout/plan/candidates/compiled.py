@@ -61,7 +61,6 @@ from memlayout.dtypes import autocast, dtype_name
 from memlayout.errors import LayoutVerificationError, MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
-from memlayout.plan.capture.regions import device_of
 from memlayout.plan.check import guard as g
 from memlayout.plan.check.verify import TOLERANCE, compare
 from memlayout.plan.costs.measure import device_name
@@ -70,7 +69,7 @@ from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
 from memlayout.plan.report.compare import ModelComparison, busier
 from memlayout.plan.report.result import CompiledRecord
 from memlayout.plan.steer.module import OptimizedModule
-from memlayout.tensors import convert_batch, convert_module
+from memlayout.tensors import convert_batch, convert_module, device_of
 from memlayout.timing import device_sync, interleaved
 
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands

@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from memlayout.dtypes import autocast
-from memlayout.plan.capture.regions import device_of
 from memlayout.plan.costs.measure import Progress, device_name
 from memlayout.plan.report.result import UNPADDED, PadChoice
+from memlayout.tensors import device_of
 from memlayout.timing import device_sync, interleaved
 
 

@@ -29,7 +29,6 @@ from torch import fx, nn
 
 from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError
-from memlayout.layout import Format, formats_of
 from memlayout.plan.capture.trace import (
     FX,
     METHOD_KEY,
@@ -39,56 +38,16 @@ from memlayout.plan.capture.trace import (
     faithful_trace,
     flat_inputs,
 )
-from memlayout.plan.graph import Label
+from memlayout.plan.graph import (
+    BASE_RANKS,
+    META_KEY,
+    node_target_name,
+    planned_ranks,
+    value_meta,
+)
 from memlayout.plan.report.result import Coverage
 from memlayout.spatial import mark_spatial
-from memlayout.tensors import iter_tensors
-
-# The ranks planned (a value's format is a choice): 4 and 5 always (channels_last(_3d)); 3
-# (N L C in memory, channels_last_1d) only for a model with 1-d convolutions, whose NLC input
-# makes torch's Conv1d run an NLC kernel (rank-3 values elsewhere, such as a transformer's
-# tokens, are not convolution layouts). ``capture`` records them in every node's meta
-# (``ValueMeta.ranks``, read back by ``graph_ranks``); every step takes them from there.
-BASE_RANKS = (4, 5)
-CONV1D_RANKS = (3, 4, 5)
-CONV1D_MODULES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
-META_KEY = "memlayout"
-FREE = "free"  # every layout tensor is in both formats (C == 1, H == W == 1): no copy needed
-NONE = "none"  # some layout tensor is in neither format (a permute, a slice)
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-    formats: tuple[str, ...]  # sorted format values; several when ambiguous, none for a slice
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for s in self.shape:
-            numel *= s
-        return numel * _itemsize(self.dtype)
-
-
-@dataclass(frozen=True)
-class ValueMeta:
-    """One node's output: every tensor inside it and the two-format label of the whole value:
-    a ``Label``, ``FREE``, ``NONE``, or ``None`` (no tensor of a
-    layout rank); ``ranks``: the layout ranks of the model it was captured in."""
-
-    tensors: tuple[TensorMeta, ...]
-    label: Label | str | None
-    ranks: tuple[int, ...] = BASE_RANKS
-
-    @property
-    def layout_tensors(self) -> tuple[TensorMeta, ...]:
-        return tuple(t for t in self.tensors if len(t.shape) in self.ranks)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.layout_tensors)
+from memlayout.tensors import device_of
 
 
 @dataclass
@@ -111,63 +70,14 @@ class Captured:
     coverage: Coverage | None = None  # convolution calls planned of those that run
 
 
-def planned_ranks(model: nn.Module) -> tuple[int, ...]:
-    """The layout ranks to plan for ``model``: 3, 4 and 5 when it has a 1-d convolution,
-    else 4 and 5.
-
-    >>> planned_ranks(nn.Sequential(nn.Conv1d(2, 4, 3))), planned_ranks(nn.Linear(2, 2))
-    ((3, 4, 5), (4, 5))
-    """
-    has_1d = any(isinstance(m, CONV1D_MODULES) for m in model.modules())
-    return CONV1D_RANKS if has_1d else BASE_RANKS
 
 
-def graph_ranks(gm: fx.GraphModule) -> tuple[int, ...]:
-    """The layout ranks ``gm`` was captured with (from its nodes' meta).
-
-    >>> cap = capture(nn.Sequential(nn.Conv1d(2, 4, 3)), (torch.randn(1, 2, 8),))
-    >>> graph_ranks(cap.regions[0].gm)
-    (3, 4, 5)
-    """
-    for n in gm.graph.nodes:
-        meta = n.meta.get(META_KEY)
-        if meta is not None:
-            return meta.ranks
-    return BASE_RANKS
 
 
-def label_of(tensors: tuple[TensorMeta, ...], ranks: tuple[int, ...]) -> Label | str | None:
-    """The two-format label of a value made of ``tensors`` (see :class:`ValueMeta`)."""
-    layout = [t for t in tensors if len(t.shape) in ranks]
-    if not layout:
-        return None
-    in0 = all(Format.CONTIGUOUS.value in t.formats for t in layout)
-    in1 = all(Label.CHANNELS_LAST.format(len(t.shape)).value in t.formats for t in layout)
-    if in0 and in1:
-        return FREE
-    if in0:
-        return Label.CONTIGUOUS
-    if in1:
-        return Label.CHANNELS_LAST
-    return NONE
 
 
-def value_meta(value: Any, ranks: tuple[int, ...]) -> ValueMeta:
-    """The layout facts of ``value`` (every tensor in it) for a model planned in ``ranks``."""
-    tensors = tuple(
-        TensorMeta(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
-                   tuple(sorted(f.value for f in formats_of(tuple(t.shape), tuple(t.stride())))))
-        for t in iter_tensors(value)
-    )
-    return ValueMeta(tensors, label_of(tensors, ranks), ranks)
 
 
-def device_of(inputs: tuple[Any, ...], module: nn.Module) -> torch.device:
-    for t in iter_tensors(inputs):
-        return t.device
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
@@ -345,20 +255,6 @@ class _MetaProp(fx.Interpreter):
         return result
 
 
-def node_target_name(root: nn.Module, n: fx.Node) -> str:
-    """A short readable name of what ``n`` runs: ``Conv2d``, ``torch.flatten``, ``.view``,
-    ``aten.conv2d.default``."""
-    if n.op == "call_module":
-        return type(root.get_submodule(n.target)).__name__
-    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-        return str(n.target)  # an exported graph's aten op: aten.permute.default
-    if n.op == "call_function":
-        mod = getattr(n.target, "__module__", None) or ""
-        name = getattr(n.target, "__name__", repr(n.target))
-        return f"{mod.replace('_operator', 'operator')}.{name}" if mod else name
-    if n.op == "call_method":
-        return f".{n.target}"
-    return n.op
 
 
 @dataclass
@@ -462,8 +358,6 @@ def _has_children(m: nn.Module) -> bool:
     return next(iter(m.children()), None) is not None
 
 
-def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:
-    return (n for n in gm.graph.nodes if n.op == op)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -471,5 +365,3 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _itemsize(dtype: str) -> int:
-    return getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 4

@@ -47,7 +47,7 @@ from torch import fx, nn
 
 from memlayout.dtypes import autocast
 from memlayout.machine import Conditions
-from memlayout.plan.capture.regions import META_KEY
+from memlayout.plan.graph import META_KEY
 from memlayout.plan.report.result import GuardRecord, RatioRange, decode
 from memlayout.tensors import mean_square_loss
 from memlayout.timing import ModeTiming, device_sync, interleaved

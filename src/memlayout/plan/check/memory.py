@@ -41,12 +41,12 @@ from torch.utils._pytree import tree_flatten
 from memlayout.dispatch import ObservingMode
 from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
-from memlayout.plan.capture.regions import device_of
 from memlayout.plan.check.guard import signature as graph_signature
 from memlayout.plan.costs.measure import device_name
 from memlayout.plan.options import Build, Solution
 from memlayout.plan.report.result import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
 from memlayout.plan.solve.mincut import Problem, Tensor, objective, solve_min_cut
+from memlayout.tensors import device_of
 
 CUDA_ALLOCATOR = "cuda_allocator"
 TENSOR_LIFETIME = "tensor_lifetime"
@@ -112,7 +112,7 @@ def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...],
     """Peak activation bytes of one ``module(*inputs)`` (no grad, autocast for ``dtype``, on
     ``device``: default the inputs')."""
     if device is None:
-        device = device_of(inputs, module) if isinstance(module, nn.Module) else _device(inputs)
+        device = device_of(inputs, module) if isinstance(module, nn.Module) else device_of(inputs)
     args = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -133,10 +133,6 @@ def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...],
     return MemoryPeak(counter.peak, end, TENSOR_LIFETIME)
 
 
-def _device(inputs: tuple[Any, ...]) -> torch.device:
-    for t in _tensors(inputs):
-        return t.device
-    return torch.device("cpu")
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -26,8 +26,8 @@ from torch.nn import functional as F
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import strides_agree
-from memlayout.plan.capture.regions import device_of, node_target_name
-from memlayout.tensors import iter_tensors
+from memlayout.plan.graph import node_target_name
+from memlayout.tensors import device_of, iter_tensors
 
 # (rtol, atol) relative to the reference's largest magnitude. Different kernels (channels-last
 # convolutions block and accumulate differently) round differently; bf16 keeps 8 mantissa bits.

@@ -34,8 +34,10 @@ from torch import fx
 
 from memlayout.dtypes import autocast
 from memlayout.layout import Format
-from memlayout.plan.capture.regions import FREE, device_of, graph_ranks
-from memlayout.plan.costs.measure import CostTable, convert_module_to, convert_value
+from memlayout.plan.convert import convert_module_to, convert_value
+from memlayout.plan.costs.measure import CostTable
+from memlayout.plan.graph import FREE, graph_ranks
+from memlayout.tensors import device_of
 
 #: ``node.meta`` key of a dropping node's notes (a list of sentences)
 DROPS_KEY = "memlayout.drops"

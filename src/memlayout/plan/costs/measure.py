@@ -36,20 +36,20 @@ import torch
 from torch import fx, nn
 
 from memlayout.dtypes import autocast
-from memlayout.layout import Format, strides_for
+from memlayout.layout import strides_for
 from memlayout.machine import Conditions, noisy
-from memlayout.plan.capture.regions import (
+from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
+from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.graph import (
     FREE,
     META_KEY,
     NONE,
+    Label,
     ValueMeta,
-    device_of,
     graph_ranks,
     node_target_name,
     value_meta,
 )
-from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.graph import Label
 from memlayout.plan.steer.weights import (
     AS_IS,
     CONTIGUOUS,
@@ -57,8 +57,7 @@ from memlayout.plan.steer.weights import (
     PER_CALL,
     can_convert_per_call,
 )
-from memlayout.plan.steer.weights import convert_per_call as _convert_per_call
-from memlayout.tensors import convert_module, iter_tensors, to_format
+from memlayout.tensors import device_of, iter_tensors
 from memlayout.timing import Comparison, device_sync, interleaved
 
 #: ``progress(done, total, what)``, called while measuring
@@ -183,59 +182,10 @@ def is_agnostic(gm: fx.GraphModule, n: fx.Node) -> bool:
 # ---------------------------------------------------------------- converting values
 
 
-def convert_value(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
-    """Every tensor inside ``value`` whose rank is in ``ranks`` (the planned model's layout
-    ranks) in the format ``label`` means for its rank (canonical strides: ``to_format``);
-    other tensors and objects unchanged.
-
-    >>> convert_value((torch.empty(2, 3, 4, 4), 7), 1, (4, 5))[0].stride()
-    (48, 1, 12, 3)
-    """
-    if isinstance(value, torch.Tensor):
-        if value.dim() in ranks:
-            return to_format(value, Label(label).format(value.dim()))
-        return value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(convert_value(v, label, ranks) for v in value)
-    if isinstance(value, list):
-        return [convert_value(v, label, ranks) for v in value]
-    return value
 
 
-def fresh_value(value: Any, label: int | None, ranks: tuple[int, ...]) -> Any:
-    """A copy of ``value`` (``label``: in that format for the layout ``ranks``; ``None``: same
-    strides), so a timed op that works in place never touches the real activations."""
-    if isinstance(value, torch.Tensor):
-        if label is not None and value.dim() in ranks:
-            strides = strides_for(tuple(value.shape), Label(label).format(value.dim()))
-        else:
-            strides = value.stride()
-        return torch.empty_strided(value.shape, strides, dtype=value.dtype,
-                                   device=value.device).copy_(value)
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(fresh_value(v, label, ranks) for v in value)
-    if isinstance(value, list):
-        return [fresh_value(v, label, ranks) for v in value]
-    return value
 
 
-def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...], *,
-                      weights: str = CONVERTED) -> nn.Module:
-    """``module``'s weights of the layout ``ranks`` in label's format, in place (returns
-    ``module``). ``weights=CONTIGUOUS``: every weight contiguous whatever the label, and
-    ``PER_CALL``: contiguous, converted per call to the input's format
-    (``memlayout.plan.steer.weights``)."""
-    if weights == PER_CALL:
-        _convert_per_call(module)
-    if weights != CONVERTED:
-        label = 0
-    if label == 1:
-        if 3 in ranks:  # a 1-d convolution model: Conv1d weights N L C too
-            convert_module(module, Format.CHANNELS_LAST_1D)
-        convert_module(module, Format.CHANNELS_LAST)
-        return convert_module(module, Format.CHANNELS_LAST_3D)
-    module._apply(lambda t: t.contiguous() if t.dim() in ranks else t)
-    return module
 
 
 # ---------------------------------------------------------------- the cache

@@ -25,11 +25,10 @@ from torch import nn
 from memlayout.dtypes import autocast
 from memlayout.layout import Format
 from memlayout.machine import SPREAD_LIMIT, Conditions, noisy
-from memlayout.plan.capture.regions import device_of
 from memlayout.plan.check.guard import train_step
 from memlayout.plan.pipeline import example_inputs_of
 from memlayout.plan.steer.module import OptimizedModule
-from memlayout.tensors import convert_batch, convert_module
+from memlayout.tensors import convert_batch, convert_module, device_of
 from memlayout.timing import Comparison, Ratio, device_sync, interleaved
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from memlayout.plan.capture.regions import FREE, META_KEY, ValueMeta
 from memlayout.plan.costs.measure import CostTable, input_kind, is_layout_node
+from memlayout.plan.graph import FREE, META_KEY, ValueMeta
 from memlayout.plan.solve.mincut import Problem, Tensor
 
 OUTPUT_PREFIX = "output:"

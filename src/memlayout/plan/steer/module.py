@@ -17,10 +17,9 @@ from torch import nn
 
 from memlayout.dtypes import autocast
 from memlayout.errors import MemlayoutError, PlanError
-from memlayout.plan.capture.regions import device_of
-from memlayout.plan.costs.measure import convert_value
+from memlayout.plan.convert import convert_value
 from memlayout.plan.graph import Label
-from memlayout.tensors import iter_tensors, torch_memory_format
+from memlayout.tensors import device_of, iter_tensors, torch_memory_format
 
 if TYPE_CHECKING:
     from memlayout.plan.report.result import Plan

@@ -15,8 +15,9 @@ import torch
 from torch import fx, nn
 
 from memlayout import layout
-from memlayout.plan.capture.regions import CONV1D_RANKS, META_KEY, graph_ranks
-from memlayout.plan.costs.measure import convert_value, module_has_layout_params
+from memlayout.plan.convert import convert_value, convert_value_1d
+from memlayout.plan.costs.measure import module_has_layout_params
+from memlayout.plan.graph import META_KEY, graph_ranks
 from memlayout.plan.solve.formulate import OUTPUT_PREFIX, Formulation
 
 
@@ -125,14 +126,6 @@ def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation, labels: dict
     return planned_graph(root, gm), made
 
 
-def convert_value_1d(value: Any, label: int) -> Any:
-    """``convert_value`` for a value holding rank-3 tensors of a 1-d convolution model: every
-    rank-3/4/5 tensor in ``label``'s format (rank 3: channels_last_1d).
-
-    >>> convert_value_1d(torch.empty(2, 8, 16), 1).stride()
-    (128, 1, 8)
-    """
-    return convert_value(value, label, CONV1D_RANKS)
 
 
 def _quiet_dynamo_about_layout_caches() -> None:
