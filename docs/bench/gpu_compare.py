@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import memlayout
 from memlayout.dtypes import autocast, dtype_name, parse_dtype
 from memlayout.machine import Conditions
 from memlayout.models import load_model
@@ -106,13 +107,13 @@ def prepare(mode: str, model: nn.Module, x: torch.Tensor, dtype: torch.dtype | N
         x = x.contiguous(memory_format=torch.channels_last)
     elif mode == "planned":
         work = optimize(work, (x,), dtype=dtype, input_format="auto", **plan)
-        (x,) = work.prepare_inputs(x)
+        (x,) = memlayout.prepare_inputs(work, x)
         note = work.plan.headline()
     elif mode == "compile":
         work = torch.compile(work, backend=backend)
     elif mode == "memlayout.compile":
         work = plan_and_compile(work, (x,), dtype=dtype, backend=backend, **plan)
-        (x,) = work.prepare_inputs(x)
+        (x,) = memlayout.prepare_inputs(work, x)
         record = work.plan.compiled
         note = f"kept {record.kept}"
         amp = record.precision.get(record.kept, amp)

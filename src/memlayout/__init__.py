@@ -28,7 +28,7 @@ from memlayout.tensors import convert_batch, convert_module, format_of, to_forma
 
 __version__ = "0.1.0"
 
-_PLANNER = {"optimize", "apply", "OptimizedModule", "Plan"}
+_PLANNER = {"optimize", "apply", "Plan", "plan_of", "prepare_inputs"}
 
 
 def __getattr__(name: str):
@@ -42,10 +42,10 @@ def __getattr__(name: str):
     if name in _PLANNER:
         from memlayout.plan import apply, pipeline
         from memlayout.plan.report import result
-        from memlayout.plan.steer import module
+        from memlayout.plan.steer import steering
 
-        return {"optimize": pipeline.optimize, "apply": apply.apply,
-                "OptimizedModule": module.OptimizedModule, "Plan": result.Plan}[name]
+        return {"optimize": pipeline.optimize, "apply": apply.apply, "Plan": result.Plan,
+                "plan_of": steering.plan_of, "prepare_inputs": steering.prepare_inputs}[name]
     raise AttributeError(f"module 'memlayout' has no attribute {name!r}")
 
 __all__ = [
@@ -58,7 +58,6 @@ __all__ = [
     "LayoutVerificationError",
     "MemlayoutError",
     "ModelSpecError",
-    "OptimizedModule",
     "Plan",
     "PlanError",
     "apply",
@@ -70,6 +69,8 @@ __all__ = [
     "formats_of",
     "is_non_overlapping_and_dense",
     "optimize",
+    "plan_of",
+    "prepare_inputs",
     "strict",
     "strides_for",
     "to_format",

@@ -25,13 +25,20 @@ class CaptureError(MemlayoutError):
 class LayoutVerificationError(MemlayoutError):
     """A planned model whose results differ from the original's beyond dtype tolerance.
 
-    ``fallback``: whether the model run entirely in one format may be verified in the plan's
+    Fields a note reads (never the message text): ``cause``, what differs, in a few words;
+    ``node``, the first module (or graph node) whose output differs, when known;
+    ``fallback``, whether the model run entirely in one format may be verified in the plan's
     place (``False`` for a refusal that no format changes, e.g. an in-place change of an
-    input that arrives converted). ``inputs_changed``: the difference is in the caller's
+    input that arrives converted); ``inputs_changed``, the difference is in the caller's
     inputs after the call (the forward changes an input in place)."""
 
-    fallback = True
-    inputs_changed = False
+    def __init__(self, message: str, *, cause: str | None = None, node: str | None = None,
+                 fallback: bool = True, inputs_changed: bool = False) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.node = node
+        self.fallback = fallback
+        self.inputs_changed = inputs_changed
 
 
 class LayoutDropError(MemlayoutError):

@@ -147,38 +147,56 @@ def convert_batch(obj: Any, fmt: Format) -> Any:
     >>> out["x"].stride(), out["y"][1]
     ((48, 1, 12, 3), 'a')
     """
+    return map_tensors(obj, lambda t: to_format(t, fmt) if _applies(t, fmt) else t)
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with every tensor inside it (dicts, lists, tuples, namedtuples, dataclasses,
+    nested) replaced by ``fn(tensor)``, in :func:`iter_tensors`'s order; the containers
+    remade as their own types; ``obj`` itself when ``fn`` changes nothing.
+
+    >>> map_tensors((torch.zeros(2), 3), lambda t: t + 1)[0]
+    tensor([1., 1.])
+    """
     if isinstance(obj, torch.Tensor):
-        return to_format(obj, fmt) if _applies(obj, fmt) else obj
+        return fn(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         # before Mapping: a diffusers output is a dataclass *and* an OrderedDict that
         # refuses ``update``; made anew through its constructor, its dict follows its fields
-        return _convert_dataclass(obj, fmt)
+        return _map_dataclass(obj, fn)
     if isinstance(obj, Mapping):
-        items = {k: convert_batch(v, fmt) for k, v in obj.items()}
+        items = {k: map_tensors(v, fn) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
         try:
             out = copy.copy(obj)
             out.update(items)  # keeps the mapping's type (OrderedDict, defaultdict, ...)
             return out
         except (AttributeError, TypeError):
             return items
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(convert_batch(v, fmt) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(convert_batch(v, fmt) for v in obj)
+        items = [map_tensors(v, fn) for v in obj]
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)
     return obj
 
 
-def _convert_dataclass(obj: Any, fmt: Format) -> Any:
+def _map_dataclass(obj: Any, fn: Any) -> Any:
     fields = dataclasses.fields(obj)
+    values = {f.name: map_tensors(getattr(obj, f.name), fn) for f in fields}
+    if all(values[f.name] is getattr(obj, f.name) for f in fields):
+        return obj
     if all(f.init for f in fields):
         try:
-            return dataclasses.replace(
-                obj, **{f.name: convert_batch(getattr(obj, f.name), fmt) for f in fields})
+            return dataclasses.replace(obj, **values)
         except Exception:  # a constructor that checks more than its fields: set them instead
             pass
     out = copy.copy(obj)
-    for field in fields:
-        object.__setattr__(out, field.name, convert_batch(getattr(obj, field.name), fmt))
+    for name, value in values.items():
+        object.__setattr__(out, name, value)
     return out
 
 

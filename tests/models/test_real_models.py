@@ -134,7 +134,7 @@ def smp_attributes(model: nn.Module, opt: nn.Module, args: tuple[Any, ...]) -> N
     assert opt.encoder.output_stride == model.encoder.output_stride
     assert opt.encoder.out_channels == model.encoder.out_channels
     assert isinstance(opt.encoder, type(model.encoder))
-    assert isinstance(opt.module, type(model))  # the planned module is the model's own class
+    assert type(opt) is type(model)  # the planned model is the model's own class
 
 
 def diffusers_attributes(model: nn.Module, opt: nn.Module, args: tuple[Any, ...]) -> None:
@@ -220,6 +220,6 @@ def test_a_diffusers_model_through_the_measured_guard_with_its_input_format_chos
                              guard_rounds=1, memory=False, padding=False)
     assert opt.plan.guard is not None and opt.plan.guard.source == "measured"
     with torch.no_grad():
-        want, got = model(*args), opt(*opt.prepare_inputs(*args))
+        want, got = model(*args), opt(*memlayout.prepare_inputs(opt, *args))
     assert type(got) is type(want)
     assert_same_outputs(got, want)

@@ -14,9 +14,10 @@ from memlayout import Format, format_of
 from memlayout.errors import CaptureError, LayoutVerificationError, PlanError
 from memlayout.plan.capture.regions import capture
 from memlayout.plan.check.verify import verify
-from memlayout.plan.convert import convert_value
 from memlayout.plan.costs.measure import CostCache, measure_costs
+from tests.support.counting import conv_inputs
 from tests.support.models import Branchy, Features
+from tests.support.planted import corrupt_the_plan_at
 
 
 class Untraceable(nn.Module):
@@ -100,20 +101,27 @@ def test_mlp_is_a_noop_measuring_nothing(db) -> None:
 
 
 def test_conversions_only_where_planned_and_weights_follow_their_node(db) -> None:
-    # guard=False: the rewritten graph itself (a uniform plan would run as the eager model)
+    # guard=False: the plan itself (measured costs may mix formats)
     opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard=False)
-    graph = opt.module.graph
-    inserted = [n for n in graph.nodes if n.target is convert_value]
-    assert len(inserted) == len(opt.plan.conversions)
     chosen = {n.name: n.format for n in opt.plan.nodes}
-    for n in graph.nodes:
-        if n.op == "call_module" and isinstance(opt.module.get_submodule(n.target), nn.Conv2d):
-            weight = opt.module.get_submodule(n.target).weight
-            assert Format.parse(chosen[n.name]) in _formats(weight), n.name
-            # the conv's input arrives in its planned format: a conversion or a producer in it
-            src = n.args[0]
-            if src.target is convert_value:
-                assert src.args[1] == (chosen[n.name] == "channels_last")
+    convs = {name: m for name, m in opt.named_modules() if isinstance(m, nn.Conv2d)}
+    for name, conv in convs.items():  # fx names a module call by its path, dots as _
+        assert Format.parse(chosen[name.replace(".", "_")]) in _formats(conv.weight), name
+    # what each convolution really receives, counted where it runs (a second method): its
+    # input in the format the plan gave its node
+    seen = conv_inputs(opt, _x())
+    for name, fmt in seen:
+        assert Format.parse(chosen[name.replace(".", "_")]) in _formats_of(fmt), name
+    # every conversion is at a module boundary, and only where the plan says
+    steered = {path for path, m in opt.named_modules() if "forward" in m.__dict__}
+    assert {c.module for c in opt.plan.conversions} <= steered
+    assert len(opt.plan.conversions) == sum(
+        len(b.inputs) + len(b.outputs) for m in opt.modules() if "forward" in m.__dict__
+        for b in m.forward.boundaries.values())
+
+
+def _formats_of(answer) -> set[Format]:
+    return set(answer) if isinstance(answer, frozenset) else {answer}
 
 
 def _formats(t: torch.Tensor) -> set[Format]:
@@ -160,14 +168,14 @@ def test_auto_input_format_is_the_better_of_the_two_pinned_ones(db, model_cls) -
         pinned[auto.plan.input_format].predicted["planned"], rel=1e-6)
     assert not any(c.value == "x" for c in auto.plan.conversions)  # arrives as it should
     assert any("input_format='auto'" in n for n in auto.plan.notes)
-    seen = []
-    auto.module.register_forward_pre_hook(lambda m, args: seen.append(format_of(args[0])))
+    seen = []  # what the first module receives: the input converted on entry
+    next(auto.children()).register_forward_pre_hook(lambda m, args: seen.append(format_of(args[0])))
     with torch.no_grad():  # an NCHW batch is converted on entry; the result is the same
         torch.testing.assert_close(auto(x), model(x), rtol=1e-4, atol=1e-5)
     assert seen == [Format.parse(auto.plan.input_format)]
-    (ready,) = auto.prepare_inputs(x)  # converted once, before a loop
+    (ready,) = memlayout.prepare_inputs(auto, x)  # converted once, before a loop
     assert format_of(ready) == Format.parse(auto.plan.input_format)
-    assert auto.prepare_inputs(ready)[0] is ready
+    assert memlayout.prepare_inputs(auto, ready)[0] is ready
 
 
 def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
@@ -195,13 +203,15 @@ def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
 
 
 def test_inputs_already_in_the_plans_format_pass_untouched() -> None:
-    from memlayout.plan.steer.module import _arrive, _call_signature, shape_signature
+    from memlayout.plan.steer.state import _call_signature, shape_signature
 
+    opt = memlayout.optimize(Features().eval(), _x(), measure=False, input_format="channels_last")
+    arrive = opt.memlayout.arrive
     cl = memlayout.to_format(torch.randn(2, 3, 8, 8), Format.CHANNELS_LAST)
     args = (cl, 3)
-    assert _arrive(args, 1, (4, 5)) is args  # one stride check, nothing rebuilt
+    assert arrive(args, {})[0][0] is cl  # one stride check, no copy
     nchw = (cl.contiguous(), torch.randn(2, 3, 4, 8, 8), [torch.randn(2, 3, 8, 8)])
-    moved = _arrive(nchw, 1, (4, 5))
+    moved, _ = arrive(nchw, {})
     assert format_of(moved[0]) is Format.CHANNELS_LAST
     assert format_of(moved[1]) is Format.CHANNELS_LAST_3D
     assert format_of(moved[2][0]) is Format.CHANNELS_LAST  # nested: the full walk
@@ -349,21 +359,15 @@ def test_permute_runs_where_its_output_has_a_format(db) -> None:
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
 
 
-def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
-    import memlayout.plan.steer.rewrite as rewrite
-
-    def corrupting(value, label, ranks):  # a conversion that changes values: a planner bug
-        return convert_value(value, label, ranks) * 1.5
-
-    monkeypatch.setattr(rewrite, "convert_value", corrupting)
+def test_a_wrong_plan_is_never_returned(db, monkeypatch) -> None:
+    corrupt_the_plan_at(monkeypatch, "a", lambda out: out * 1.5)
     model, x = Features().eval(), _x()
     snap = _snapshot(model)
-    # the analytical model puts both convs in channels-last: x is converted for conv "a"
-    with pytest.raises(LayoutVerificationError, match=r"first divergent node: a \(Conv2d\)"):
+    with pytest.raises(LayoutVerificationError, match=r"first module whose output differs: a \(Conv2d\)"):
         memlayout.optimize(model, x, measure=False, output_format=None, fallback=False)
     assert _same(snap, model)
     # by default the plan gives way to the model run in one format, verified, and says why
-    with pytest.warns(UserWarning, match=r"first divergent node: a \(Conv2d\).*kept all_"):
+    with pytest.warns(UserWarning, match=r"outputs differ at a \(Conv2d\).*kept all_"):
         opt = memlayout.optimize(model, x, measure=False, output_format=None)
     assert _same(snap, model)
     kept = opt.plan.guard.kept
@@ -374,14 +378,12 @@ def test_a_wrong_rewrite_is_never_returned(db, monkeypatch) -> None:
         torch.testing.assert_close(opt(x), model(x))
 
 
-def test_a_wrong_rewrite_of_a_submodule_is_named_and_never_returned(db, monkeypatch) -> None:
-    import memlayout.plan.steer.rewrite as rewrite
-
-    monkeypatch.setattr(rewrite, "convert_value", lambda v, label, ranks: convert_value(v, label, ranks) * 1.5)
+def test_a_wrong_plan_of_a_submodule_is_named_and_never_returned(db, monkeypatch) -> None:
+    corrupt_the_plan_at(monkeypatch, "net.0", lambda out: out * 1.5)
     model, x = Untraceable().eval(), _x().abs()
     model.net = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Conv2d(64, 64, 3))  # wide: worth NHWC
     snap = _snapshot(model)
-    # planned at its traceable child "net" only; the whole model is compared, then the region
-    with pytest.raises(LayoutVerificationError, match=r"in net: _0 \(Conv2d\)"):
+    # planned at its traceable child "net" only; the whole model is compared, the module named
+    with pytest.raises(LayoutVerificationError, match=r"differs: net.0 \(Conv2d\)"):
         memlayout.optimize(model, x, measure=False, fallback=False)
     assert _same(snap, model)

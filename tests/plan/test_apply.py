@@ -194,7 +194,7 @@ def test_a_saved_plan_applies_to_the_same_model_without_measuring(no_timing) -> 
     assert [(n.name, n.format) for n in opt.plan.nodes] == [(n.name, n.format) for n in saved.nodes]
     assert opt.plan.measured == 0 and opt.plan.verification.ok
     assert opt.plan.input_format == "channels_last" and not opt.training
-    assert opt.module.stem.weight.stride() == (27, 1, 9, 3)  # converted as planned
+    assert opt.stem.weight.stride() == (27, 1, 9, 3)  # converted as planned
     x = _x()
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)

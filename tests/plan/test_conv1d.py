@@ -10,7 +10,7 @@ from memlayout.layout import Format
 from memlayout.plan import options as records
 from memlayout.plan.capture import regions as capture
 from memlayout.plan.solve.mincut import Solution
-from memlayout.plan.steer import rewrite
+from tests.support.counting import conv_inputs
 
 
 def _net() -> nn.Module:
@@ -23,15 +23,6 @@ def _plan_all_channels_last(monkeypatch) -> None:
     real = records.solve_min_cut
     monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
-
-
-def _conv_input_strides(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    seen: dict[str, tuple[int, ...]] = {}
-    for path, m in model.named_modules():
-        if isinstance(m, nn.Conv1d):
-            m.register_forward_pre_hook(
-                lambda mod, args, path=path: seen.__setitem__(path, tuple(args[0].stride())))
-    return seen
 
 
 def test_torch_runs_conv1d_in_nlc_when_fed_nlc():
@@ -70,17 +61,18 @@ def test_an_nlc_plan_converts_weights_once_feeds_nlc_and_matches(monkeypatch):
     assert len(convs) == 3
     assert all(Format.CHANNELS_LAST_1D in memlayout.formats_of(p.shape, p.stride())
                for p in convs.values())
-    graph = opt.module.graph
-    assert any(n.target is rewrite.convert_value_1d for n in graph.nodes)
+    # the input converted where the plan says, at a module boundary (GroupNorm hands NCL back)
+    assert opt.plan.conversions and all(c.leaves for c in opt.plan.conversions)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
     # the planned model keeps running NLC after another (2-d) model, planned in ranks 4 and
     # 5, was planned
     memlayout.optimize(nn.Sequential(nn.Conv2d(3, 4, 3)), torch.randn(1, 3, 8, 8), measure=False)
-    seen = _conv_input_strides(opt)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
-    assert seen and all(s[1] == 1 for s in seen.values()), seen  # channels innermost: NLC
+    # what each convolution receives where it runs: channels innermost, NLC
+    seen = conv_inputs(opt, x)
+    assert len(seen) == 3 and all(fmt is Format.CHANNELS_LAST_1D for _, fmt in seen), seen
     # the original model is untouched
     assert all(p.is_contiguous() for p in net.parameters())
 

@@ -6,7 +6,6 @@ that says why; never returned different."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch.nn import functional as F
 from memlayout.errors import LayoutVerificationError, MemlayoutError, PlanError
 from memlayout.plan.pipeline import optimize
 from memlayout.tensors import iter_tensors
+from tests.support.planted import add_to_the_plan
 
 
 class CallCounter(nn.Module):
@@ -262,7 +262,7 @@ def _equivalent(reference: nn.Module, opt: nn.Module, x: torch.Tensor) -> None:
     and one SGD step later the same again."""
     assert opt.training == reference.training
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    got_params = {k.removeprefix("module."): p
+    got_params = {k: p
                   for k, p in opt.named_parameters(remove_duplicate=False)}
     assert got_params.keys() == ref_params.keys()
     assert len(list(opt.parameters())) == len(list(reference.parameters()))
@@ -353,24 +353,25 @@ def test_tied_weights_stay_one_parameter_through_a_channels_last_plan() -> None:
     opt = optimize(model, _x(), measure=False, cache=False, input_format="channels_last")
     assert opt.plan.counts["channels_last"] > 0
     assert len(list(opt.parameters())) == len(list(model.parameters())) == 5
-    assert opt.module.a.weight is opt.module.b.weight
-    assert opt.module.a.weight.stride() == (72, 1, 24, 8)  # converted once, channels-last
+    assert opt.a.weight is opt.b.weight
+    assert opt.a.weight.stride() == (72, 1, 24, 8)  # converted once, channels-last
     _equivalent(copy.deepcopy(model), opt, _x())
 
 
 def test_an_inference_plan_comes_back_in_the_caller_s_mode() -> None:
     model = _batchnorm_in_train_mode()
     opt = optimize(model, _x(), measure=False, cache=False)
-    assert model.training and opt.training and not opt.plan.train
+    assert model.training and opt.training and not opt.plan.train and opt.plan.mode == "train"
     reference = copy.deepcopy(model)
     x = _x()
     assert _close(reference(x), opt(x))  # train mode: batch statistics, as the original
     assert _close(reference[1].running_mean, opt.state_dict()["1.running_mean"])
-    assert any(p.train for p in opt.plans.values())  # the train-mode call was planned so
+    assert opt.memlayout.replans == 0  # planned in the mode it runs in
     opt.eval()
     reference.eval()
     with torch.no_grad():
         assert _close(reference(x), opt(x))
+    assert opt.memlayout.replans == 1  # the other mode: planned on first sight
 
 
 def test_an_eval_model_stays_in_eval_mode() -> None:
@@ -390,29 +391,24 @@ def test_an_in_place_change_of_the_input_reaches_the_caller_s_tensor() -> None:
 
 
 def test_an_in_place_change_hidden_by_a_conversion_is_refused_naming_the_op(monkeypatch) -> None:
-    """Planted: the in-place op is pinned to the other format than its input arrives in, so
-    it runs on a converted copy; verification names the in-place op on the input."""
-    from memlayout.plan import pipeline
+    """Planted: the model's input converted on entry although the forward changes it in place
+    (the plan never does that), so the change lands on a copy; verification names the
+    in-place op on the input."""
+    from memlayout.plan.steer.boundary import Boundary
 
-    def pin_to_channels_last(gm, form):  # noqa: ANN001, ANN202
-        pins = {n.name: 1 for n in gm.graph.nodes if n.name == "mul_"}
-        return dataclasses.replace(
-            form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
-            seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
-
-    monkeypatch.setattr(pipeline, "_pin_inplace_on_inputs", pin_to_channels_last)
+    add_to_the_plan(monkeypatch, "", Boundary(inputs=((0, 1, 4),)))
     model = InPlaceInput().eval()
     with pytest.raises(LayoutVerificationError, match=r"in place \(mul_ \(\.mul_\) on input x\)"):
         optimize(model, _x(), measure=False, cache=False, fallback=False)
-    # by default the model run in one format is kept instead: the one whose input is not a
-    # copy (NCHW, as the input arrives) changes the caller's tensor as the original does
+    # by default the model run in one format is kept instead; neither converts an input the
+    # forward changes in place, so it changes the caller's tensor as the original does
     with pytest.warns(UserWarning, match=r"in place \(mul_"):
         opt = optimize(model, _x(), measure=False, cache=False)
     x = _x()
     xr, xo = x.clone(), x.clone()
     with torch.no_grad():
         assert _close(model(xr), opt(xo))
-    assert torch.equal(xr, xo) and opt.plan.guard.kept == "all_contiguous"
+    assert torch.equal(xr, xo) and opt.plan.guard.kept in ("all_channels_last", "all_contiguous")
 
 
 def test_an_in_place_change_with_an_input_format_is_refused_naming_the_op() -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 import memlayout.plan.pipeline as pipeline
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.steer.module import shape_signature
+from memlayout.plan.steer.state import shape_signature
 
 
 class Small(nn.Module):
@@ -77,17 +77,17 @@ def test_alternating_batch_sizes_plan_once_per_shape_and_train_as_the_original(
         sgd.zero_grad()
         ref_sgd.zero_grad()
     # one plan per shape: the example's at optimize, batch 5's at its first call, none after
-    assert opt.replans == 1
-    assert [p.input_shapes for p in opt.plans.values()] == [[[8, 3, 8, 8]], [[5, 3, 8, 8]]]
+    assert opt.memlayout.replans == 1
+    assert [p.input_shapes for p in opt.memlayout.plans.values()] == [[[8, 3, 8, 8]], [[5, 3, 8, 8]]]
     assert [shape[0] for shape, _ in measurements] == [8, 5]
     assert all(taken > 0 for _, taken in measurements)  # a fresh cache: both were measured
-    assert opt.plan is opt.plans[shape_signature((_x(8),))]  # .plan stays the example's
-    new = opt.plans[shape_signature((_x(5),))]
+    assert opt.plan is opt.memlayout.plans[shape_signature((_x(8),))]  # .plan stays the example's
+    new = opt.memlayout.plans[shape_signature((_x(5),))]
     assert new.train and new.weight_formats_kept and new.verification.train
     # the weights trained on both shapes are one set: equal to the reference's at the end
     params = dict(opt.named_parameters())
     for name, p in reference.named_parameters():
-        assert _close(p, params["module." + name]), name
+        assert _close(p, params[name]), name
 
 
 def test_lru_bound_and_a_replan_from_the_cost_cache_measures_nothing(db, measurements) -> None:
@@ -96,12 +96,12 @@ def test_lru_bound_and_a_replan_from_the_cost_cache_measures_nothing(db, measure
         for n in (3, 2, 3, 2, 2):
             opt(_x(n))
     # max_plans=2: the example's and one more; 3 and 2 evict each other, 2 twice is a hit
-    assert opt.replans == 4 and len(opt.plans) == 2
+    assert opt.memlayout.replans == 4 and len(opt.memlayout.plans) == 2
     assert [shape[0] for shape, _ in measurements] == [4, 3, 2, 3, 2]
     taken = [t for _, t in measurements]
     assert taken[1] > 0 and taken[2] > 0  # first sight of 3 and of 2
     assert taken[3:] == [0, 0]  # seen before: every cost comes from the cache
-    last = list(opt.plans.values())[-1]
+    last = list(opt.memlayout.plans.values())[-1]
     assert (last.input_shapes, last.measured, last.cached > 0) == ([[2, 3, 8, 8]], 0, True)
 
 
@@ -114,7 +114,7 @@ def test_a_new_shape_in_eval_mode_is_planned_for_inference(db) -> None:
     with torch.no_grad():
         got = opt(x)
     assert _close(reference(x), got)
-    plan = opt.plans[shape_signature((x,))]
+    plan = opt.memlayout.plans[shape_signature((x,))]
     assert not plan.train and plan.input_shapes == [[3, 3, 10, 10]]
     assert all(not m.training for m in opt.modules())
 
@@ -132,7 +132,7 @@ def test_state_dict_loads_into_every_shape_s_plan(db) -> None:
     x = _x(2)
     with torch.no_grad():  # batch 2 in eval mode: planned for inference on the loaded tensors
         assert _close(model(x), opt(x))
-    assert opt.replans == 2
+    assert opt.memlayout.replans == 2
 
 
 def test_a_shape_whose_plan_fails_runs_the_original_computation(db, monkeypatch) -> None:
@@ -144,14 +144,14 @@ def test_a_shape_whose_plan_fails_runs_the_original_computation(db, monkeypatch)
     def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise LayoutVerificationError("a planted mismatch")
 
-    monkeypatch.setattr(pipeline, "_verify", failing)
+    monkeypatch.setattr(pipeline, "verify", failing)
     x = _x(3)
     with pytest.warns(UserWarning, match="a planted mismatch"), torch.no_grad():
         got = opt(x)
     with torch.no_grad():
         assert _close(model.eval()(x), got)
         opt(_x(3))  # not planned again
-    assert opt.replans == 1 and len(opt.plans) == 1
+    assert opt.memlayout.replans == 1 and len(opt.memlayout.plans) == 1
 
 
 def test_max_plans_below_one_is_a_clear_error(db) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torchvision
@@ -10,21 +12,23 @@ from torch import nn
 import memlayout
 from memlayout.layout import Format
 from memlayout.plan import options as records
+from memlayout.plan.capture.regions import capture
 from memlayout.plan.solve.mincut import Solution
+from tests.support.counting import conv_inputs
 
 VIDEO_MODELS = ("r3d_18", "mc3_18", "r2plus1d_18")
 
 
-def _conv_weights(opt: nn.Module) -> dict[str, torch.Tensor]:
-    """Each 3-d convolution node of the planned graph and the weight it runs with."""
-    graph_module = opt.module
+def _conv_weights(model: nn.Module, opt: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each 3-d convolution node (as capture names it) and the weight the planned model runs
+    it with (found by the parameter's name in the planned model)."""
+    gm = capture(copy.deepcopy(model), (x,)).regions[0].gm
     out = {}
-    for n in graph_module.graph.nodes:
-        if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), nn.Conv3d):
-            out[n.name] = graph_module.get_submodule(n.target).weight
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Conv3d):
+            out[n.name] = opt.get_parameter(f"{n.target}.weight")
         elif n.op == "call_function" and n.target is torch.conv3d:
-            owner, _, attr = n.args[1].target.rpartition(".")
-            out[n.name] = getattr(graph_module.get_submodule(owner), attr)
+            out[n.name] = opt.get_parameter(str(n.args[1].target))
     return out
 
 
@@ -46,7 +50,7 @@ def test_torchvision_video_models_plan_verify_and_match(name):
     assert len(convs) == sum(isinstance(m, nn.Conv3d) for m in model.modules())
     # every convolution planned channels-last runs with an NDHWC weight (converted once),
     # every other with an NCDHW one
-    weights = _conv_weights(opt)
+    weights = _conv_weights(model, opt, x)
     assert set(weights) == {n.name for n in convs}
     for n in convs:
         fmt = Format.CHANNELS_LAST_3D if n.format == "channels_last" else Format.CONTIGUOUS
@@ -64,12 +68,10 @@ def test_an_ndhwc_plan_feeds_ndhwc_and_keeps_the_output_format(monkeypatch):
     x = torch.randn(2, 3, 4, 8, 8)
     opt = memlayout.optimize(net, x, measure=False)
     assert {n.format for n in opt.plan.nodes} == {"channels_last"}
-    seen = []
-    opt.module.get_submodule("4").register_forward_pre_hook(
-        lambda m, args: seen.append(memlayout.format_of(args[0])))
     with torch.no_grad():
         out = opt(x)
-    assert seen == [Format.CHANNELS_LAST_3D]
+    # what the last convolution receives where it runs
+    assert conv_inputs(opt, x)[-1] == ("4", Format.CHANNELS_LAST_3D)
     assert memlayout.format_of(out) is Format.CONTIGUOUS  # output_format="keep": as the original
     torch.testing.assert_close(out, net(x), rtol=1e-4, atol=1e-5)
 

@@ -152,7 +152,7 @@ def test_a_planned_model_with_contiguous_weights_is_taken_by_fully_shard(one_mem
     x = torch.randn(2, 3, IMAGE, IMAGE).contiguous(memory_format=torch.channels_last)
     planned = optimize(model, x, train=True, weights="contiguous", measure=False, cache=False)
     groups = [name for name, _ in shard_groups(planned)]
-    assert groups == [f"module.layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert groups == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
     sharded = wrap_fsdp(planned)
     out = sharded(x)
     assert out.shape == (2, 1000)
@@ -172,7 +172,7 @@ def test_a_planned_model_trains_in_bf16_under_fsdp_mixed_precision(one_member_gr
     out = sharded(x)  # fp32 input, as the data pipeline gives it
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
-    assert planned.replans == 0  # the example's plan ran: no new "shape" from a cast input
+    assert planned.memlayout.replans == 0  # the example's plan ran: no new "shape" from a cast input
     assert all(p.grad is not None and p.grad.dtype == torch.float32
                for p in sharded.parameters())
 

@@ -65,7 +65,9 @@ from memlayout.layout import Format
 from memlayout.plan.candidates.compiled import compile as plan_and_compile
 from memlayout.plan.check.verify import TOLERANCE
 from memlayout.plan.check.verify import compare as compare_outputs
-from memlayout.plan.pipeline import example_inputs_of, optimize
+from memlayout.plan.inputs import example_inputs_of
+from memlayout.plan.pipeline import optimize
+from memlayout.plan.steer.steering import prepare_inputs
 from memlayout.tensors import (
     convert_batch,
     format_name,
@@ -146,7 +148,7 @@ def _train_loss(out: Any) -> torch.Tensor:
 
 def _on(inputs: torch.Tensor | tuple[Any, ...], device: str) -> tuple[Any, ...]:
     """A model's positional inputs (one tensor, or a tuple: keyword inputs made trailing
-    positional ones by ``memlayout.plan.steer.module.keyword_call``), copied onto ``device``."""
+    positional ones by ``memlayout.plan.inputs.keyword_call``), copied onto ``device``."""
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a
                  for a in example_inputs_of(inputs))
 
@@ -199,7 +201,7 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
         # once here, as the planned mode's is.
         model = plan_and_compile(model, args, dtype=_autocast_dtype(dtype), measure=plan_measure,
                                  backend=compile_backend)
-        args = model.prepare_inputs(*args)
+        args = prepare_inputs(model, *args)
         record = model.plan.compiled  # type: ignore[union-attr]
         note = (f"memlayout.compile(backend={compile_backend!r}): kept {record.kept} "
                 f"({record.precision.get(record.kept, dtype)}); compile time = its "
@@ -213,8 +215,8 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
         model.train(task == "train")
         plan = getattr(model, "plan", None)
         note = plan.headline() if plan is not None else ""
-        if own_input and hasattr(model, "prepare_inputs"):
-            args = model.prepare_inputs(*args)
+        if own_input:
+            args = prepare_inputs(model, *args)
     if mode == "compile" or (mode == "planned+compile" and task == "train"):
         model = torch.compile(model, backend=compile_backend)
         note = "; ".join(n for n in (note, f"torch.compile(backend={compile_backend!r}); "

@@ -40,7 +40,7 @@ from memlayout.bench.modes import (
 )
 from memlayout.bench.records import BenchRecord, Environment
 from memlayout.models import ModelSpec, load_model
-from memlayout.plan.steer.module import keyword_call
+from memlayout.plan.inputs import keyword_call
 from memlayout.tensors import iter_tensors
 from memlayout.timing import Comparison, device_sync, interleaved
 
@@ -149,7 +149,7 @@ def _run_case(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str
 def case_inputs(spec: ModelSpec, batch: int) -> tuple[nn.Module, tuple[Any, ...]]:
     """The module and positional inputs every mode of a case is timed with: a built input at
     ``batch``, or a factory's own inputs as given (keyword inputs become trailing positional
-    ones, ``memlayout.plan.steer.module.KeywordCall``, so every mode passes one tuple)."""
+    ones, ``memlayout.plan.inputs.KeywordCall``, so every mode passes one tuple)."""
     if isinstance(spec.example_input, torch.Tensor):
         return spec.module, (spec.example_input[:batch],)
     args = tuple(spec.example_input) if isinstance(spec.example_input, (tuple, list)) else (

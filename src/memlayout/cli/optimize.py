@@ -56,10 +56,9 @@ def optimize(
     --compile: against torch.compile's default and eager NCHW)."""
     from memlayout.plan.apply import apply as apply_plan
     from memlayout.plan.apply import read_plan
-    from memlayout.plan.pipeline import example_inputs_of, format_label
+    from memlayout.plan.inputs import example_inputs_of, format_label, keyword_call
     from memlayout.plan.pipeline import optimize as plan_model
     from memlayout.plan.report.compare import compare_with_eager
-    from memlayout.plan.steer.module import keyword_call
 
     try:  # the options first: a bad one is reported before any model is built
         run_dtype = parse_dtype(dtype)
@@ -90,7 +89,7 @@ def optimize(
     try:
         spec = load_model(model, batch=batch, image_size=image_size)
         # keyword inputs become trailing positional ones: every step and timer below passes
-        # one tuple (memlayout.plan.steer.module.KeywordCall)
+        # one tuple (memlayout.plan.inputs.KeywordCall)
         module, example = keyword_call(
             spec.module.to(run_device), on_device(example_inputs_of(spec.example_input),
                                                    run_device),

@@ -2,11 +2,13 @@
 from a :class:`~memlayout.plan.report.result.Plan` (``Plan.from_json``) without measuring anything,
 and verifies it like a fresh plan.
 
-The plan says, per captured region and layout node, which format it runs in, and which
-whole-model candidate the guard kept. ``apply`` captures the model again, checks that it is
-the model the plan was made for (torch version, regions, every layout node's name and op, the
-shapes and dtypes of every value and parameter: ``model_signature``), then rewrites it with
-the plan's formats.
+The plan says, per captured region and layout node, which format it runs in (so which format
+each parameter takes), where the steered model converts (``Plan.conversions``: the module,
+in or out, which leaves), how parameters are stored (``weights``), which convolutions run
+padded, and which whole-model candidate the guard kept. ``apply`` captures the model again,
+checks that it is the model the plan was made for (torch version, train/eval mode, regions,
+every layout node's name and op, the shapes and dtypes of every value and parameter:
+``model_signature``), then steers it as the plan says.
 
 >>> import torch
 >>> from torch import nn
@@ -15,14 +17,13 @@ the plan's formats.
 >>> saved = optimize(net, torch.randn(1, 3, 12, 12), measure=False, cache=False).plan.to_json()
 >>> opt = apply(net, Plan.from_json(saved))
 >>> formats = [n.format for n in Plan.from_json(saved).nodes]
->>> opt.plan.measured, [n.format for n in opt.plan.nodes] == formats
-(0, True)
+>>> opt.plan.measured, [n.format for n in opt.plan.nodes] == formats, type(opt) is nn.Sequential
+(0, True, True)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -31,48 +32,34 @@ import torch
 from torch import nn
 
 from memlayout.errors import PlanError
-from memlayout.plan.candidates import padding as pad
-from memlayout.plan.capture.regions import Captured, capture
+from memlayout.plan import pipeline as p
+from memlayout.plan.candidates.padding import block_sizes, padded_channels
+from memlayout.plan.capture.regions import Captured, capture, model_signature
 from memlayout.plan.check import guard as g
 from memlayout.plan.check.verify import module_state
-from memlayout.plan.graph import META_KEY, Label, node_target_name
-from memlayout.plan.options import RegionSolution, Solution, region_formulation, solve_labels
+from memlayout.plan.graph import Label
+from memlayout.plan.inputs import check_materialized, example_inputs_of, inputs_in, keyword_call
+from memlayout.plan.options import RegionSolution, Solution, solve_labels
 from memlayout.plan.report.result import UNPADDED, Plan
 from memlayout.plan.solve.mincut import Problem
-from memlayout.plan.steer.module import OptimizedModule, inputs_in
+from memlayout.plan.steer.boundary import Boundary
+from memlayout.plan.steer.build import build, node_choices, steering_of
+from memlayout.plan.steer.steering import Steering
 from memlayout.tensors import device_of, iter_tensors
 
 
-def model_signature(captured: Captured) -> str:
-    """A hash of what a plan depends on in a captured model: per region every node's name,
-    op and target, the shapes and dtypes of its value, and every parameter's and buffer's name,
-    shape and dtype. Strides are left out: the same model given inputs in another format is
-    the same model."""
-    h = hashlib.sha256()
-    for region in captured.regions:
-        gm = region.gm
-        h.update(f"region {region.path!r}\n".encode())
-        for n in gm.graph.nodes:
-            meta = n.meta.get(META_KEY)
-            values = [] if meta is None else [(t.shape, t.dtype) for t in meta.tensors]
-            h.update(repr((n.name, n.op, node_target_name(gm, n), values)).encode())
-        for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
-            h.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
-    return h.hexdigest()
-
-
-def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None) -> OptimizedModule:
+def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None, *,
+          kwargs: dict[str, Any] | None = None, inplace: bool = False) -> nn.Module:
     """``model`` planned as ``plan`` says (a :class:`Plan`, or the path of its JSON), nothing
-    measured, verified like a fresh plan; the caller's model is left unchanged.
+    measured, verified like a fresh plan; a copy, or (``inplace``) the caller's object.
 
-    ``example_inputs``: what to capture and verify on (default: random float32 tensors of
-    the plan's input shapes, on the model's device). Raises ``PlanError`` when ``plan`` was
-    made for another model (regions, layout nodes, shapes) or another torch version, and
-    ``LayoutVerificationError`` when the planned model would compute something else. Other
-    input shapes are planned on first sight from the analytical cost model (nothing measured).
-    """
-    from memlayout.plan import pipeline as p  # it imports model_signature from here
-
+    ``example_inputs`` (and ``kwargs``, the keyword inputs the plan was made with): what to
+    capture and verify on (default: random float32 tensors of the plan's input shapes, on the
+    model's device). Raises ``PlanError`` when ``plan`` was made for another model (regions,
+    layout nodes, shapes), another torch version, or the model in its other train/eval mode,
+    and ``LayoutVerificationError`` when the planned model would compute something else.
+    Other input shapes are planned on first sight from the analytical cost model (nothing
+    measured)."""
     start = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -86,46 +73,77 @@ def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None)
                         f"{torch.__version__}: kernels and their formats differ between "
                         "versions; plan the model again with memlayout.optimize")
     inputs = _example(model, plan, example_inputs)
-    p.check_materialized(model, inputs)
+    root, inputs = keyword_call(model, inputs, dict(kwargs or {}))
+    check_materialized(root, inputs)
+    mode = "train" if model.training else "eval"
+    if mode != plan.mode:
+        raise PlanError(f"the plan was made for the model in {plan.mode} mode and this one is in "
+                        f"{mode} mode (BatchNorm and dropout run otherwise): call "
+                        f"model.{plan.mode}() first, or plan it in {mode} mode with "
+                        "memlayout.optimize")
     options = p.plan_options(
-        model, inputs, dtype=plan.dtype, input_format=plan.input_format,
+        root, inputs, dtype=plan.dtype, input_format=plan.input_format,
         output_format=plan.output_format, measure=False, cache=False, progress=None,
         rounds=1, name=plan.model, guard=False, guard_rounds=0, train=plan.train,
         keep_weight_formats=plan.weight_formats_kept, max_plans=8, guard_margin=0.0,
-        memory=False, memory_budget=None, padding=False, blocked=False, refresh=False)
+        memory=False, memory_budget=None, padding=False, blocked=False, refresh=False,
+        weights=plan.weights, keywords=root is not model)
     if options.input_label is not None:
         inputs = inputs_in(inputs, options.input_label, options.ranks)
-    work = p.working_copy(model, plan.train)
-    state = module_state(work)
+    reference = p.reference_copy(root)
+    state = module_state(reference)
     example = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-    captured = capture(work, inputs, dtype=options.dtype, ranks=options.ranks,
-                       device=options.device)
+    captured = capture(p.analysis_copy(reference), inputs, dtype=options.dtype,
+                       ranks=options.ranks, device=options.device)
     costs = p.measure_regions(captured, options, None)  # analytical: nothing timed
     _check_matches(plan, captured, costs, inputs)
     solution = _solution(plan, captured, costs, options)
+    outputs = p._outputs(captured, inputs, options)
     kept = plan.guard.kept if plan.guard is not None else g.PLANNED
     if kept in g.UNIFORM:
-        outputs = p._output_label(captured.output, options.output_label, options.ranks)
-        built = p.build_uniform(work, solution, inputs, g.UNIFORM[kept], outputs, options)
+        built = p.build_uniform(reference, captured, solution, g.UNIFORM[kept], options,
+                                outputs, arrive=options.input_label)
     else:
-        built = p.build(work, solution, options)
+        built = build(reference, _steering(plan, solution, options), options, outputs=outputs,
+                      input_label=options.input_label, nodes=node_choices(solution),
+                      conversions=tuple(plan.conversions))
     chosen = [c for c in plan.padding if c.chosen != UNPADDED]
     if chosen and not plan.train:
-        blocks = pad.block_sizes(options.device, options.dtype)
         try:
-            pad._reapply(built.module, chosen, blocks, True)
+            channels = padded_channels(built.module, chosen,
+                                       block_sizes(options.device, options.dtype))
         except (KeyError, AttributeError) as exc:
             raise PlanError(f"the plan pads convolutions ({', '.join(c.module for c in chosen)}) "
                             f"in a way this machine's vector width does not ({exc}); plan the "
                             "model again here") from None
-    verification = p.verify_step(work, captured, built, example, options, state)
+        built = build(reference, built.steering.padded(channels), options, outputs=outputs,
+                      input_label=options.input_label, nodes=built.nodes,
+                      conversions=built.conversions, label=built.label)
+    verification = p.verify(reference, built, example, options, state, ())
     applied = dataclasses.replace(
         plan, verification=verification, measured=0, cached=0,
         planning_seconds=time.perf_counter() - start,
         notes=[*plan.notes, "applied from a saved plan (memlayout.apply): nothing measured, "
                             "verified here"])
-    return p.wrap(work, built.module, applied, inputs, options,
-                  mode=plan.train or model.training)
+    return p.finish(model, built, applied, inputs, options, inplace=inplace)
+
+
+def _steering(plan: Plan, solution: Solution, options: Any) -> Steering:
+    """The plan's parameters (from its nodes' formats) and its boundaries as it recorded them."""
+    params = steering_of(solution, options, {(n.region, n.name): n.weights for n in plan.nodes})
+    boundaries: dict[str, dict[str, list[tuple[int, int, int]]]] = {}
+    for c in plan.conversions:
+        to = int(Label.parse(c.to))
+        side = boundaries.setdefault(c.module, {"in": [], "out": []})[c.side]
+        side.extend((position, to, rank) for position, rank in c.leaves)
+    weights = {path: b.weight_label for path, b in params.boundaries
+               if b.weight_label is not None}
+    paths = sorted({*boundaries, *weights})
+    return Steering(params.parameters, tuple(
+        (path, Boundary(tuple(sorted(set(boundaries.get(path, {}).get("in", ())))),
+                        tuple(sorted(set(boundaries.get(path, {}).get("out", ())))),
+                        weights.get(path)))
+        for path in paths))
 
 
 def read_plan(path: Path) -> Plan:
@@ -135,6 +153,9 @@ def read_plan(path: Path) -> Plan:
     except OSError as exc:
         raise PlanError(f"plan file {path}: cannot be read ({exc.strerror}); pass the path of "
                         "a plan saved with Plan.to_json or `memlayout optimize --save`") from None
+    except UnicodeDecodeError:
+        raise PlanError(f"plan file {path}: not text (a binary file?); pass the path of a plan "
+                        "saved with Plan.to_json or `memlayout optimize --save`") from None
     try:
         return Plan.from_json(text)
     except PlanError as exc:
@@ -142,8 +163,6 @@ def read_plan(path: Path) -> Plan:
 
 
 def _example(model: nn.Module, plan: Plan, example_inputs: Any) -> tuple[Any, ...]:
-    from memlayout.plan.pipeline import example_inputs_of
-
     if example_inputs is not None:
         return example_inputs_of(example_inputs)
     if not plan.input_shapes:
@@ -191,7 +210,7 @@ def _solution(plan: Plan, captured: Captured, costs: Any, options: Any) -> Solut
     """Each region's formulation with every layout node pinned to the plan's format."""
     regions = []
     for region, table in zip(captured.regions, costs.tables, strict=True):
-        form = region_formulation(region, table, options)
+        form = p.region_formulation(captured, region, table, options)
         pins = {**form.integer.pins, **{n.name: int(Label.parse(n.format)) for n in plan.nodes
                                          if n.region == region.path}}
         labels = solve_labels(Problem(form.integer.unary, form.integer.tensors, pins,
@@ -200,4 +219,4 @@ def _solution(plan: Plan, captured: Captured, costs: Any, options: Any) -> Solut
     return Solution(tuple(regions), dict(plan.predicted), 0, 0)
 
 
-__all__ = ["apply", "model_signature", "read_plan"]
+__all__ = ["apply", "read_plan"]

@@ -176,3 +176,16 @@ def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:
 
 def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 4
+
+
+def attribute(root: Any, target: str) -> Any:
+    """The object ``root`` holds at the dotted ``target`` (``None`` when a part is missing):
+    a ``get_attr`` node's value, a parameter by its name.
+
+    >>> attribute(nn.Sequential(nn.Conv2d(1, 2, 3)), "0.weight").shape
+    torch.Size([2, 1, 3, 3])
+    """
+    value = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value

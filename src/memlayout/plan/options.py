@@ -53,6 +53,7 @@ class PlanOptions:
     padding: bool = True
     blocked: bool = False
     fallback: bool = True  # a plan that fails verification gives way to a verified eager one
+    keywords: bool = False  # the model takes keyword inputs: the steps call its KeywordCall
     progress: Progress | None = field(default=None, compare=False, repr=False)
 
     @property

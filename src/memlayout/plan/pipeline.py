@@ -1,7 +1,11 @@
-"""``memlayout.optimize``: capture -> costs -> solve -> rewrite -> guard -> memory -> verify.
+"""``memlayout.optimize``: capture -> costs -> solve -> steer -> guard -> memory -> verify.
 
 ``optimize`` derives one :class:`~memlayout.plan.options.PlanOptions` from its keywords and
-runs the steps below in order, each returning a frozen record the next one reads.
+runs the steps below in order, each returning a frozen record the next one reads. Analysis
+(capture, costs, the min cut) works on a throwaway copy of the model; what is built,
+guarded, verified and returned is the model's own class and tree (a copy, or the caller's
+object with ``inplace=True``), steered: parameters in their planned formats, conversions at
+module boundaries (``memlayout.plan.steer``).
 
 >>> import torch
 >>> from torch import nn
@@ -9,8 +13,8 @@ runs the steps below in order, each returning a frozen record the next one reads
 >>> opt = optimize(net, torch.randn(1, 3, 12, 12), measure=False)
 >>> opt.plan.verification.ok, opt.plan.verification.check, opt.plan.measured
 (True, 'dtype tolerance', 0)
->>> torch.equal(opt(torch.ones(1, 3, 12, 12)), opt(torch.ones(1, 3, 12, 12)))
-True
+>>> type(opt) is nn.Sequential, torch.equal(opt(torch.ones(1, 3, 12, 12)), opt(torch.ones(1, 3, 12, 12)))
+(True, True)
 """
 
 from __future__ import annotations
@@ -18,92 +22,72 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
-import re
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from memlayout import dtypes
-from memlayout.errors import (
-    DtypeError,
-    LayoutError,
-    LayoutVerificationError,
-    MemlayoutError,
-    PlanError,
-)
-from memlayout.layout import Format, strides_for
-from memlayout.plan.apply import model_signature
+from memlayout.errors import DtypeError, LayoutVerificationError, PlanError
+from memlayout.layout import Format
 from memlayout.plan.candidates.blocked import measure_blocked
-from memlayout.plan.candidates.padding import plan_padding
-from memlayout.plan.capture.regions import Captured, capture
+from memlayout.plan.candidates.padding import block_sizes, padded_channels, plan_padding
+from memlayout.plan.capture.regions import Captured, capture, model_signature
 from memlayout.plan.check import guard as g
 from memlayout.plan.check import memory as mem
-from memlayout.plan.check.verify import (
-    TOLERANCE,
-    ModuleState,
-    call_twice,
-    compare,
-    float64_agreement,
-    inplace_on_inputs,
-    module_state,
-    mutates_in_place,
-    restore_state,
-    state_changes,
-    verify,
-    verify_semantics,
-    verify_training,
+from memlayout.plan.check.realized import realized_differences
+from memlayout.plan.check.verification import verified_fallback, verify_model
+from memlayout.plan.check.verify import inplace_on_inputs, module_state, restore_state
+from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.drops import drop_notes
+from memlayout.plan.costs.measure import device_name, measure_costs
+from memlayout.plan.graph import NONE, Label, planned_ranks, value_meta
+from memlayout.plan.inputs import (
+    KeywordCall,
+    check_materialized,
+    example_inputs_of,
+    format_label,
+    inputs_in,
+    keyword_call,
 )
-from memlayout.plan.convert import convert_module_to, convert_value
-from memlayout.plan.costs.drops import drop_notes, notes_of
-from memlayout.plan.costs.measure import (
-    CostCache,
-    device_name,
-    measure_costs,
-    module_has_layout_params,
-)
-from memlayout.plan.graph import FREE, LABELS, NONE, Label, iter_nodes, planned_ranks, value_meta
 from memlayout.plan.options import (
-    Build,
     Costs,
     GuardDecision,
     MemoryDecision,
     PlanOptions,
     Progress,
-    RegionCheck,
     RegionSolution,
     Solution,
-    region_formulation,
     solve_labels,
 )
 from memlayout.plan.report.result import (
-    DTYPE_TOLERANCE,
-    FLOAT64_RECHECK,
     BlockedReport,
-    Conversion,
     GuardRecord,
-    NodeChoice,
     PadChoice,
     Plan,
     Verification,
     conv1d_notes,
 )
-from memlayout.plan.solve.formulate import AUTO, OUTPUT_PREFIX, baseline_labels
+from memlayout.plan.solve.boundaries import formulate_boundaries
+from memlayout.plan.solve.formulate import AUTO, Formulation, formulate
 from memlayout.plan.solve.mincut import Problem, objective
-from memlayout.plan.steer.module import OptimizedModule, inputs_in, keyword_call, shape_signature
-from memlayout.plan.steer.rewrite import PlannedGraph, rewrite
-from memlayout.plan.steer.weights import (
-    CONTIGUOUS,
-    CONVERTED,
-    WEIGHTS,
-    storage_counts,
-    store_weights,
+from memlayout.plan.steer.build import (
+    Build,
+    build,
+    conversions_of,
+    node_choices,
+    steering_of,
+    uniform_conversions,
+    uniform_steering,
+    user_path,
 )
-from memlayout.tensors import convert_batch, device_of, iter_tensors
+from memlayout.plan.steer.state import Formats, output_formats, shape_signature
+from memlayout.plan.steer.steering import STATE, Steering, planned_state, steer, unsteer
+from memlayout.plan.steer.weights import CONTIGUOUS, CONVERTED, WEIGHTS, storage_counts
+from memlayout.tensors import device_of, iter_tensors
 
 
 def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,
@@ -116,7 +100,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              memory_budget: int | str | None = None, padding: bool = True,
              blocked: bool = False, refresh: bool = False,
              kwargs: dict[str, Any] | None = None,
-             weights: str = CONVERTED, fallback: bool = True) -> OptimizedModule:
+             weights: str = CONVERTED, fallback: bool = True,
+             inplace: bool = False) -> nn.Module:
     """Plan a format per layout-sensitive operation from costs measured here, apply it to a
     copy of ``model`` and verify it; the caller's model is left unchanged.
 
@@ -190,24 +175,26 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     start = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if planned_state(model) is not None:
+        raise PlanError(f"{type(model).__name__} is planned already (it has a plan, "
+                        "model.memlayout): plan the original model, or use it as it is")
     inputs = example_inputs_of(example_inputs)
     name = name or type(model).__name__
-    model, inputs = keyword_call(model, inputs, dict(kwargs or {}))
-    check_materialized(model, inputs)
+    root, inputs = keyword_call(model, inputs, dict(kwargs or {}))
+    check_materialized(root, inputs)
     options = plan_options(
-        model, inputs, dtype=dtype, input_format=input_format, output_format=output_format,
+        root, inputs, dtype=dtype, input_format=input_format, output_format=output_format,
         measure=measure, cache=cache, progress=progress, rounds=rounds, name=name, guard=guard,
         guard_rounds=guard_rounds, train=train, keep_weight_formats=keep_weight_formats,
         max_plans=max_plans, guard_margin=guard_margin, memory=memory,
         memory_budget=memory_budget, padding=padding, blocked=blocked, refresh=refresh,
-        weights=weights, fallback=fallback)
+        weights=weights, fallback=fallback,
+        keywords=root is not model or isinstance(model, KeywordCall))
     if options.input_label is not None:
         inputs = inputs_in(inputs, options.input_label, options.ranks)
-    work = working_copy(model, options.train)
-    plan, planned = plan_model(work, inputs, options, start=start)
-    # an inference plan comes back in the caller's mode (a train-mode call is planned for
-    # training on first sight); a training plan in train mode, as asked
-    return wrap(work, planned, plan, inputs, options, mode=options.train or model.training)
+    reference = reference_copy(root)
+    plan, built = plan_model(reference, inputs, options, start=start)
+    return finish(model, built, plan, inputs, options, inplace=inplace)
 
 
 def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torch.dtype | None,
@@ -237,23 +224,45 @@ def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torc
         contiguous_weights=weights == CONTIGUOUS, **rest)
 
 
-def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *,
-               start: float) -> tuple[Plan, nn.Module]:
-    """The steps, in order, on ``work`` (the caller's model is never touched). Planning runs
-    the model many times (a training-mode BatchNorm updates its statistics, a forward counts
-    its calls, Dropout draws, a forward changes its input in place): verification starts
-    from the state ``work`` had and copies of the example as given, and the planned model is
-    returned in that state, with the caller's RNG state as it was."""
+def reference_copy(model: nn.Module) -> nn.Module:
+    """The original, as the planner runs it (verification's reference, the template every
+    candidate is copied from): a copy, so that the caller's model is never touched."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as exc:
+        raise PlanError(f"cannot copy {type(model).__name__} to plan on (copy.deepcopy "
+                        f"failed: {exc}); the planner never modifies the caller's model") from exc
+
+
+def analysis_copy(reference: nn.Module) -> nn.Module:
+    """What capture traces and measures: a copy sharing the reference's parameters (it only
+    reads them) with buffers and attributes of its own (a trace may assign attributes, a
+    train-mode run updates running statistics), unsteered (the user's own code)."""
+    shared = {id(p): p for p in reference.parameters()}
+    try:
+        return unsteer(copy.deepcopy(reference, shared))
+    except Exception as exc:
+        raise PlanError(f"cannot copy {type(reference).__name__} to trace it (copy.deepcopy "
+                        f"failed: {exc}); capture may change what it traces, so it never "
+                        "traces the model itself") from exc
+
+
+def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *,
+               start: float) -> tuple[Plan, Build]:
+    """The steps, in order. ``reference`` is the original (a copy of the caller's model): it
+    is run, never changed (state restored after each check), and every candidate is a copy of
+    it. Returns the plan and the build kept."""
     store = open_cache(options.cache, refresh=options.refresh) if options.measure else None
-    state = module_state(work)
+    state = module_state(reference)
     example = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
     rng_state = _rng_state()
     try:
-        captured = capture(work, inputs, dtype=options.dtype, ranks=options.ranks,
-                           device=options.device)
+        captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
+                           ranks=options.ranks, device=options.device)
+        outputs = _outputs(captured, inputs, options)
         costs = measure_regions(captured, options, store)
         solution = solve_regions(captured, costs, options)
-        decision = guarded_build(work, captured, solution, inputs, options, store)
+        decision = guarded_build(reference, captured, solution, inputs, options, store, outputs)
         disagree = suspect_costs(captured, solution, decision)
         if disagree is not None:
             # the cost table and the whole model disagree (costs taken under load, or cached
@@ -261,7 +270,8 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
             with store.remeasuring() if store is not None else contextlib.nullcontext():
                 costs = measure_regions(captured, options, store)
                 solution = solve_regions(captured, costs, options)
-                decision = guarded_build(work, captured, solution, inputs, options, store)
+                decision = guarded_build(reference, captured, solution, inputs, options, store,
+                                         outputs)
             disagree = suspect_costs(captured, solution, decision)
         if decision.input_label is not None and options.auto_input:
             # the inputs arrive in this format from now on: a plan considered later (a memory
@@ -270,53 +280,136 @@ def plan_model(work: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *
             solution = solution.pin_inputs(decision.input_label)
         # the records below are cached under the plan's signature: a second plan runs no forward
         signature = mem.plan_signature(solution.graphs(), [
-            decision.kept, options.root_input_label,
-            options.output_label, options.train,
-            *([options.weights] if options.contiguous_weights else [])])
-        padded = padding_step(decision.build, inputs, options, store, signature)
-        memory = memory_step(work, captured, solution, decision, inputs, padded, options,
-                             store, signature)
+            decision.kept, options.root_input_label, options.output_label, options.train,
+            "boundaries", *([options.weights] if options.contiguous_weights else [])])
+        padded, padded_build = padding_step(reference, decision.build, inputs, options, store,
+                                            signature, outputs)
+        decision = dataclasses.replace(decision, build=padded_build)
+        memory = memory_step(reference, captured, solution, decision, inputs, padded, options,
+                             store, signature, outputs)
         blocked = blocked_step(memory.build, inputs, options, store, signature)
+        notes: list[str] = []
+        inplace = changed_inputs(captured, options)
         try:
-            verification = verify_step(work, captured, memory.build, example, options, state)
+            verification = verify(reference, memory.build, example, options, state, inplace)
         except LayoutVerificationError as failure:
             if not (options.fallback and failure.fallback):
                 raise
-            decision, verification, fell_back = verified_fallback(
-                work, captured, solution, decision, inputs, example, options, state, failure)
+            decision, verification, note = fall_back(
+                reference, captured, solution, decision, inputs, example, options, state,
+                failure, outputs, inplace)
             memory, padded, blocked = MemoryDecision(decision.build, None), (), None
-        else:
-            fell_back = None
-        plan = make_plan(captured, solution, decision, memory, inputs, options,
-                         verification=verification, padding=padded, blocked=blocked,
-                         seconds=time.perf_counter() - start)
-        if fell_back is not None:
-            plan.notes.append(fell_back)
-            warnings.warn(f"memlayout: {fell_back}", stacklevel=3)
+            notes.append(note)
+            warnings.warn(f"memlayout: {note}", stacklevel=3)
+        realized: list[str] = []
+        if decision.kept == g.PLANNED:
+            realized = realized_differences(memory.build.module, example, solution,
+                                            dtype=options.dtype, device=options.device)
+            restore_state(memory.build.module, state)
+            if realized:
+                notes.append(f"eager propagation differed from the plan at {len(realized)} "
+                             f"module results (first: {realized[0]}): the plan's formats are "
+                             "where it steers, the model's own code decides in between")
         if disagree is not None:
             note = g.suspect_note(solution.predicted["planned"], decision.record, disagree)
-            plan.notes.append(note)
+            notes.append(note)
             warnings.warn(f"memlayout: {note}", stacklevel=3)
+        restore_state(memory.build.module, state)  # as the caller's model is: nothing ran on it
+        plan = make_plan(captured, solution, decision, memory, inputs, options,
+                         verification=verification, padding=padded, blocked=blocked,
+                         seconds=time.perf_counter() - start, notes=notes,
+                         training=reference.training, realized=realized)
     finally:
         if store is not None:
             store.close()
         _set_rng_state(rng_state)
-    return plan, memory.build.module
+    return plan, memory.build
 
 
-def wrap(work: nn.Module, planned: nn.Module, plan: Plan, inputs: tuple[Any, ...],
-         options: PlanOptions, *, mode: bool) -> OptimizedModule:
-    """The planned model as the caller gets it, in train mode ``mode``, planning other input
-    shapes (and the other mode) on first sight."""
+def finish(model: nn.Module, built: Build, plan: Plan, inputs: tuple[Any, ...],
+           options: PlanOptions, *, inplace: bool) -> nn.Module:
+    """The planned model as the caller gets it: the steered copy, or (``inplace``) the
+    caller's own object with the same steering, checked once more as it will run; either way
+    holding its plan (``model.memlayout``, ``model.plan``) and planning other input shapes on
+    first sight."""
+    planned = built.model
     if options.train:
-        planned.zero_grad(set_to_none=True)
-    optimized = OptimizedModule(planned, plan, options.dtype, replan=Replanner(work, planned, options),
-                                max_plans=options.max_plans, signature=shape_signature(inputs),
-                                ranks=options.ranks)
-    return optimized.train(mode)
+        planned.zero_grad(set_to_none=True)  # the guard's and verification's steps left some
+    if inplace and isinstance(model, KeywordCall):
+        raise PlanError("inplace=True plans the caller's model itself: pass the model and "
+                        "its keyword inputs as kwargs=, not a KeywordCall")
+    if inplace:
+        steer(model, built.steering, key=shape_signature(inputs), input_label=_arrival(plan),
+              outputs=planned_state(planned).outputs[_key(planned)], plan=plan,
+              dtype=options.dtype, ranks=options.ranks, max_plans=options.max_plans)
+        _check_inplace(model, planned, inputs, options)
+        planned = model
+    state = planned_state(planned)
+    key = shape_signature(inputs)
+    if state.example != key:  # the build's own key: the example's signature from now on
+        state.outputs[key] = state.outputs.pop(state.example)
+        for m in planned.modules():
+            forward = m.__dict__.get("forward")
+            boundaries = getattr(forward, "boundaries", None)
+            if boundaries is not None and state.example in boundaries:
+                boundaries[key] = boundaries.pop(state.example)
+        state.example = key
+    state.plan = plan
+    state.input_label = _arrival(plan)
+    state.replanner = Replanner(options)
+    if "plan" not in dir(type(planned)):
+        planned.__dict__["plan"] = plan  # ``model.plan``: the example's plan
+    if isinstance(model, KeywordCall):
+        # the caller's own keyword-call wrapper (the CLI's, the bench's): it gets one back,
+        # around the planned model, holding the same plan
+        wrapper = built.module
+        wrapper.__dict__.update({STATE: state, "plan": plan})
+        return wrapper
+    return planned
+
+
+def _key(model: nn.Module) -> Any:
+    return planned_state(model).example
+
+
+def _arrival(plan: Plan) -> int | None:
+    return None if plan.input_format is None else int(Label.parse(plan.input_format))
+
+
+def _check_inplace(model: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
+                   options: PlanOptions) -> None:
+    """The caller's object, steered in place, computes what the verified copy computes."""
+    from memlayout.plan.check.verify import call_twice, compare
+
+    state = module_state(model)
+    try:
+        got = call_twice(model, inputs, dtype=options.dtype, device=options.device, calls=1)
+        want = call_twice(planned, inputs, dtype=options.dtype, device=options.device, calls=1)
+    finally:
+        from memlayout.plan.check.verify import restore_state
+
+        restore_state(model, state)
+    ok, err, _ = compare(want.outputs[0], got.outputs[0], options.dtype)
+    if not ok:
+        raise LayoutVerificationError(
+            f"the model planned in place differs from the verified copy by {err:.3g}; "
+            "please report this with the model", cause="in-place planning differs",
+            fallback=False)
 
 
 # ---------------------------------------------------------------- steps
+
+
+def _outputs(captured: Captured, inputs: tuple[Any, ...], options: PlanOptions) -> Formats:
+    """The formats the planned model hands its results back in: as the original does
+    (``output_format="keep"``), all in one format, or as they come (``None``)."""
+    label = options.output_label
+    if label is None:
+        return ()
+    kept = output_formats(captured.output, inputs, options.ranks)
+    if label == "keep":
+        return kept
+    return tuple((i, int(label) if rank in options.ranks else -1, rank) for i, _, rank in kept)
 
 
 def measure_regions(captured: Captured, options: PlanOptions,
@@ -335,59 +428,122 @@ def measure_regions(captured: Captured, options: PlanOptions,
     return Costs(tuple(tables), sum(t.measured for t in tables), sum(t.cached for t in tables))
 
 
+def region_formulation(captured: Captured, region: Any, table: Any,
+                       options: PlanOptions) -> Formulation:
+    """One region's boundary problem: the top-level graph takes the run's input and output
+    formats, a submodule's inputs are as captured and its outputs kept."""
+    top = region.path == ""
+    return formulate_boundaries(
+        region.gm, table, input_label=options.root_input_label if top else None,
+        output_label=options.output_label if top else "keep", calls=captured.calls,
+        root=region.path, fixed=frozenset({""}) if options.keywords else frozenset())
+
+
 def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Solution:
-    """The min-cut labels of every region, and the predicted seconds of the plan and of the
-    model run entirely in one format."""
-    predicted = {"planned": 0.0, "all_contiguous": 0.0, "all_channels_last": 0.0}
+    """The min-cut labels of every region, and the predicted seconds of the plan, of the model
+    run entirely in one format, and of the best plan were conversions possible anywhere
+    (``anywhere``: what steering at module boundaries gives up, by the cost table)."""
+    predicted = {"planned": 0.0, "all_contiguous": 0.0, "all_channels_last": 0.0,
+                 "anywhere": 0.0}
     solved = []
     for region, table in zip(captured.regions, costs.tables, strict=True):
-        top = region.path == ""
-        form = region_formulation(region, table, options)
+        form = region_formulation(captured, region, table, options)
         if options.keep_weight_formats and not options.contiguous_weights:
             # (contiguous weights say nothing of the format their node runs in)
-            form = _pin_weight_formats(region.gm, form, options.ranks)
-        if top:
-            form = _pin_inplace_on_inputs(region.gm, form)
+            form = pin_weight_formats(region.gm, form, table, options.ranks)
         labels = solve_labels(form.integer)
         relaxed = Problem(form.seconds.unary, form.seconds.tensors)
         predicted["planned"] += objective(relaxed, labels) or 0.0
         for label, key in ((0, "all_contiguous"), (1, "all_channels_last")):
-            predicted[key] += objective(relaxed, baseline_labels(form.seconds, label)) or 0.0
+            predicted[key] += uniform_seconds(form, table, label)
+        free = formulate(region.gm, table, input_label=options.root_input_label
+                         if region.path == "" else None,
+                         output_label=options.output_label if region.path == "" else "keep")
+        predicted["anywhere"] += objective(Problem(free.seconds.unary, free.seconds.tensors),
+                                           solve_labels(free.integer)) or 0.0
         solved.append(RegionSolution(region, table, form, labels))
     return Solution(tuple(solved), predicted, costs.measured, costs.cached)
 
 
-def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
-                  inputs: tuple[Any, ...], options: PlanOptions,
-                  store: CostCache | None) -> GuardDecision:
+def uniform_seconds(form: Formulation, table: Any, label: int) -> float:
+    """The predicted seconds of every layout node in ``label`` (a node whose other label
+    fails stays pinned), with the fewest conversions the boundaries then need."""
+    pins = {**{n: label for n in table.nodes}, **form.integer.pins}
+    try:
+        labels = solve_labels(Problem(form.integer.unary, form.integer.tensors, pins,
+                                      form.integer.ties))
+    except ValueError:  # a pinned node tied to one in the other label: nothing realizable
+        labels = {n: pins.get(n, label) for n in form.seconds.unary}
+    return objective(Problem(form.seconds.unary, form.seconds.tensors), labels) or 0.0
+
+
+def pin_weight_formats(gm: Any, form: Formulation, table: Any,
+                       ranks: tuple[int, ...]) -> Formulation:
+    """``form`` with every node that owns (or reads) layout-rank parameters pinned to the
+    format those parameters have (canonical strides), where exactly one format fits: a plan
+    for another shape keeps the weights as they are."""
+    from memlayout.layout import strides_for
+    from memlayout.plan.costs.measure import module_has_layout_params
+    from memlayout.plan.graph import attribute
+
+    pins: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.name not in table.nodes or n.name in form.integer.pins:
+            continue
+        tensors: list[torch.Tensor] = []
+        if n.op == "call_module" and module_has_layout_params(gm, n):
+            sub = gm.get_submodule(n.target)
+            tensors += [t for t in [*sub.parameters(), *sub.buffers()] if t.dim() in ranks]
+        for m in n.all_input_nodes:
+            value = attribute(gm, str(m.target)) if m.op == "get_attr" else None
+            if isinstance(value, torch.Tensor) and value.dim() in ranks:
+                tensors.append(value)
+        fits = [label for label in (0, 1) if tensors and all(
+            tuple(t.stride()) == strides_for(tuple(t.shape), Label(label).format(t.dim()))
+            for t in tensors)]
+        if len(fits) == 1:
+            pins[n.name] = fits[0]
+    if not pins:
+        return form
+    return dataclasses.replace(
+        form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
+        seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
+
+
+def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
+                  inputs: tuple[Any, ...], options: PlanOptions, store: CostCache | None,
+                  outputs: Formats) -> GuardDecision:
     """Build the min-cut plan; with the guard on (and measuring), time it as a whole model
     against the original run entirely in one format (eager NCHW, eager NHWC: weights and
-    inputs converted, outputs as the plan keeps them), skipping a format the plan already is
-    end to end (or read that measurement from the cache), and keep the fastest
-    (``memlayout.plan.check.guard``). With ``input_format="auto"`` each candidate is timed with its
-    inputs already in its format, and the inputs then arrive in the kept one's."""
+    inputs converted, outputs as the plan hands them back), skipping a format the plan
+    already is end to end (or read that measurement from the cache), and keep the fastest
+    (``memlayout.plan.check.guard``). With ``input_format="auto"`` each candidate is timed with
+    its inputs already in its format, and the inputs then arrive in the kept one's."""
     entry = solution.chosen_input() if options.auto_input else options.input_label
-    if not (options.guard and options.measure and solution.has_variables):
-        return GuardDecision(build(work, solution, options), None, entry)
     own_inputs = options.auto_input and entry is not None
-    if own_inputs:
-        inputs = inputs_in(inputs, entry, options.ranks)
-    outputs = _output_label(captured.output, options.output_label, options.ranks)
 
     def uniform(label: int) -> Build:
-        return build_uniform(work, solution, inputs, label, outputs, options,
-                             arrive=label if own_inputs else None)
+        return build_uniform(reference, captured, solution, label, options, outputs,
+                             arrive=label if own_inputs else options.input_label)
 
-    planned = build(work, solution, options)
-    skipped = [name for name, label in g.UNIFORM.items() if _is_uniform(solution, planned, label)]
-    names = [name for name in g.UNIFORM if name not in skipped]
-    if outputs == "mixed":
-        names, skipped = [], []  # outputs in both formats: a one-format model cannot keep them
+    root = "module" if options.keywords else ""
+    skipped = [name for name, label in g.UNIFORM.items() if is_uniform(solution, label, root)]
     if skipped:
-        # The plan runs the model in one format end to end: run it exactly as that eager model
-        # (no graph module in between), so it is what it is compared with, not a copy of it.
+        # the plan runs the model in one format end to end: run it exactly as that eager
+        # model, so it is what it is compared with, not another copy of it
         eager = uniform(g.UNIFORM[skipped[0]])
-        planned = Build(eager.module, (), planned.nodes, planned.conversions)
+        planned = dataclasses.replace(eager, nodes=node_choices(solution), label=None)
+    else:
+        planned = build(reference, steering_of(solution, options), options, outputs=outputs,
+                        input_label=entry, nodes=node_choices(solution),
+                        conversions=conversions_of(solution, options))
+    if not (options.guard and options.measure and solution.has_variables):
+        return GuardDecision(planned, None, entry)
+    if own_inputs:
+        inputs = inputs_in(inputs, entry, options.ranks)
+    names = [name for name in g.UNIFORM if name not in skipped]
+    if _outputs_mixed(captured, options):
+        names, skipped = [], []  # outputs in both formats: a one-format model cannot keep them
     if not names:
         return GuardDecision(planned, GuardRecord(g.PLANNED, options.guard_margin, "none", 0,
                                                   skipped=tuple(skipped)), entry)
@@ -402,7 +558,7 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
 
     margin = options.guard_margin
     key = g.cache_key(device_name(options.device), options.dtype, g.signature(
-        solution.graphs(), [options.signature_extra, names, skipped]))
+        solution.graphs(), [options.signature_extra, names, skipped, "boundaries"]))
     record = store.get(key, g.valid_record) if store is not None else None
     if record is not None and not g.measured_busy(record):  # a busy machine's: measure again
         kept = g.decide(record, margin=margin)
@@ -424,13 +580,46 @@ def guarded_build(work: nn.Module, captured: Captured, solution: Solution,
                  if own_inputs else None)
     record = g.time_candidates({name: b.module for name, b in builds.items()}, inputs,
                                options.dtype, device=options.device, rounds=rounds,
-                               on_step=on_step,
-                               train=options.train, margin=margin, inputs_of=inputs_of)
+                               on_step=on_step, train=options.train, margin=margin,
+                               inputs_of=inputs_of)
     if store is not None and not record["errors"]:
         g.save(store, key, record)
     kept = g.decide(record, margin=margin)
     return decided(kept, g.describe(record, kept=kept, margin=margin, source="measured",
                                     skipped=skipped, seconds=time.perf_counter() - start))
+
+
+def build_uniform(reference: nn.Module, captured: Captured, solution: Solution, label: int,
+                  options: PlanOptions, outputs: Formats, *, arrive: int | None) -> Build:
+    """The original model run entirely in ``label``, as eager NCHW / NHWC: a copy with its
+    weights in it, inputs converted on entry, results handed back as the plan hands them."""
+    model = reference.module if options.keywords else reference
+    steering = uniform_steering(solution, captured.calls, label, options, model)
+    return build(reference, steering, options, outputs=outputs, input_label=arrive,
+                 nodes=node_choices(solution, label), label=label,
+                 conversions=uniform_conversions(solution, captured.calls, label, options,
+                                                 arrive))
+
+
+def is_uniform(solution: Solution, label: int, root: str = "") -> bool:
+    """The plan runs the whole model in ``label`` as eager would: one region (the model),
+    every layout node in ``label`` (or pinned), and conversions only of the model's inputs
+    on entry or of its results on the way out (``root``: the model's call)."""
+    if len(solution.regions) != 1 or solution.regions[0].region.path != "":
+        return False
+    s = solution.regions[0]
+    if any(s.labels[n] != s.form.seconds.pins.get(n, label) for n in s.table.nodes):
+        return False
+    return all(c.call == root for c in s.form.crossings
+               if c.convertible and s.labels[c.outer] != s.labels[c.inner])
+
+
+def _outputs_mixed(captured: Captured, options: PlanOptions) -> bool:
+    """The kept outputs are in both formats (or in none): no one-format model keeps them."""
+    if options.output_label != "keep":
+        return False
+    return value_meta(captured.output, options.ranks).label == NONE and any(
+        True for _ in iter_tensors(captured.output))
 
 
 def suspect_costs(captured: Captured, solution: Solution, decision: GuardDecision) -> float | None:
@@ -442,33 +631,53 @@ def suspect_costs(captured: Captured, solution: Solution, decision: GuardDecisio
     return g.suspect(solution.predicted.get("planned"), decision.record.planned_seconds)
 
 
-def padding_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
-                 store: CostCache | None, signature: str) -> tuple[PadChoice, ...]:
+def padding_step(reference: nn.Module, built: Build, inputs: tuple[Any, ...],
+                 options: PlanOptions, store: CostCache | None, signature: str,
+                 outputs: Formats) -> tuple[tuple[PadChoice, ...], Build]:
     """Convolutions padded to the vector width where that measures faster (inference only:
-    a padded convolution's weights are copies made here, they would not train)."""
+    a padded convolution's weights are copies made here, they would not train). Returns the
+    choices and the build that runs them."""
     if not (options.padding and options.measure) or options.train:
-        return ()
-    return tuple(plan_padding(built.module, inputs, dtype=options.dtype, cache=store,
-                                rounds=options.rounds, progress=options.progress,
-                                signature=signature, device=options.device))
+        return (), built
+
+    def padded(channels: dict[str, tuple[int, int]]) -> Build:
+        steering = built.steering.padded({user_path(p, options): c for p, c in channels.items()})
+        return dataclasses.replace(
+            build(reference, steering, options, outputs=outputs, input_label=_entry(built),
+                  label=built.label), nodes=built.nodes, conversions=built.conversions)
+
+    blocks = block_sizes(options.device, options.dtype)
+    choices = tuple(plan_padding(built.module, inputs, padded=lambda c: padded(c).module,
+                                 dtype=options.dtype, cache=store, rounds=options.rounds,
+                                 progress=options.progress, signature=signature,
+                                 device=options.device, blocks=blocks))
+    channels = padded_channels(built.module, list(choices), blocks)
+    return choices, padded(channels) if channels else built
 
 
-def memory_step(work: nn.Module, captured: Captured, solution: Solution,
+def _entry(built: Build) -> int | None:
+    """The format a build's inputs are converted to on entry (``None``: as they come)."""
+    return planned_state(built.model).input_label
+
+
+def memory_step(reference: nn.Module, captured: Captured, solution: Solution,
                 decision: GuardDecision, inputs: tuple[Any, ...], padded: tuple[PadChoice, ...],
-                options: PlanOptions, store: CostCache | None, signature: str) -> MemoryDecision:
+                options: PlanOptions, store: CostCache | None, signature: str,
+                outputs: Formats) -> MemoryDecision:
     """The peak activation memory of the plan against the original's; with a budget, the
     fastest plan whose peak fits (``memlayout.plan.check.memory``)."""
     if not options.memory and options.memory_budget is None:
         return MemoryDecision(decision.build, None)
-    outputs = _output_label(captured.output, options.output_label, options.ranks)
-    arrive = decision.input_label if options.auto_input else None
+    arrive = decision.input_label if options.auto_input else options.input_label
     chosen, record = mem.memory_step(
-        work, inputs, options.dtype, decision.build, solution=solution,
+        reference, inputs, options.dtype, decision.build, solution=solution,
         budget=options.memory_budget, padding=padded,
         kept=decision.kept, predicted=solution.predicted,
-        build=lambda s: build(work, s, options),
-        build_uniform=lambda label: build_uniform(work, solution, inputs, label, outputs,
-                                                  options, arrive=arrive),
+        build=lambda s: build(reference, steering_of(s, options), options, outputs=outputs,
+                              input_label=arrive, nodes=node_choices(s),
+                              conversions=conversions_of(s, options)),
+        build_uniform=lambda label: build_uniform(reference, captured, solution, label,
+                                                  options, outputs, arrive=arrive),
         cache=store, signature=signature, device=options.device)
     return MemoryDecision(chosen, record)
 
@@ -482,124 +691,100 @@ def blocked_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
                            rounds=options.rounds, signature=signature, device=options.device)
 
 
-def verify_step(work: nn.Module, captured: Captured, built: Build, inputs: tuple[Any, ...],
-                options: PlanOptions, state: ModuleState) -> Verification:
-    """The planned model against the original, both from ``state`` (the caller's) on
-    ``inputs`` (the example as given): one call (one training step when training) compared
-    value by value, then two calls each (the second call's output, the inputs and buffers
-    after them) and the parameters (names, ties, ``requires_grad``). Raises
-    ``LayoutVerificationError`` naming the first divergent node or what else differs; leaves
-    both models in ``state``."""
-    start = time.perf_counter()
-    planned = built.module
-    inplace = [f for r in captured.regions if r.path == "" for f in inplace_on_inputs(r.gm)]
+def changed_inputs(captured: Captured, options: PlanOptions) -> tuple[str, ...]:
+    """What the forward changes of its inputs in place: the graph's in-place ops on its inputs,
+    and the inputs the eager run changed (a graph may trace ``x += 1`` out of place)."""
+    graph = [f for r in captured.regions if r.path == "" for f in inplace_on_inputs(r.gm)]
+    call = captured.calls.get("module" if options.keywords else "")
+    eager = [f"input {p} in place" for p in (call.mutated if call is not None else ())]
+    return tuple(graph or eager)
+
+
+def verify(reference: nn.Module, built: Build, inputs: tuple[Any, ...], options: PlanOptions,
+           state: Any, inplace: tuple[str, ...]) -> Verification:
+    """The planned model against the original (``memlayout.plan.check.verification``).
+    Refused before it runs, whatever the format: a forward that changes its input in place
+    when inputs that arrive in another format are converted on entry (the change would land
+    on the copy)."""
     if inplace and (options.input_label is not None or options.auto_input):
-        raise _no_fallback(LayoutVerificationError(
+        raise LayoutVerificationError(
             f"the forward changes its input in place ({', '.join(inplace)}), and with "
             "input_format the planned model converts inputs that arrive in another format on "
             "entry: the change would land on that copy, not on the caller's tensor. Plan "
             "without input_format (inputs taken as they come), or make the op out of place "
-            "(x = x * 2 instead of x.mul_(2)); the plan was not applied"))
-    restore_state(work, state)
-    want = call_twice(work, inputs, dtype=options.dtype, device=options.device)
-    changes = state_changes(state, work)
-    try:
-        restore_state(work, state)
-        restore_state(planned, state)
-        verification = (_verify_training(work, built, inputs, options) if options.train
-                        else _verify(work, built, inputs, options, expected=want.outputs[0]))
-        count = verify_semantics(work, planned, inputs, state, want, dtype=options.dtype,
-                                 device=options.device, inplace=tuple(inplace))
-    except LayoutVerificationError as exc:
-        if exc.inputs_changed and (options.input_label is not None or options.auto_input):
-            # inputs that arrive in another format are converted on entry whichever format
-            # the model runs in: no model run in one format keeps the change either
-            raise _no_fallback(exc) from None
-        if changes:  # a likelier cause than a wrong conversion
-            raise LayoutVerificationError(
-                f"{_cause_known(exc)}. The original's forward changes "
-                f"{', '.join(changes[:3])} on every call, which the captured graph does not "
-                "repeat (torch.fx runs such an update once, while tracing, and keeps a Python "
-                "attribute as a constant): keep per-call state out of the planned forward"
-                ) from exc
-        if inplace:
-            raise LayoutVerificationError(
-                f"{_cause_known(exc)}. The forward changes its input in place "
-                f"({', '.join(inplace)}), and a conversion in the plan separates that input from its copy: make the op out "
-                "of place (x = x * 2 instead of x.mul_(2))") from exc
-        raise
-    finally:
-        restore_state(work, state)
-        restore_state(planned, state)
-    verification = dataclasses.replace(verification, semantics=count)
-    return dataclasses.replace(verification, seconds=time.perf_counter() - start)
+            "(x = x * 2 instead of x.mul_(2))", cause="the forward changes its input in place",
+            fallback=False)
+    return verify_model(reference, built.module, inputs, dtype=options.dtype,
+                        device=options.device, train=options.train, state=state,
+                        inplace=inplace)
 
 
-def verified_fallback(work: nn.Module, captured: Captured, solution: Solution,
-                      decision: GuardDecision, inputs: tuple[Any, ...], example: tuple[Any, ...],
-                      options: PlanOptions, state: ModuleState,
-                      failure: LayoutVerificationError) -> tuple[GuardDecision, Verification, str]:
+def fall_back(reference: nn.Module, captured: Captured, solution: Solution,
+              decision: GuardDecision, inputs: tuple[Any, ...], example: tuple[Any, ...],
+              options: PlanOptions, state: Any, failure: LayoutVerificationError,
+              outputs: Formats, inplace: tuple[str, ...]
+              ) -> tuple[GuardDecision, Verification, str]:
     """The plan failed verification: the model run entirely in one format, the faster first
     (as the guard measured them; unmeasured: NHWC, then NCHW), the first that verifies, with
     the note that says so. Raises ``failure`` when none does."""
     timed = decision.record.candidates if decision.record is not None else {}
     names = sorted((n for n in g.UNIFORM if n != decision.kept),
-                   key=lambda n: (-timed[n].median if n in timed else 0.0,
-                                  -g.UNIFORM[n]))  # faster first; unmeasured: NHWC first
-    outputs = _output_label(captured.output, options.output_label, options.ranks)
+                   key=lambda n: (-timed[n].median if n in timed else 0.0, -g.UNIFORM[n]))
     own_inputs = options.auto_input and decision.input_label is not None
-    why = _first_sentence(failure)
-    tried = []
-    for name in names:
-        label = g.UNIFORM[name]
-        built = build_uniform(work, solution, inputs_in(inputs, label, options.ranks)
-                              if own_inputs else inputs, label, outputs, options,
-                              arrive=label if own_inputs else None)
-        try:
-            verification = verify_step(work, captured, built, example, options, state)
-        except LayoutVerificationError as exc:
-            tried.append(f"{name}: {_first_sentence(exc)}")
-            continue
-        record = (dataclasses.replace(decision.record, kept=name) if decision.record is not None
-                  else GuardRecord(name, options.guard_margin, "none", 0))
-        kept = GuardDecision(built, record, label if own_inputs else decision.input_label)
-        note = (f"the {decision.kept} model failed verification ({why}); kept {name}, the "
-                f"model run entirely {'channels-last' if label else 'contiguous'}, verified"
-                + (f" (also failed: {'; '.join(tried)})" if tried else ""))
-        return kept, verification, note
-    raise failure
-
-
-def _no_fallback(exc: LayoutVerificationError) -> LayoutVerificationError:
-    exc.fallback = False  # no format changes this: the model run in one format would fail too
-    return exc
-
-
-def _first_sentence(exc: BaseException) -> str:
-    """What went wrong, without what the error goes on to advise."""
-    return re.split(r"[.;] [Tt]he plan was not applied", str(exc))[0].strip()
-
-
-def _cause_known(exc: LayoutVerificationError) -> str:
-    """``exc``'s message without its request to report a planner bug: the cause is named
-    after it (state the forward changes, an input it changes in place)."""
-    return str(exc).split("; please report")[0].rstrip(".")
+    arrive = {n: g.UNIFORM[n] if own_inputs else options.input_label for n in names}
+    candidates = [(n, lambda n=n: build_uniform(reference, captured, solution, g.UNIFORM[n],
+                                                options, outputs, arrive=arrive[n]))
+                  for n in names]
+    kept, built, verification, tried = verified_fallback(
+        candidates, lambda b: verify(reference, b, example, options, state, inplace), failure)
+    label = g.UNIFORM[kept]
+    record = (dataclasses.replace(decision.record, kept=kept) if decision.record is not None
+              else GuardRecord(kept, options.guard_margin, "none", 0))
+    why = failure.cause or str(failure)
+    where = f" at {failure.node}" if failure.node else ""
+    note = (f"the {decision.kept} model failed verification ({why}{where}); kept {kept}, "
+            f"the model run entirely {'channels-last' if label else 'contiguous'}, verified"
+            + (f" (also failed: {'; '.join(tried)})" if tried else ""))
+    return (GuardDecision(built, record, label if own_inputs else decision.input_label),
+            verification, note)
 
 
 def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
               memory: MemoryDecision, inputs: tuple[Any, ...], options: PlanOptions, *,
               verification: Verification, padding: tuple[PadChoice, ...],
-              blocked: BlockedReport | None, seconds: float) -> Plan:
-    """The plan as plain data."""
+              blocked: BlockedReport | None, seconds: float, notes: list[str],
+              training: bool, realized: list[str]) -> Plan:
+    """The plan as plain data (``training``: the model's train/eval mode)."""
     entry = decision.input_label
     output = options.output_label
     built = memory.build
-    plan = Plan(
+    nodes = list(built.nodes)
+    notes = [*conv1d_notes(nodes), *notes]  # rank 3: planned, or why not
+    if options.contiguous_weights and decision.kept != "planned":
+        notes.append(f"weights='contiguous': every parameter contiguous; the guard kept "
+                     f"{decision.kept}, whose nodes read their weights as they are")
+    elif options.contiguous_weights:
+        counts = {"as_is": 0, "per_call": 0}
+        for s in solution.regions:
+            storage = {n: c.weights for n, c in s.table.nodes.items()}
+            for kind, k in storage_counts(s.labels, storage).items():
+                counts[kind] += k
+        notes.append(
+            f"weights='contiguous': every parameter contiguous; {counts['as_is']} channels-last "
+            f"nodes read their weights as they are, {counts['per_call']} convert them per call "
+            "(whichever measured faster)")
+    if options.auto_input:
+        notes.append(
+            f"input_format='auto': inputs should arrive {Label(entry).text} (converted "
+            "on entry otherwise)" if entry is not None else
+            "input_format='auto': no input in a definite format at the top level; inputs "
+            "are taken as they come")
+    return Plan(
         model=options.name, device=device_name(options.device), torch_version=torch.__version__,
         dtype=None if options.dtype is None else str(options.dtype).removeprefix("torch."),
         input_format=None if entry is None else Label(entry).text,
         output_format=output if output in (None, "keep") else Label(output).text,  # type: ignore[index]
-        nodes=list(built.nodes), conversions=list(built.conversions),
+        nodes=nodes, conversions=list(built.conversions),
         predicted=solution.predicted, regions=[r.path for r in captured.regions],
         uncaptured=[[p, r] for p, r in captured.uncaptured],
         measured=solution.measured, cached=solution.cached, measure=options.measure,
@@ -609,306 +794,45 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         weight_formats_kept=options.keep_weight_formats, coverage=captured.coverage,
         costs_timed=sum(s.table.timed_costs for s in solution.regions),
         costs_noisy=sum(s.table.noisy_costs for s in solution.regions),
-        model_signature=model_signature(captured),
-    )
-    plan.notes.extend(conv1d_notes(plan.nodes))  # rank 3: planned, or why not
-    if options.contiguous_weights and decision.kept != "planned":
-        plan.notes.append(f"weights='contiguous': every parameter contiguous; the guard kept "
-                          f"{decision.kept}, whose nodes read their weights as they are")
-    elif options.contiguous_weights:
-        counts = {"as_is": 0, "per_call": 0}
-        for s in solution.regions:
-            for kind, k in storage_counts(s.labels, _storage(s)).items():
-                counts[kind] += k
-        plan.notes.append(
-            f"weights='contiguous': every parameter contiguous; {counts['as_is']} channels-last "
-            f"nodes read their weights as they are, {counts['per_call']} convert them per call "
-            "(whichever measured faster)")
-    if options.auto_input:
-        plan.notes.append(
-            f"input_format='auto': inputs should arrive {Label(entry).text} (converted "
-            "on entry otherwise)" if entry is not None else
-            "input_format='auto': no input in a definite format at the top level; inputs "
-            "are taken as they come")
-    return plan
-
-
-# ---------------------------------------------------------------- building
-
-
-def build(work: nn.Module, solution: Solution, options: PlanOptions) -> Build:
-    """Rewrite a copy of ``work`` with one labelling per region."""
-    # The copy shares every parameter and buffer with ``work`` (the rewrite puts converted
-    # weights in new tensors), so planning holds the weights once, not twice.
-    shared = {id(t): t for t in [*work.parameters(), *work.buffers()]}
-    planned_tree = copy.deepcopy(work, shared)
-    nodes: list[NodeChoice] = []
-    conversions: list[Conversion] = []
-    checks = []
-    converted: dict[int, torch.Tensor] = {}  # a tensor shared by several modules: one conversion
-    for s in solution.regions:
-        region = s.region
-        sub = planned_tree.get_submodule(region.path) if region.path else planned_tree
-        gm = _graph_module_on(sub, region.gm)
-        planned, made = rewrite(sub, gm, s.form, s.labels, converted)
-        if options.contiguous_weights:
-            store_weights(planned, gm, s.labels, _storage(s), options.ranks)
-        if region.path:
-            parent_path, _, child = region.path.rpartition(".")
-            parent = planned_tree.get_submodule(parent_path) if parent_path else planned_tree
-            setattr(parent, child, planned)
-        else:
-            planned_tree = planned
-        drops = notes_of(region.gm)
-        for n, c in s.table.nodes.items():
-            nodes.append(NodeChoice(region.path, n, c.op, Label(s.labels[n]).text,
-                                    {lb.text: t for lb, t in zip(LABELS, c.seconds, strict=True)}, c.timed,
-                                    drops.get(n, [])))
-        for value, to, served in made:
-            cost = s.table.conversions[value]
-            conversions.append(Conversion(
-                region.path, value, Label(to).text, [list(x) for x in cost.shapes],
-                cost.nbytes, cost.to_1 if to == 1 else cost.to_0, list(served)))
-        checks.append(RegionCheck(region, planned))
-    return Build(planned_tree, tuple(checks), tuple(nodes), tuple(conversions))
-
-
-def build_uniform(work: nn.Module, solution: Solution, inputs: tuple[Any, ...], label: int,
-                  output_label: int | str | None, options: PlanOptions, *,
-                  arrive: int | None = None) -> Build:
-    """The original model run entirely in ``label``, as eager NCHW / NHWC: a copy with its
-    weights converted, inputs converted on entry (outputs to ``output_label``) by hooks,
-    so ``state_dict`` keys stay the original's. ``arrive``: the label inputs arrive in
-    (``None``: as captured), for the conversions listed."""
-    model = convert_module_to(copy.deepcopy(work), label, options.ranks,
-                              weights=options.weights)
-    model.register_forward_pre_hook(functools.partial(_inputs_to, label=label,
-                                                      ranks=options.ranks))
-    if output_label in (0, 1):
-        model.register_forward_hook(functools.partial(_outputs_to, label=output_label))
-    fmt = Label(label).text
-    nodes = tuple(NodeChoice(s.region.path, n, c.op, fmt,
-                             {lb.text: t for lb, t in zip(LABELS, c.seconds, strict=True)}, c.timed,
-                             notes_of(s.region.gm).get(n, []))
-                  for s in solution.regions for n, c in s.table.nodes.items())
-    conversions = []
-    first = solution.regions[0]
-    if first.region.path == "":
-        for n in first.region.gm.graph.nodes:
-            meta = n.meta.get("memlayout")
-            if n.op != "placeholder" or meta is None or meta.label not in (0, 1):
-                continue
-            if (meta.label if arrive is None else arrive) == 1 - label:
-                cost = first.table.conversions.get(n.name)
-                conversions.append(Conversion(
-                    "", n.name, fmt, [list(t.shape) for t in meta.layout_tensors], meta.nbytes,
-                    0.0 if cost is None else cost.to_1 if label else cost.to_0, ["forward"]))
-    return Build(model, (), nodes, tuple(conversions))
-
-
-def _storage(s: RegionSolution) -> dict[str, str | None]:
-    """How each node of a region reads its contiguous weights (``weights="contiguous"``)."""
-    return {n: c.weights for n, c in s.table.nodes.items()}
-
-
-def _is_uniform(solution: Solution, planned: Build, label: int) -> bool:
-    """The plan runs the whole model in ``label`` as eager would: one region (the model),
-    every layout node in ``label`` (or pinned), conversions only of inputs or for outputs."""
-    if len(solution.regions) != 1 or solution.regions[0].region.path != "":
-        return False
-    s = solution.regions[0]
-    if s.labels != baseline_labels(s.form.seconds, label):
-        return False
-    inputs = {n.name for n in s.region.gm.graph.nodes if n.op == "placeholder"}
-    return all(c.value in inputs or all(u.startswith(OUTPUT_PREFIX) for u in c.consumers)
-               for c in planned.conversions)
-
-
-def _output_label(reference: Any, output_label: int | str | None,
-                  ranks: tuple[int, ...]) -> int | str | None:
-    """The label the outputs of a one-format model are converted to: ``None`` (as they come),
-    0 / 1, or ``"mixed"`` (kept outputs in both formats: not possible)."""
-    if output_label != "keep":
-        return output_label
-    label = value_meta(reference, ranks).label
-    if label in (0, 1):
-        return label
-    return None if label in (None, FREE) else "mixed" if label == NONE else None
-
-
-def _inputs_to(module: nn.Module, args: tuple[Any, ...], *, label: int,
-               ranks: tuple[int, ...]) -> tuple[Any, ...]:
-    return convert_value(tuple(args), label, ranks)
-
-
-def _outputs_to(module: nn.Module, args: tuple[Any, ...], output: Any, *, label: int) -> Any:
-    out = convert_batch(output, Label(label).format(4))
-    return convert_batch(out, Label(label).format(5))
-
-
-def _graph_module_on(root: nn.Module, traced: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``traced``'s graph (names and meta kept) as a GraphModule over ``root``."""
-    graph = copy.deepcopy(traced.graph)
-    for n in iter_nodes(traced, "get_attr"):
-        head = n.target.split(".")[0]
-        if not hasattr(root, head):
-            setattr(root, head, copy.deepcopy(getattr(traced, head)))
-    return fx.GraphModule(root, graph)
-
-
-def _pin_inplace_on_inputs(gm: fx.GraphModule, form: Any) -> Any:
-    """``form`` with every node that changes a graph input in place pinned to the format that
-    input arrives in: run in the other, it would change a converted copy and the caller's
-    tensor would not see the change."""
-    pins: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        first = n.args[0] if n.args else None
-        if (isinstance(first, fx.Node) and first.op == "placeholder"
-                and n.name in form.seconds.unary and n.name not in form.integer.pins
-                and mutates_in_place(gm, n)):
-            arrives = form.producers.get(first.name)
-            if arrives in (0, 1):
-                pins[n.name] = int(arrives)
-    if not pins:
-        return form
-    return dataclasses.replace(
-        form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
-        seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
-
-
-def _pin_weight_formats(gm: fx.GraphModule, form: Any, ranks: tuple[int, ...]) -> Any:
-    """``form`` with every node that owns (or reads) layout-rank parameters pinned to the
-    format those parameters have (canonical strides), where exactly one format fits."""
-    pins: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.name not in form.seconds.unary or n.name in form.integer.pins:
-            continue
-        tensors: list[torch.Tensor] = []
-        if n.op == "call_module" and module_has_layout_params(gm, n):
-            sub = gm.get_submodule(n.target)
-            tensors += [t for t in [*sub.parameters(), *sub.buffers()] if t.dim() in ranks]
-        for m in n.all_input_nodes:
-            if m.op == "get_attr":
-                value: Any = gm
-                for part in str(m.target).split("."):
-                    value = getattr(value, part, None)
-                if isinstance(value, torch.Tensor) and value.dim() in ranks:
-                    tensors.append(value)
-        fits = [label for label in (0, 1) if tensors and all(
-            tuple(t.stride()) == strides_for(tuple(t.shape), Label(label).format(t.dim()))
-            for t in tensors)]
-        if len(fits) == 1:
-            pins[n.name] = fits[0]
-    if not pins:
-        return form
-    return dataclasses.replace(
-        form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
-        seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
-
-
-# ---------------------------------------------------------------- verifying
-
-
-def _verify(work: nn.Module, built: Build, inputs: tuple[Any, ...], options: PlanOptions, *,
-            expected: Any) -> Verification:
-    """Run the planned model once and compare with ``expected`` (the original's output on
-    the same inputs, from the same state). A whole-model plan is one region: compared (and on
-    a mismatch bisected)
-    directly. Planned submodules: the whole model is compared; on a mismatch each region is
-    checked on its own inputs to name the first divergent node."""
-    dtype, checks = options.dtype, built.checks
-    if len(checks) == 1 and checks[0].region.path == "":
-        region, planned = checks[0].region, checks[0].planned
-        v = verify(region.gm, planned, inputs, dtype=dtype, planned_graph=planned.graph,
-                   expected=expected, device=options.device)
-        return Verification(True, DTYPE_TOLERANCE if v.float64_error is None else FLOAT64_RECHECK,
-                            v.max_error, v.tolerance, v.tensors, float64_error=v.float64_error)
-    with torch.no_grad(), dtypes.autocast(options.device, dtype):
-        got = built.module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
-    ok, err, count = compare(expected, got, dtype)
-    rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
-    exact = None if ok else float64_agreement(work, built.module, inputs, device=options.device)
-    if exact is not None:  # rounding of the run dtype, equal in float64
-        return Verification(True, FLOAT64_RECHECK, err, rtol, count, float64_error=exact)
-    if not ok:
-        for check in checks:  # raises naming the node where a region diverges
-            assert isinstance(check.planned, PlannedGraph)
-            verify(check.region.gm, check.planned, check.region.inputs, dtype=dtype,
-                   planned_graph=check.planned.graph, where=check.region.path,
-                   expected=check.region.output, device=options.device)
-        where = ("although every planned region matched" if checks else
-                 "(the model run entirely in one format, as the guard chose)")
-        raise LayoutVerificationError(
-            f"the planned model's outputs differ from the original's by {err:.3g} (relative) "
-            f"{where}; the plan was not applied")
-    return Verification(True, DTYPE_TOLERANCE, err, rtol, count)
-
-
-def _verify_training(work: nn.Module, built: Build, inputs: tuple[Any, ...],
-                     options: PlanOptions) -> Verification:
-    """One training step of the planned model against the original's (``work``): a
-    whole-model plan is compared (and on a mismatch bisected) directly; planned submodules:
-    the whole model, then on a mismatch each region on its own inputs to name the node."""
-    dtype, checks = options.dtype, built.checks
-    if len(checks) == 1 and checks[0].region.path == "":
-        region, planned = checks[0].region, checks[0].planned
-        v = verify_training(work, planned, inputs, dtype=dtype, reference_graph=region.gm,
-                            planned_graph=planned.graph, device=options.device)
-    else:
-        try:
-            v = verify_training(work, built.module, inputs, dtype=dtype, device=options.device)
-        except LayoutVerificationError:
-            for check in checks:  # raises naming the node where a region diverges
-                verify_training(check.region.gm, check.planned, check.region.inputs,
-                                dtype=dtype, reference_graph=check.region.gm,
-                                planned_graph=check.planned.graph, where=check.region.path,
-                                device=options.device)
-            raise
-    # verify_training runs the float64 re-check only when the dtype-tolerance compare failed
-    check = DTYPE_TOLERANCE if v.float64_error is None else FLOAT64_RECHECK
-    return Verification(True, check, v.max_error, v.tolerance, v.tensors, train=True,
-                        float64_error=v.float64_error)
-
-
-# ---------------------------------------------------------------- inputs, state, replanning
-
-
-def check_materialized(model: nn.Module, inputs: tuple[Any, ...]) -> None:
-    """``PlanError`` before any work for a model or input on the meta device: it has shapes
-    but no values, so nothing can be measured or verified."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    meta = [name for name, t in tensors if t.is_meta]
-    if meta:
-        raise PlanError(
-            f"{type(model).__name__} has {len(meta)} of {len(tensors)} parameters and buffers on "
-            f"the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): they "
-            "have shapes but no values, so nothing can be measured or verified. Materialize "
-            "the weights first, e.g. model.to_empty(device='cpu') then initialize them "
-            "(reset_parameters() per module, or load_state_dict from a checkpoint)")
-    if any(t.is_meta for t in iter_tensors(inputs)):
-        raise PlanError("example_inputs are on the meta device (shapes without values): pass "
-                        "real tensors, e.g. torch.randn(shape), on the model's device")
-
-
-def example_inputs_of(example_inputs: Any) -> tuple[Any, ...]:
-    """``forward``'s positional arguments from an example (a tensor or a tuple), cloned."""
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs.clone(),)
-    if isinstance(example_inputs, (tuple, list)) and example_inputs:
-        return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
-    raise PlanError(
-        f"example_inputs must be a tensor or a non-empty tuple of forward's positional "
-        f"arguments, got {type(example_inputs).__name__}"
+        model_signature=model_signature(captured), notes=notes,
+        weights=options.weights, mode="train" if training else "eval", realized=realized,
     )
 
 
-def working_copy(model: nn.Module, train: bool) -> nn.Module:
-    """The copy planning runs on: the planner never modifies the caller's model."""
-    try:
-        return copy.deepcopy(model).train(train)
-    except Exception as exc:
-        raise PlanError(f"cannot copy {type(model).__name__} to plan on (copy.deepcopy "
-                        f"failed: {exc}); the planner never modifies the caller's model") from exc
+# ---------------------------------------------------------------- other shapes
+
+
+class Replanner:
+    """Plans a new input signature of a planned model on its live weights (their formats
+    kept: one set of parameters serves every shape), no guard, verified against the model's
+    own computation unsteered; installs the plan's boundaries under the signature's key."""
+
+    def __init__(self, options: PlanOptions) -> None:
+        # a plan per shape chooses boundaries only, on the weights as they are: no guard, no
+        # padding, memory or mkldnn steps (they stay the example's), one plan
+        self.options = dataclasses.replace(
+            options, guard=False, keep_weight_formats=True, max_plans=1, memory=False,
+            memory_budget=None, padding=False, blocked=False, refresh=False, progress=None)
+
+    def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 key: Any) -> Plan:
+        start = time.perf_counter()
+        state = planned_state(model)
+        live = analysis_copy(model)  # the model's own computation on the live weights
+        xs = example_inputs_of(tuple(x.detach() if isinstance(x, torch.Tensor) else x
+                                     for x in args))
+        root, xs = keyword_call(live, xs, dict(kwargs))
+        # the module may have moved since the example's plan (``.to()``): this call's device
+        options = dataclasses.replace(self.options, train=model.training,
+                                      device=device_of(xs, live))
+        if options.input_label is not None:
+            xs = inputs_in(xs, options.input_label, options.ranks)
+        plan, built = plan_model(root, xs, options, start=start)
+        built_state = planned_state(built.model)
+        boundaries = Steering((), built.steering.boundaries)
+        steer(model, boundaries, key=key, input_label=state.input_label,
+              outputs=built_state.outputs[built_state.example], plan=state.plan)
+        return plan
 
 
 def open_cache(cache: bool | str | Path, *, refresh: bool = False) -> CostCache | None:
@@ -923,75 +847,6 @@ def open_cache(cache: bool | str | Path, *, refresh: bool = False) -> CostCache 
         return None
 
 
-def format_label(fmt: str | Format | None, what: str) -> Label | None:
-    """The label of a requested input or output format; ``PlanError`` for a format the
-    planner does not take (channels_last_1d: 1-d models are planned from the costs only)."""
-    if fmt is None:
-        return None
-    try:
-        parsed = Format.parse(fmt)
-    except LayoutError as exc:
-        raise PlanError(f"{what} {fmt!r}: {exc}") from None
-    if parsed is Format.CHANNELS_LAST_1D:
-        raise PlanError(f"{what} {fmt!r}: the planner handles contiguous and channels_last(_3d)")
-    return Label.parse(parsed)
-
-
-class Replanner:
-    """Plans a new input shape of an ``OptimizedModule`` on its live weights: ``base`` is the
-    original model's structure holding the optimized module's parameters and buffers."""
-
-    def __init__(self, base: nn.Module, planned: nn.Module, options: PlanOptions) -> None:
-        _share_tensors(base, planned)
-        self.base = base
-        # a plan per shape chooses formats only, on the weights as they are: no guard, no
-        # padding, memory or mkldnn steps (they stay the example's), one plan
-        self.options = dataclasses.replace(
-            options, guard=False, keep_weight_formats=True, max_plans=1, memory=False,
-            memory_budget=None, padding=False, blocked=False, refresh=False, progress=None)
-
-    def __call__(self, optimized: OptimizedModule,
-                 args: tuple[Any, ...]) -> tuple[nn.Module, Plan]:
-        start = time.perf_counter()
-        base = self.base
-        _share_tensors(base, optimized.module)  # the live tensors (after .to(), a load, ...)
-        training = optimized.module.training
-        base.train(training)
-        xs = example_inputs_of(tuple(x.detach() if isinstance(x, torch.Tensor) else x
-                                     for x in args))
-        # the module may have moved since the example's plan (``.to()``): this call's device
-        options = dataclasses.replace(self.options, train=training, device=device_of(xs, base))
-        if options.input_label is not None:
-            xs = inputs_in(xs, options.input_label, options.ranks)
-        # planned on the live tensors themselves (kept formats: the rewrite makes no new
-        # parameter), so every reference to them, a plain list of submodules too, stays one
-        # tensor; the state planning's runs change is put back, whatever happens
-        live = {id(t): t for t in [*base.parameters(), *base.buffers()]}
-        work = copy.deepcopy(base, live).train(training)
-        state = module_state(base)
-        try:
-            plan, module = plan_model(work, xs, options, start=start)
-        finally:
-            restore_state(base, state)
-        _share_tensors(module, base)  # where the rewrite made new tensors: the live ones
-        module.train(training)
-        return module, plan
-
-
-def _share_tensors(dst: nn.Module, src: nn.Module) -> None:
-    """Point ``dst``'s parameters and buffers at ``src``'s of the same name and shape."""
-    for kind in ("_parameters", "_buffers"):
-        named = src.named_parameters if kind == "_parameters" else src.named_buffers
-        live = dict(named(remove_duplicate=False))
-        mine = dst.named_parameters if kind == "_parameters" else dst.named_buffers
-        for name, t in list(mine(remove_duplicate=False)):
-            other = live.get(name)
-            if other is None or other is t or other.shape != t.shape:
-                continue
-            owner, _, attr = name.rpartition(".")
-            getattr(dst.get_submodule(owner) if owner else dst, kind)[attr] = other
-
-
 def _rng_state() -> tuple[torch.Tensor, Any]:
     cuda = (torch.cuda.get_rng_state_all()
             if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
@@ -1004,4 +859,4 @@ def _set_rng_state(state: tuple[torch.Tensor, Any]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
-__all__ = ["MemlayoutError", "OptimizedModule", "Plan", "optimize"]
+__all__ = ["Plan", "optimize"]

@@ -87,8 +87,8 @@ def mixed_precision(dtype: torch.dtype | None, *, cast_inputs: bool = True) -> A
 
 
 def _is_planned(model: nn.Module) -> bool:
-    planned = sys.modules.get("memlayout.plan.steer.module")  # loaded only when a plan was made
-    return planned is not None and isinstance(model, planned.OptimizedModule)
+    steering = sys.modules.get("memlayout.plan.steer.steering")  # loaded only once a plan was made
+    return steering is not None and steering.planned_state(model) is not None
 
 
 def wrap_fsdp(model: nn.Module, *, dtype: torch.dtype | None = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import sys
 import time
 import types
 import warnings
@@ -204,15 +203,11 @@ def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
 
 
 def keyed_module(model: nn.Module) -> nn.Module:
-    """The module whose ``named_parameters`` carry the plain model's keys: the planned graph
-    inside an ``OptimizedModule`` (whose ``state_dict`` keys are already the plain model's),
-    the model inside DDP, or the model itself. DCP's state-dict helpers name optimizer state
-    by parameter names, so they must agree with the model's ``state_dict`` keys."""
-    model = unwrap(model)
-    planned = sys.modules.get("memlayout.plan.steer.module")  # loaded only when a plan was made
-    if planned is not None and isinstance(model, planned.OptimizedModule):
-        return model.module
-    return model
+    """The module whose ``named_parameters`` carry the plain model's keys: the model inside
+    DDP, or the model itself (a planned model is the model's own tree: its keys are the
+    model's). DCP's state-dict helpers name optimizer state by parameter names, so they must
+    agree with the model's ``state_dict`` keys."""
+    return unwrap(model)
 
 
 class Trainer:

@@ -38,7 +38,7 @@ def test_torch_compile_of_an_optimized_module_computes_what_the_original_does():
     x3 = torch.randn(3, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x3), net(x3), rtol=1e-4, atol=1e-5)
-    assert opt.replans == 0
+    assert opt.memlayout.replans == 0
 
 
 def test_inductor_decision_is_what_its_config_says():

@@ -121,7 +121,7 @@ def test_a_faster_runtime_is_kept_verified_recorded_and_cached(runtime, tmp_path
     torch.testing.assert_close(fast(x), want, rtol=1e-4, atol=1e-5)
     cl = x.contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(fast(cl), want, rtol=1e-4, atol=1e-5)
-    (prepared,) = fast.prepare_inputs(cl)
+    (prepared,) = memlayout.prepare_inputs(fast, cl)
     assert prepared.is_contiguous()
 
     # the original's state_dict; load_state_dict rebuilds the runtime's own copy of the weights
@@ -227,3 +227,25 @@ def test_the_bench_mode_runs_the_kept_runtime_on_the_input_it_reads(monkeypatch,
     assert prepared.input_format == "contiguous"  # converted once, before the timed calls
     with torch.no_grad():
         torch.testing.assert_close(prepared.step(), net(x), rtol=1e-4, atol=1e-5)
+
+
+@needs_mkldnn
+def test_a_runtime_model_refuses_what_it_would_ignore() -> None:
+    """A runtime runs no Python of the model: a hook on it, or anything changed in the copy
+    it was built from, raises instead of being silently ignored; rebuild() takes the change."""
+    from memlayout.errors import MemlayoutError
+    from memlayout.plan.candidates.compiled import RuntimeModule
+
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    fast = RuntimeModule(net, None, x, runtimes.RuntimeOptions("mkldnn"))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(MemlayoutError, match="never run"):
+        fast.register_forward_hook(lambda *_: None)
+    fast.module[1] = nn.Identity()  # a replaced submodule the runtime would not see
+    with pytest.raises(MemlayoutError, match="changed since it was built"):
+        fast(x)
+    fast.rebuild()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), net[0](x), rtol=1e-4, atol=1e-5)

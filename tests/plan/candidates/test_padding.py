@@ -40,16 +40,27 @@ def test_a_padded_convolution_computes_the_unpadded_values(case, fmt, pads) -> N
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_state_dicts_are_the_convolutions_and_loading_refreshes_the_padding() -> None:
-    conv = nn.Conv2d(3, 5, 3).eval()
-    padded = PaddedConv2d.from_conv(conv, pad_in=8, pad_out=8)
-    assert {k: v.shape for k, v in padded.state_dict().items()} == \
-        {k: v.shape for k, v in conv.state_dict().items()}
-    other = nn.Conv2d(3, 5, 3).eval()
-    padded.load_state_dict(other.state_dict())
+def test_a_steered_padded_convolution_keeps_its_state_dict_and_follows_its_weights() -> None:
+    from memlayout.plan.steer.boundary import Boundary
+    from memlayout.plan.steer.steering import Steering, steer
+
+    net = nn.Sequential(nn.Conv2d(3, 5, 3)).eval()
+    keys = {k: v.shape for k, v in net.state_dict().items()}
+    steer(net, Steering(boundaries=(("0", Boundary(padding=(8, 8))),)), key="k",
+          input_label=None, outputs=(), plan=None)
+    assert {k: v.shape for k, v in net.state_dict().items()} == keys  # no padded copies in it
+    assert type(net[0]) is nn.Conv2d and not list(net[0].buffers())
     x = torch.randn(1, 3, 6, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(padded(x), other(x), rtol=1e-5, atol=1e-6)
+    other = nn.Conv2d(3, 5, 3).eval()
+    for change in ("load", "in place"):
+        if change == "load":
+            net.load_state_dict({f"0.{k}": v for k, v in other.state_dict().items()})
+        else:
+            with torch.no_grad():
+                net[0].weight.mul_(2)
+                other.weight.mul_(2)
+        with torch.no_grad():
+            torch.testing.assert_close(net(x), other(x), rtol=1e-5, atol=1e-6)
 
 
 def test_variants_only_for_plain_convolutions_with_odd_channels() -> None:
@@ -84,11 +95,18 @@ def test_the_plan_reports_both_costs_and_pads_only_where_measured_faster(tmp_pat
         else:
             assert p.chosen == alone
             assert p.chosen == UNPADDED or p.whole_model > 1.0
-        module = opt.module.get_submodule(p.module)
-        assert isinstance(module, PaddedConv2d) == (p.chosen != UNPADDED)
+        assert type(opt.get_submodule(p.module)) is nn.Conv2d  # the model's own module
+        assert (p.module in _padded(opt)) == (p.chosen != UNPADDED)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
     assert "padded channels:" in plan.summary()
+
+
+def _padded(opt: nn.Module) -> set[str]:
+    """The convolutions a planned model runs padded (for the example's shape)."""
+    key = opt.memlayout.example
+    return {path for path, m in opt.named_modules() if "forward" in m.__dict__
+            and key in m.forward.boundaries and m.forward.boundaries[key].padding}
 
 
 def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,8 +120,7 @@ def test_padding_everything_verifies_equal(tmp_path, monkeypatch) -> None:
     _pad_everything(monkeypatch)
     net, x = odd_channels_small()
     opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
-    padded = [p for p, m in opt.module.named_modules() if isinstance(m, PaddedConv2d)]
-    assert set(padded) == _eligible(net, block_sizes("cpu", None))
+    assert _padded(opt) == _eligible(net, block_sizes("cpu", None))
     assert opt.plan.verification.ok
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net(x), rtol=1e-4, atol=1e-5)
@@ -119,7 +136,7 @@ def test_padding_the_whole_model_must_be_faster_too(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(padding_mod, "whole_model_ratio", lambda *args, **kwargs: 0.9)
     net, x = odd_channels_small()
     opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1, blocked=False)
-    assert not any(isinstance(m, PaddedConv2d) for m in opt.module.modules())
+    assert not _padded(opt)
     assert all(p.chosen == UNPADDED and p.reverted and p.whole_model == 0.9
                for p in opt.plan.padding)
     assert "left unpadded" in opt.plan.summary()
@@ -127,13 +144,15 @@ def test_padding_the_whole_model_must_be_faster_too(tmp_path, monkeypatch) -> No
 
 def test_a_padding_that_changes_values_is_never_returned(tmp_path, monkeypatch) -> None:
     _pad_everything(monkeypatch)
-    refresh = PaddedConv2d.refresh
+    from memlayout.plan.steer import forward
 
-    def off(self: PaddedConv2d) -> None:  # a bug: the padded copy is not the weights
-        refresh(self)
-        self.padded_weight[: self.out_channels, : self.in_channels] += 0.1
+    real = forward.padded_weights
 
-    monkeypatch.setattr(PaddedConv2d, "refresh", off)
+    def off(conv, pad_in, pad_out):  # noqa: ANN001, ANN202  a bug: the padded copy is not the weights
+        weight, bias = real(conv, pad_in, pad_out)
+        return weight + 0.1, bias
+
+    monkeypatch.setattr(forward, "padded_weights", off)
     net, x = odd_channels_small()
     before = copy.deepcopy(net.state_dict())
     with pytest.raises(LayoutVerificationError):
@@ -144,7 +163,7 @@ def test_a_padding_that_changes_values_is_never_returned(tmp_path, monkeypatch) 
     with pytest.warns(UserWarning, match="failed verification"):
         opt = optimize(net, x, cache=tmp_path / "c.sqlite", guard=False, rounds=1,
                        blocked=False)
-    assert not any(isinstance(m, PaddedConv2d) for m in opt.module.modules())
+    assert not _padded(opt)
     assert opt.plan.padding == () and opt.plan.verification.ok
     with torch.no_grad():
         torch.testing.assert_close(opt(x), net.eval()(x))

@@ -70,7 +70,7 @@ def test_the_plan_reports_peaks_a_second_measurement_reproduces() -> None:
     m = opt.plan.memory
     assert m.method == "tensor_lifetime"
     assert m.original == peak_memory(net, (x,)).peak_bytes
-    assert m.planned == peak_memory(opt.module, (x,)).peak_bytes
+    assert m.planned == peak_memory(opt, (x,)).peak_bytes
     assert "peak activation memory" in opt.plan.summary()
 
 

@@ -16,7 +16,7 @@ from memlayout.errors import PlanError
 from memlayout.layout import Format, strides_for
 from memlayout.plan import pipeline
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.steer.weights import AS_IS, PER_CALL, PerCallWeights, convert_per_call
+from memlayout.plan.steer.weights import PER_CALL, convert_per_call
 from memlayout.train.ddp import grad_layout_mismatches
 
 
@@ -83,14 +83,14 @@ def test_a_new_batch_size_is_planned_on_the_same_contiguous_weights() -> None:
     weights = [id(p) for p in opt.parameters()]
     small = torch.randn(3, 3, 12, 12).contiguous(memory_format=torch.channels_last)
     _check_against_eager(model, opt, small)
-    assert opt.replans == 1 and [id(p) for p in opt.parameters()] == weights
+    assert opt.memlayout.replans == 1 and [id(p) for p in opt.parameters()] == weights
     assert all(_contiguous(p) for p in opt.parameters())
 
 
 def test_converted_weights_stay_the_default() -> None:
     model, x = Net(), _x()
     opt = optimize(model, x, train=True, measure=False, cache=False)
-    assert not _contiguous(opt.module.stem.weight)  # converted once to channels-last
+    assert not _contiguous(opt.stem.weight)  # converted once to channels-last
 
 
 def test_measured_storage_is_recorded_per_channels_last_convolution(tmp_path) -> None:
@@ -108,16 +108,24 @@ def test_measured_storage_is_recorded_per_channels_last_convolution(tmp_path) ->
 def test_per_call_storage_against_eager(monkeypatch) -> None:
     """Every channels-last convolution made to convert its weight per call (as the measured
     choice would where that is faster): same training step, weights still contiguous."""
-    monkeypatch.setattr(pipeline, "_storage",
-                        lambda s: {n: PER_CALL if s.table.nodes[n].weights == AS_IS else None
-                                   for n in s.table.nodes})
+    real = pipeline.steering_of
+
+    def per_call_everywhere(solution, options, storage=None):  # noqa: ANN001, ANN202
+        return real(solution, options, {(s.region.path, n): PER_CALL
+                                        for s in solution.regions for n in s.table.nodes})
+
+    monkeypatch.setattr(pipeline, "steering_of", per_call_everywhere)
+    monkeypatch.setattr(pipeline, "is_uniform", lambda solution, label, root="": False)
     model, x = Net(), _x()
     opt = optimize(model, x, train=True, weights="contiguous", measure=False, cache=False)
-    per_call = [m for m in opt.modules() if isinstance(m, PerCallWeights)]
-    assert per_call and all(isinstance(m, nn.Conv2d) for m in per_call)
+    key = opt.memlayout.example
+    per_call = [m for m in opt.modules() if "forward" in m.__dict__
+                and m.forward.boundaries.get(key) is not None
+                and m.forward.boundaries[key].weight_label == 1]
+    assert per_call and all(type(m) is nn.Conv2d for m in per_call)  # the model's own class
     assert set(opt.state_dict()) == set(model.state_dict())
-    # it pickles (memlayout train sends rank 0's planned model to the other ranks), naming no
-    # per-call class: another process, which never made them, makes them as it loads
+    # it pickles (memlayout train sends rank 0's planned model to the other ranks) with its
+    # modules' own classes
     buf = io.BytesIO()
     torch.save(opt, buf)
     assert b"PerCall" not in buf.getvalue()
@@ -125,6 +133,7 @@ def test_per_call_storage_against_eager(monkeypatch) -> None:
     copied = torch.load(buf, weights_only=False)
     assert [type(m) for m in copied.modules()] == [type(m) for m in opt.modules()]
     _check_against_eager(model, opt, x)
+    _check_against_eager(model, copied, x)
 
 
 @pytest.mark.parametrize("memory_format", [torch.channels_last, torch.contiguous_format])

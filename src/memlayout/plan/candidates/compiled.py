@@ -46,6 +46,7 @@ True
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlayout import dtypes
 from memlayout import runtimes as rt
 from memlayout.dtypes import autocast, dtype_name
 from memlayout.errors import LayoutVerificationError, MemlayoutError
@@ -64,11 +66,14 @@ from memlayout.machine import Conditions
 from memlayout.plan.check import guard as g
 from memlayout.plan.check.verify import TOLERANCE, compare
 from memlayout.plan.costs.measure import device_name
+from memlayout.plan.graph import Label
+from memlayout.plan.inputs import _add_prefix, _strip_prefix, example_inputs_of
 from memlayout.plan.options import Progress
-from memlayout.plan.pipeline import example_inputs_of, open_cache, optimize
+from memlayout.plan.pipeline import open_cache, optimize
 from memlayout.plan.report.compare import ModelComparison, busier
-from memlayout.plan.report.result import CompiledRecord
-from memlayout.plan.steer.module import OptimizedModule
+from memlayout.plan.report.result import CompiledRecord, Plan
+from memlayout.plan.steer.state import PlannedState
+from memlayout.plan.steer.steering import STATE, Steering, planned_state, steer
 from memlayout.tensors import convert_batch, convert_module, device_of
 from memlayout.timing import device_sync, interleaved
 
@@ -86,7 +91,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
             name: str | None = None, rounds: int = 5, margin: float = 0.02,
             guard: bool = True, plan_kwargs: Mapping[str, Any] | None = None,
             runtimes: Sequence[str] = RUNTIMES, freezing: bool = True,
-            **compile_kwargs: Any) -> OptimizedModule:
+            **compile_kwargs: Any) -> nn.Module:
     """Plan ``model`` (``memlayout.optimize``), build the candidates (the plan compiled so its
     strides reach the kernels, the original compiled with Inductor's own layout, and the peer
     ``runtimes``), keep the fastest that computes what the original does; ``plan.compiled``
@@ -105,14 +110,17 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     ...). With a backend other than Inductor there is no layout decision to override: the
     planned model is compiled with those settings and nothing is timed.
 
-    The result is an ``nn.Module`` called with tensors. ``prepare_inputs`` gives the inputs in
-    the format the kept candidate reads (``plan.compiled.input_format``); other inputs are
-    converted per call. Parameters: a PyTorch candidate is compiled in place
-    (``nn.Module.compile``), so its ``state_dict`` keys are still the original model's. A
-    runtime winner (:class:`RuntimeModule`) holds its own copy of the weights, converted
-    once: ``state_dict`` returns the original's (from a copy of the original model it keeps),
-    ``load_state_dict`` loads them there and rebuilds and re-verifies the runtime model;
-    changing the parameters otherwise is not seen by the runtime until ``rebuild()``.
+    The result is an ``nn.Module`` called with tensors; ``result.memlayout.prepare_inputs``
+    gives the inputs in the format the kept candidate reads (``plan.compiled.input_format``);
+    other inputs are converted per call. A PyTorch candidate is the planned model itself (the
+    model's own class, its own forward, planned layouts: ``memlayout.optimize``'s result)
+    compiled in place (``nn.Module.compile``): hooks, attributes and replaced submodules are
+    seen, as Dynamo guards on them. A runtime winner (:class:`RuntimeModule`) runs no Python
+    of the model and holds its own copy of the weights, converted once: ``state_dict``
+    returns the original's (from a copy of the original model it keeps), ``load_state_dict``
+    loads them there and rebuilds and re-verifies the runtime model; a hook registered on it,
+    or anything changed in the copy it keeps (a hook, a replaced submodule), raises at the
+    next call rather than being ignored; ``rebuild()`` converts the copy again.
     Outputs of a runtime winner are fp32 CPU tensors (also for bf16). A candidate whose
     outputs differ from the original's (dtype-aware) is dropped; ``LayoutVerificationError``
     is raised when none is left.
@@ -121,9 +129,10 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     optimized = optimize(model, example_inputs, dtype=dtype, input_format=input_format,
                          output_format=output_format, measure=measure, cache=cache,
                          progress=progress, name=name, guard=guard, **(plan_kwargs or {}))
-    run_dtype = optimized.autocast_dtype
-    plan = optimized.plan
-    inputs = optimized.prepare_inputs(*example_inputs_of(example_inputs))
+    state = planned_state(optimized)
+    run_dtype = state.dtype
+    plan = state.plan
+    inputs = state.prepare_inputs(*example_inputs_of(example_inputs))
     options = _split_options(compile_kwargs)
     backend = compile_kwargs.get("backend", "inductor")
     train = bool((plan_kwargs or {}).get("train", False))
@@ -134,20 +143,19 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
                               "settings": settings}
     if backend != "inductor":
         optimized.compile(**compile_kwargs)
-        plan.compiled = CompiledRecord.from_dict({
+        _record(optimized, plan, CompiledRecord.from_dict({
             **record, "kept": PLANNED, "source": "none", "input_format": plan.input_format,
-            "reason": "not Inductor: no layout decision of its own to override"})
+            "reason": "not Inductor: no layout decision of its own to override"}))
         return optimized
 
     reference = _reference(model, inputs, run_dtype)
     candidates: dict[str, Callable[[], nn.Module]] = {
         PLANNED: lambda: _compiled(optimized, {**compile_kwargs, "options": {**options, **PLAN_STANDS}}),
-        INDUCTOR: lambda: _compiled(OptimizedModule(copy.deepcopy(model).eval(), plan, run_dtype),
-                                    compile_kwargs),
+        INDUCTOR: lambda: _compiled(_unplanned(model, plan, run_dtype), compile_kwargs),
     }
     if FROZEN in settings:
         candidates[FROZEN] = lambda: _compiled(
-            OptimizedModule(copy.deepcopy(model).eval(), plan, run_dtype),
+            _unplanned(model, plan, run_dtype),
             {**compile_kwargs, "options": {**options, **FREEZING}})
     unavailable = _runtimes_unavailable(runtimes, inputs, model, run_dtype, train)
     for runtime in runtimes:
@@ -191,12 +199,30 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     finally:
         if store is not None:
             store.close()
-    assert isinstance(module, OptimizedModule)
     input_fmt = (module.input_format.value if isinstance(module, RuntimeModule)
                  else plan.input_format)
-    plan.compiled = CompiledRecord.from_dict({**compiled, "input_format": input_fmt,
-                                              "seconds": time.perf_counter() - start})
+    _record(module, plan, CompiledRecord.from_dict({**compiled, "input_format": input_fmt,
+                                                    "seconds": time.perf_counter() - start}))
     return module
+
+
+def _unplanned(model: nn.Module, plan: Plan, dtype: torch.dtype | None) -> nn.Module:
+    """A copy of the original model in eval mode, its layouts untouched, run under the plan's
+    autocast, holding the plan (what Inductor decides layouts for on its own)."""
+    work = copy.deepcopy(model).eval()
+    steer(work, Steering(), key="compiled", input_label=None, outputs=(), plan=plan,
+          dtype=dtype)
+    return work
+
+
+def _record(module: nn.Module, plan: Plan, record: CompiledRecord) -> None:
+    """``module``'s plan, with the candidates' record."""
+    kept = dataclasses.replace(plan, compiled=record)
+    state = planned_state(module)
+    if state is not None:
+        state.plan = kept
+    if "plan" not in dir(type(module)):
+        module.__dict__["plan"] = kept
 
 
 def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[Any, ...],
@@ -241,8 +267,7 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
                              "rounds": 0}
     # the guard's timer measures against its PLANNED entry: the baseline goes in under it
     timed_as = {(g.PLANNED if n == baseline else n): m for n, m in built.items()}
-    own = {(g.PLANNED if n == baseline else n): m.prepare_inputs(*inputs)  # type: ignore[operator]
-           for n, m in built.items()}
+    own = {(g.PLANNED if n == baseline else n): _prepared(m, inputs) for n, m in built.items()}
     times = g.time_candidates(timed_as, inputs, dtype, device=device_of(inputs, built[baseline]),
                               rounds=rounds, inputs_of=own)
     errors.update({(baseline if n == g.PLANNED else n): e for n, e in times["errors"].items()})
@@ -251,6 +276,12 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
     return built[kept], {**out, **_describe(measured), "kept": kept, "source": "measured",
                          "ratios": times["ratios"], "conditions": times["conditions"],
                          "spread": times["spread"]}
+
+
+def _prepared(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``inputs`` as ``module`` reads them without a copy."""
+    state = planned_state(module)
+    return state.prepare_inputs(*inputs) if state is not None else inputs
 
 
 def _decide(record: Mapping[str, Any], margin: float) -> str:
@@ -280,26 +311,38 @@ def _describe(record: Mapping[str, Any]) -> dict[str, Any]:
                            for name, r in record["ratios"].items() if r}}
 
 
-class RuntimeModule(OptimizedModule):
+class RuntimeModule(nn.Module):
     """A peer runtime's model (``memlayout.runtimes``) as the result of :func:`compile`:
     called with the example's input tensor, returns fp32 CPU tensors. Inference only.
 
-    It holds its own copy of the weights (converted once, inside the runtime) and, as
-    ``.module``, a copy of the original model: ``state_dict`` returns that copy's (the
-    original's keys and values); ``load_state_dict`` loads into it, then rebuilds the runtime
-    model from it and checks it against it (``LayoutVerificationError`` when it differs).
-    Parameters changed any other way reach the runtime only through :meth:`rebuild`.
-    ``prepare_inputs`` gives the input in the layout the runtime reads (NCHW-contiguous, or
-    channels-last for an NHWC export).
+    It runs no Python of the model: it holds its own copy of the weights (converted once,
+    inside the runtime) and, as ``.module``, a copy of the original model. ``state_dict``
+    returns that copy's (the original's keys and values); ``load_state_dict`` loads into it,
+    then rebuilds the runtime model from it and checks it against it
+    (``LayoutVerificationError`` when it differs). A hook registered on it raises, and a call
+    after anything changed in the copy (a hook on one of its modules, a replaced submodule, a
+    parameter changed in place) raises too, saying that the runtime would not see it:
+    :meth:`rebuild` converts the copy again. ``memlayout.prepare_inputs`` gives the input in
+    the layout the runtime reads (NCHW-contiguous, or channels-last for an NHWC export).
     """
 
     def __init__(self, model: nn.Module, plan: Any, example: torch.Tensor,
                  options: rt.RuntimeOptions) -> None:
-        super().__init__(copy.deepcopy(model).eval(), plan, options.dtype)
+        super().__init__()
+        self.module = copy.deepcopy(model).eval()
         self.kept = options.runtime
         self.__dict__["options"] = options
+        self.__dict__["plan"] = plan
         self.__dict__["_example"] = example.detach().cpu().clone()
         self.__dict__["runtime"] = rt.build_runtime(self.module, self._example, options)
+        self.__dict__["_built"] = _fingerprint(self.module)
+        # what memlayout.prepare_inputs and memlayout.plan_of read: the input format the
+        # runtime takes without a copy
+        self.__dict__[STATE] = PlannedState(
+            plan=plan, key=None, dtype=options.dtype, ranks=(4, 5), outputs=(),
+            input_label=int(Label.parse(self.input_format)))
+        self._register_state_dict_hook(_strip_prefix)
+        self._register_load_state_dict_pre_hook(_add_prefix)
         self.register_load_state_dict_post_hook(lambda module, _keys: module.rebuild())
         self.eval()
 
@@ -311,6 +354,20 @@ class RuntimeModule(OptimizedModule):
     def prepare_inputs(self, *args: Any) -> tuple[Any, ...]:
         return convert_batch(args, self.input_format)
 
+    def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise MemlayoutError(self._runs_no_python("a forward hook"))
+
+    def register_forward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise MemlayoutError(self._runs_no_python("a forward pre-hook"))
+
+    def register_full_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise MemlayoutError(self._runs_no_python("a backward hook"))
+
+    def _runs_no_python(self, what: str) -> str:
+        return (f"the {self.kept} model runs no Python of the model: {what} would never run. "
+                "Register it on the model before memlayout.compile(..., runtimes=()), which "
+                "keeps a PyTorch candidate that runs the model's own forward")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             raise TypeError(f"the {self.kept} model takes one input tensor, as the example it "
@@ -319,6 +376,12 @@ class RuntimeModule(OptimizedModule):
         if self.training:
             raise MemlayoutError(f"the {self.kept} model runs inference only; compile with "
                                  "runtimes=() to train a compiled PyTorch model")
+        if _fingerprint(self.module) != self._built:
+            raise MemlayoutError(
+                f"the model copy behind the {self.kept} model changed since it was built (a "
+                "hook, a replaced submodule or an in-place parameter change), which the "
+                "runtime does not see; call .rebuild() to convert it again, or compile the "
+                "changed model")
         (x,) = self.prepare_inputs(args[0])
         try:
             return self.runtime(x)
@@ -339,8 +402,25 @@ class RuntimeModule(OptimizedModule):
         if not ok:
             raise LayoutVerificationError(
                 f"the {self.kept} model rebuilt after loading weights differs from the "
-                f"original by {err:.3g} (relative); it was not replaced")
+                f"original by {err:.3g} (relative); it was not replaced",
+                cause="the rebuilt runtime model differs")
         self.__dict__["runtime"] = runtime
+        self.__dict__["_built"] = _fingerprint(self.module)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
+def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
+    """What a runtime built from ``model`` depends on: its modules, their hooks, and the
+    versions of its parameters and buffers (an in-place change bumps them)."""
+    return tuple((path, id(m), len(m._forward_hooks), len(m._forward_pre_hooks),
+                  tuple(t._version for t in [*m._parameters.values(), *m._buffers.values()]
+                        if t is not None))
+                 for path, m in model.named_modules())
 
 
 def _runtimes_unavailable(names: Sequence[str], inputs: tuple[Any, ...], model: nn.Module,
@@ -496,7 +576,7 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
                        h.hexdigest()])
 
 
-def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs: Any, *,
+def compare_compiled(model: nn.Module, compiled: nn.Module, example_inputs: Any, *,
                      rounds: int = 7, warmup: int = 1,
                      **compile_kwargs: Any) -> ModelComparison:
     """Time ``compiled`` (from :func:`compile`) against ``torch.compile(model)`` with Inductor's
@@ -505,12 +585,13 @@ def compare_compiled(model: nn.Module, compiled: OptimizedModule, example_inputs
     compiled plan is faster), their median and range."""
 
     inputs = example_inputs_of(example_inputs)
-    dtype = compiled.autocast_dtype
+    dtype = compiled.plan.dtype and dtypes.parse_dtype(compiled.plan.dtype)
     device = device_of(inputs, model)
     eager = convert_module(copy.deepcopy(model).eval(), Format.CONTIGUOUS)
     default = copy.deepcopy(model).eval()
     default.compile(**compile_kwargs)
-    inputs = compiled.prepare_inputs(*inputs)
+    inputs = _prepared(compiled, inputs) if not isinstance(compiled, RuntimeModule) \
+        else compiled.prepare_inputs(*inputs)
 
     def runner(module: nn.Module, fmt: Format | None) -> Callable[[], Any]:
         def run() -> Any:

@@ -44,6 +44,7 @@ from torch import nn
 from memlayout.dtypes import autocast
 from memlayout.plan.costs.measure import Progress, device_name
 from memlayout.plan.report.result import UNPADDED, PadChoice
+from memlayout.plan.steer.forward import padded_convolution, padded_weights
 from memlayout.tensors import device_of
 from memlayout.timing import device_sync, interleaved
 
@@ -96,17 +97,11 @@ def _eligible(conv: nn.Module) -> bool:
             and not isinstance(conv.padding, str))
 
 
-def _format_of(x: torch.Tensor) -> torch.memory_format:
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
-
-
 class PaddedConv2d(nn.Conv2d):
     """``nn.Conv2d`` that runs with ``C_in`` padded to ``in_padded`` and ``C_out`` to
-    ``out_padded``: pads its input with zero channels, convolves with zero-padded weights, crops
-    the output to ``out_channels``, keeping the input's memory format. Parameters are the
-    original's; the padded copies are refreshed when a state dict is loaded."""
+    ``out_padded`` (``memlayout.plan.steer.forward.padded_convolution``): what a padded
+    variant is timed as, alone. Parameters are the original's (shared); the padded copies
+    are made once. A planned model pads a convolution by steering it, not with this class."""
 
     in_padded: int
     out_padded: int
@@ -124,45 +119,14 @@ class PaddedConv2d(nn.Conv2d):
         new._non_persistent_buffers_set = set(conv._non_persistent_buffers_set)
         new.in_padded = max(pad_in, conv.in_channels)
         new.out_padded = max(pad_out, conv.out_channels)
-        new.register_buffer("padded_weight", torch.empty(0), persistent=False)
-        new.register_buffer("padded_bias", None, persistent=False)
-        new.refresh()
+        weight, bias = padded_weights(conv, new.in_padded, new.out_padded)
+        new.register_buffer("padded_weight", weight, persistent=False)
+        new.register_buffer("padded_bias", bias, persistent=False)
         return new
 
-    def refresh(self) -> None:
-        """Recompute the padded weights (and bias) from the parameters."""
-        w = self.weight.detach()
-        fmt = _format_of(w)
-        padded = w.new_zeros((self.out_padded, self.in_padded, *w.shape[2:]))
-        padded[: w.shape[0], : w.shape[1]] = w
-        self.padded_weight = padded.contiguous(memory_format=fmt)
-        if self.bias is not None:
-            b = self.bias.detach().new_zeros(self.out_padded)
-            b[: self.out_channels] = self.bias.detach()
-            self.padded_bias = b
-        else:
-            self.padded_bias = None
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        with torch.no_grad():
-            self.refresh()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fmt = _format_of(x)
-        if self.in_padded != self.in_channels:
-            n, c, h, w = x.shape
-            wide = x.new_zeros((n, self.in_padded, h, w)).contiguous(memory_format=fmt)
-            wide[:, :c] = x
-            x = wide
-        weight = self.padded_weight
-        if weight.dtype != x.dtype and not torch.is_autocast_enabled():
-            weight = weight.to(x.dtype)
-        y = nn.functional.conv2d(x, weight, self.padded_bias, self.stride, self.padding,
-                                 self.dilation, self.groups)
-        if self.out_padded != self.out_channels:
-            y = y[:, : self.out_channels].contiguous(memory_format=_format_of(y))
-        return y
+        return padded_convolution(self, x, self.padded_weight, self.padded_bias,
+                                  self.in_padded, self.out_padded)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", padded=({self.in_padded}, {self.out_padded})"
@@ -187,19 +151,22 @@ def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
     return seen
 
 
-def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
+def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *,
+                 padded: Callable[[dict[str, tuple[int, int]]], nn.Module] | None = None,
+                 dtype: torch.dtype | None = None,
                  cache: Any = None, rounds: int = 5, margin: float = 0.02,
                  progress: Progress | None = None, blocks: tuple[int, ...] | None = None,
-                 force: str | None = None, apply: bool = True,
-                 signature: str | None = None,
+                 force: str | None = None, signature: str | None = None,
                  device: torch.device | None = None) -> list[PadChoice]:
     """Measure every eligible convolution of ``model`` (a planned model, run as it will run)
-    unpadded and padded; replace the ones where a padded variant is faster by ``margin`` with
-    a :class:`PaddedConv2d` (in place, when ``apply``). ``force``: a variant name (``"both16"``)
-    chosen wherever it exists, unmeasured (tests). ``signature``: the plan's (see
-    ``memory.plan_signature``): the choices are cached under it, so a second plan of the same
-    model pads from the cache without running it. Returns one :class:`PadChoice` per
-    candidate convolution. ``device``: where it runs (default: the inputs')."""
+    unpadded and padded, and choose a padded variant where it is faster by ``margin``; keep
+    the choices only if ``padded(choices)`` (a copy of ``model`` running those convolutions
+    padded: ``{path: (C_in, C_out) padded}``) then runs faster as a whole model. ``force``: a
+    variant name (``"both16"``) chosen wherever it exists, unmeasured (tests). ``signature``:
+    the plan's (see ``memory.plan_signature``): the choices are cached under it, so a second
+    plan of the same model pads from the cache without running it. Returns one
+    :class:`PadChoice` per candidate convolution (``padded_channels`` gives what to pad).
+    ``device``: where it runs (default: the inputs')."""
     device = device_of(inputs, model) if device is None else device
     blocks = blocks or block_sizes(device, dtype)
     convs = {path: m for path, m in model.named_modules(remove_duplicate=True)
@@ -212,33 +179,32 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtyp
         whole_key = json.dumps(["pad-plan", *context, signature, blocks, rounds, margin])
         cached = cache.get(whole_key, _valid_choices)
         if cached is not None:
-            return _reapply(model, [PadChoice.from_dict(c) for c in cached], blocks, apply)
-    choices = _plan_padding(model, inputs, convs, dtype=dtype, cache=cache, rounds=rounds,
-                            margin=margin, progress=progress, blocks=blocks, force=force,
-                            apply=apply, context=context, device=device)
+            return [dataclasses.replace(PadChoice.from_dict(c), source="cache") for c in cached]
+    choices = _plan_padding(model, inputs, convs, padded=padded, dtype=dtype, cache=cache,
+                            rounds=rounds, margin=margin, progress=progress, blocks=blocks,
+                            force=force, context=context, device=device)
     if whole_key is not None:
         cache.put(whole_key, [asdict(c) for c in choices])
     return choices
 
 
-def _reapply(model: nn.Module, choices: list[PadChoice], blocks: tuple[int, ...],
-             apply: bool) -> list[PadChoice]:
-    for c in choices:
-        if apply and c.chosen != UNPADDED:
-            conv = model.get_submodule(c.module)
-            pin, pout = variants(conv, blocks)[c.chosen]
-            _replace(model, c.module, PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout))
-    return [dataclasses.replace(c, source="cache") for c in choices]
+def padded_channels(model: nn.Module, choices: list[PadChoice],
+                    blocks: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+    """The padded ``(C_in, C_out)`` of each chosen convolution of ``model``, by path;
+    ``KeyError`` when a choice is no variant of that convolution here (another vector width)."""
+    return {c.module: variants(model.get_submodule(c.module), blocks)[c.chosen]
+            for c in choices if c.chosen != UNPADDED}
 
 
 def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn.Module], *,
+                  padded: Callable[[dict[str, tuple[int, int]]], nn.Module] | None,
                   dtype: torch.dtype | None, cache: Any, rounds: int, margin: float,
                   progress: Progress | None, blocks: tuple[int, ...], force: str | None,
-                  apply: bool, context: list[str], device: torch.device) -> list[PadChoice]:
+                  context: list[str], device: torch.device) -> list[PadChoice]:
     seen = _inputs_of(model, inputs, list(convs), dtype, device)
     sync = device_sync(str(device))
     choices: list[PadChoice] = []
-    replacements: dict[str, tuple[nn.Module, nn.Module]] = {}
+    chosen_channels: dict[str, tuple[int, int]] = {}
     for i, (path, conv) in enumerate(convs.items()):
         x = seen.get(path)
         if x is None or x.dim() != 4:
@@ -246,7 +212,7 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
         if progress is not None:
             progress(i + 1, len(convs), f"{path} (padded channels)")
         options = variants(conv, blocks)
-        fmt = "channels_last" if _format_of(x) is torch.channels_last else "contiguous"
+        fmt = "channels_last" if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else "contiguous"
         key = json.dumps(["pad-v2", *context, repr(conv), list(x.shape), list(x.stride()),
                           str(x.dtype), sorted(options), rounds])
         record = cache.get(key, _valid_measure) if cache is not None and force is None else None
@@ -264,59 +230,45 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
             chosen = decide(record["seconds"], record["ratios"], margin)
         choices.append(PadChoice(path, conv.in_channels, conv.out_channels, list(x.shape), fmt,
                                  record["seconds"], chosen, source, record["ratios"]))
-        if apply and chosen != UNPADDED:
-            pin, pout = options[chosen]
-            replacements[path] = (conv, PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout))
-    if not replacements:
+        if chosen != UNPADDED:
+            chosen_channels[path] = options[chosen]
+    if not chosen_channels or padded is None:
         return choices
     if force is None:
         # Ops timed alone can disagree with the model (noise, caches): keep the padding only
         # if the whole model runs faster with it than without.
         key = json.dumps(["pad-model", *context, [(c.module, c.chosen, c.input_shape)
                                                   for c in choices], rounds])
-        ratio = whole_model_ratio(model, inputs, replacements, dtype=dtype, device=device,
-                                  rounds=rounds,
-                                  cache=cache, key=key)
+        ratio = whole_model_ratio(model, padded(chosen_channels), inputs, dtype=dtype,
+                                  device=device, rounds=rounds, cache=cache, key=key)
         if ratio is None or ratio <= 1.0:
             return [dataclasses.replace(c, chosen=UNPADDED, reverted=c.chosen, whole_model=ratio)
                     if c.chosen != UNPADDED else c for c in choices]
         choices = [dataclasses.replace(c, whole_model=ratio) if c.chosen != UNPADDED else c
                    for c in choices]
-    for path, (_, padded) in replacements.items():
-        _replace(model, path, padded)
     return choices
 
 
-def whole_model_ratio(model: nn.Module, inputs: tuple[Any, ...],
-                      replacements: dict[str, tuple[nn.Module, nn.Module]], *,
+def whole_model_ratio(model: nn.Module, padded: nn.Module, inputs: tuple[Any, ...], *,
                       dtype: torch.dtype | None, rounds: int, cache: Any = None,
                       key: str | None = None, device: torch.device | None = None) -> float | None:
-    """Median of per-round ``unpadded / padded`` whole-model times (``memlayout.timing``,
-    interleaved; modules swapped in before each call), or ``None`` when the padded model
-    fails; cached under ``key``. ``model`` is left unpadded."""
+    """Median of per-round ``model / padded`` whole-model times (``memlayout.timing``,
+    interleaved), or ``None`` when the padded model fails; cached under ``key``."""
     record = (cache.get(key, lambda r: isinstance(r, dict) and _number(r.get("ratio")))
               if cache is not None and key is not None else None)
     if record is not None:
         return record["ratio"]
     device = device_of(inputs, model) if device is None else device
-    plain = {p: m for p, (m, _) in replacements.items()}
-    padded = {p: m for p, (_, m) in replacements.items()}
 
-    def runner(modules: dict[str, nn.Module]) -> Callable[[], Any]:
+    def runner(module: nn.Module) -> Callable[[], Any]:
         def run() -> Any:
-            for p, m in modules.items():
-                _replace(model, p, m)
             with torch.no_grad(), autocast(device, dtype):
-                return model(*inputs)
+                return module(*inputs)
         return run
 
-    try:
-        result = interleaved({UNPADDED: runner(plain), "padded": runner(padded)},
-                             rounds=max(rounds, 3), warmup=1, baseline=UNPADDED,
-                             sync=device_sync(str(device)))
-    finally:
-        for p, m in plain.items():
-            _replace(model, p, m)
+    result = interleaved({UNPADDED: runner(model), "padded": runner(padded)},
+                         rounds=max(rounds, 3), warmup=1, baseline=UNPADDED,
+                         sync=device_sync(str(device)))
     ratio = result.speedup("padded")
     if cache is not None and key is not None and ratio is not None:
         cache.put(key, {"ratio": ratio}, spread=_spread(result.modes.values()))
@@ -394,9 +346,3 @@ def decide(seconds: dict[str, float | None], ratios: dict[str, float], margin: f
     best = min(timed, key=timed.__getitem__)
     faster = timed[best] < base * (1.0 - margin) and ratios.get(best, 0.0) > 1.0 + margin
     return best if faster else UNPADDED
-
-
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, name, new)

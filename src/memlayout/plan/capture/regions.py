@@ -19,9 +19,9 @@ counts the convolution calls planned against those that run.
 
 from __future__ import annotations
 
-import copy
+import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,10 +29,18 @@ from torch import fx, nn
 
 from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError
+from memlayout.plan.capture.calls import (
+    RUN_KEY,
+    EagerRun,
+    ModuleCall,
+    first_line,
+    record_calls,
+    run_facts,
+    versions_of,
+)
 from memlayout.plan.capture.trace import (
     FX,
     METHOD_KEY,
-    ConvolutionCount,
     count_convolutions,
     export_graph,
     faithful_trace,
@@ -68,6 +76,7 @@ class Captured:
     output: Any = None  # what the whole original model computes on the example inputs
     ranks: tuple[int, ...] = BASE_RANKS  # the layout ranks planned (see planned_ranks)
     coverage: Coverage | None = None  # convolution calls planned of those that run
+    calls: dict[str, ModuleCall] = field(default_factory=dict)  # every module call, by path
 
 
 
@@ -102,7 +111,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     ranks = planned_ranks(model) if ranks is None else tuple(ranks)
     device = device_of(inputs, model) if device is None else device
     reasons: list[str] = []
-    eager: tuple[Any, int] | None = None  # forward's output and convolution calls, run once
+    eager: EagerRun | None = None  # forward's output, convolution and module calls, run once
     for gm, reason in graphs(model, inputs, {}):
         if gm is None:
             reasons.append(reason)
@@ -119,27 +128,29 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
                 raise
             try:
                 if eager is None:
-                    eager = _counted_run(model, inputs, dtype, device)
+                    eager = _eager(model, inputs, dtype, device)
             except CaptureError:
                 raise exc from None
             # forward runs where fx's graph fails: fx took a branch on a value it could only
             # see as a Proxy (``torch.jit.isinstance(x, torch.Tensor)``, ``type(x) is ...``)
-            reasons.append(f"the torch.fx graph fails where forward runs ({_first_line(exc)})")
+            reasons.append(f"the torch.fx graph fails where forward runs ({first_line(exc)})")
             continue
         if eager is None:
-            eager = _counted_run(model, inputs, dtype, device)
-        same, error = _agree(eager[0], output, dtype)
+            eager = _eager(model, inputs, dtype, device)
+        same, error = _agree(eager.output, output, dtype)
         if same:
             mark_spatial(gm)
             return Captured([Region("", gm, inputs, output)], [], output, ranks,
-                            Coverage(count_convolutions(gm), eager[1], (method,)))
+                            Coverage(count_convolutions(gm), eager.convolutions, (method,)),
+                            eager.calls)
         reasons.append(f"the {method} graph computes other values than forward (relative "
                        f"error {error:.3g})")
     reason = "; ".join(reasons)
-    calls, output, total = _record_submodule_calls(model, inputs, dtype, device)
+    with _seeded(device):
+        run = record_calls(model, inputs, dtype=dtype, device=device, keep_arguments=True)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
-    _capture_children(model, "", calls, dtype, ranks, device, regions, uncaptured)
+    _capture_children(model, "", run, dtype, ranks, device, regions, uncaptured)
     if not regions:
         raise CaptureError(
             f"no part of {type(model).__name__} could be traced by torch.fx or exported by "
@@ -152,7 +163,8 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     # children were is not listed: its children are)
     eager = tuple((p, r) for p, r in uncaptured
                   if not any(reg.path.startswith(p + "." if p else "") for reg in regions))
-    return Captured(regions, uncaptured, output, ranks, Coverage(planned, total, methods, eager))
+    return Captured(regions, uncaptured, run.output, ranks,
+                    Coverage(planned, run.convolutions, methods, eager), run.calls)
 
 
 def _seeded(device: torch.device) -> Any:
@@ -171,24 +183,12 @@ def _seeded(device: torch.device) -> Any:
     return _Block()
 
 
-def _counted_run(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
-                 device: torch.device) -> tuple[Any, int]:
-    """Forward's output on the example (seeded as the graph's run) and its convolution calls."""
-    with _seeded(device), ConvolutionCount() as count:
-        output = _run(model, inputs, dtype, device)
-    return output, count.calls
-
-
-def _run(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
-         device: torch.device) -> Any:
-    try:
-        with torch.no_grad(), autocast(device, dtype):
-            return model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
-    except Exception as exc:
-        raise CaptureError(
-            f"running {type(model).__name__} on the example inputs failed: "
-            f"{type(exc).__name__}: {_first_line(exc)}; check the example input's shape and dtype"
-        ) from exc
+def _eager(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
+           device: torch.device) -> EagerRun:
+    """Forward on the example, seeded as the graph's run: its output, convolution calls and
+    module calls."""
+    with _seeded(device):
+        return record_calls(model, inputs, dtype=dtype, device=device)
 
 
 def _agree(want: Any, got: Any, dtype: torch.dtype | None) -> tuple[bool, float]:
@@ -208,11 +208,11 @@ def graphs(module: nn.Module, args: tuple[Any, ...],
         try:
             yield faithful_trace(module), ""
         except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-            yield None, f"torch.fx: {type(exc).__name__}: {_first_line(exc)}"
+            yield None, f"torch.fx: {type(exc).__name__}: {first_line(exc)}"
     try:
         yield export_graph(module, args, kwargs), ""
     except Exception as exc:  # export raises many types (UserError, GuardOnDataDependent...)
-        yield None, f"torch.export: {type(exc).__name__}: {_first_line(exc)}"
+        yield None, f"torch.export: {type(exc).__name__}: {first_line(exc)}"
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
@@ -241,6 +241,8 @@ class _MetaProp(fx.Interpreter):
         self.ranks = ranks
 
     def run_node(self, n: fx.Node) -> Any:
+        inputs = {m.name: self.env[m] for m in n.all_input_nodes if m in self.env}
+        versions = {name: versions_of(v) for name, v in inputs.items()}
         try:
             result = super().run_node(n)
         except CaptureError:
@@ -248,58 +250,17 @@ class _MetaProp(fx.Interpreter):
         except Exception as exc:
             raise CaptureError(
                 f"node {n.name!r} ({node_target_name(self.module, n)}) failed on the example "
-                f"inputs: {type(exc).__name__}: {_first_line(exc)}; check the example input's "
+                f"inputs: {type(exc).__name__}: {first_line(exc)}; check the example input's "
                 "shape and dtype"
             ) from exc
         n.meta[META_KEY] = value_meta(result, self.ranks)
+        n.meta[RUN_KEY] = run_facts(result, inputs, versions)
         return result
 
 
 
 
-@dataclass
-class _Call:
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    count: int = 1
-
-
-def _record_submodule_calls(model: nn.Module, inputs: tuple[Any, ...],
-                            dtype: torch.dtype | None, device: torch.device
-                            ) -> tuple[dict[str, _Call], Any, int]:
-    """The arguments each submodule first received and how often it was called, the model's
-    output, and the convolution calls of one eager run."""
-    calls: dict[str, _Call] = {}
-    handles = []
-
-    def keep(a: Any) -> Any:  # a copy: later in-place ops must not change it
-        return a.clone() if isinstance(a, torch.Tensor) else copy.copy(a)
-
-    for path, sub in model.named_modules():
-        if path:
-            def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     path: str = path) -> None:
-                if path in calls:
-                    calls[path].count += 1
-                else:
-                    calls[path] = _Call(tuple(keep(a) for a in args),
-                                        {k: keep(v) for k, v in kwargs.items()})
-            handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad(), autocast(device, dtype), ConvolutionCount() as count:
-            output = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
-    except Exception as exc:
-        raise CaptureError(
-            f"running {type(model).__name__} on the example inputs failed: "
-            f"{type(exc).__name__}: {_first_line(exc)}; check the example input's shape and dtype"
-        ) from exc
-    finally:
-        for h in handles:
-            h.remove()
-    return calls, output, count.calls
-
-
-def _capture_children(module: nn.Module, prefix: str, calls: dict[str, _Call],
+def _capture_children(module: nn.Module, prefix: str, run: EagerRun,
                       dtype: torch.dtype | None, ranks: tuple[int, ...], device: torch.device,
                       regions: list[Region], uncaptured: list[tuple[str, str]]) -> None:
     for name, child in module.named_children():
@@ -307,42 +268,44 @@ def _capture_children(module: nn.Module, prefix: str, calls: dict[str, _Call],
         if not _convolutions_under(child, "") and not any(
                 len(p.shape) in ranks for p in child.parameters()):
             continue  # nothing layout-sensitive owned below: left as is
-        call = calls.get(path)
+        call = run.calls.get(path)
         if call is None:
             # a container (ModuleList, ModuleDict) is never called itself: its children are
             if _has_children(child):
-                _capture_children(child, path, calls, dtype, ranks, device, regions, uncaptured)
+                _capture_children(child, path, run, dtype, ranks, device, regions, uncaptured)
             continue
         if call.count > 1:
             # a graph holds the shapes of one call: a module called several times (shared
             # blocks, loops) is planned at its children's level
             reason = f"called {call.count} times per forward"
         else:
-            region, reason = _child_region(child, path, call, dtype, ranks, device)
+            args, kwargs = run.arguments[path]
+            region, reason = _child_region(child, path, args, kwargs, dtype, ranks, device)
             if region is not None:
                 regions.append(region)
                 continue
         uncaptured.append((path, reason))
         if _has_children(child):
-            _capture_children(child, path, calls, dtype, ranks, device, regions, uncaptured)
+            _capture_children(child, path, run, dtype, ranks, device, regions, uncaptured)
 
 
-def _child_region(child: nn.Module, path: str, call: _Call, dtype: torch.dtype | None,
+def _child_region(child: nn.Module, path: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  dtype: torch.dtype | None,
                   ranks: tuple[int, ...], device: torch.device) -> tuple[Region | None, str]:
     """The region of a submodule called once: the first of its graphs that runs on the
     arguments it received, or ``(None, why none did)``."""
     reasons = []
-    for gm, reason in graphs(child, call.args, call.kwargs):
+    for gm, reason in graphs(child, args, kwargs):
         if gm is None:
             reasons.append(reason)
             continue
         try:
-            flat = flat_inputs(gm, call.args, call.kwargs)
+            flat = flat_inputs(gm, args, kwargs)
             output = propagate(gm, flat, dtype=dtype, ranks=ranks, device=device)
             mark_spatial(gm)
         except Exception as exc:
             reasons.append(f"the {gm.meta.get(METHOD_KEY, FX)} graph: {type(exc).__name__}: "
-                           f"{_first_line(exc)}")
+                           f"{first_line(exc)}")
         else:
             return Region(path, gm, flat, output), ""
     return None, "; ".join(reasons)
@@ -358,10 +321,19 @@ def _has_children(m: nn.Module) -> bool:
     return next(iter(m.children()), None) is not None
 
 
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
+def model_signature(captured: Captured) -> str:
+    """A hash of what a plan depends on in a captured model: per region every node's name,
+    op and target, the shapes and dtypes of its value, and every parameter's and buffer's name,
+    shape and dtype. Strides are left out: the same model given inputs in another format is
+    the same model."""
+    h = hashlib.sha256()
+    for region in captured.regions:
+        gm = region.gm
+        h.update(f"region {region.path!r}\n".encode())
+        for n in gm.graph.nodes:
+            meta = n.meta.get(META_KEY)
+            values = [] if meta is None else [(t.shape, t.dtype) for t in meta.tensors]
+            h.update(repr((n.name, n.op, node_target_name(gm, n), values)).encode())
+        for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
+            h.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
+    return h.hexdigest()

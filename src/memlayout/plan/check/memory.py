@@ -313,7 +313,7 @@ def _seconds(form: Any, labels: Mapping[str, int]) -> float:
 def _labels_weighing_bytes(form: Any, table: Any, penalty: float) -> dict[str, int]:
     """The min-cut labels when every conversion also costs ``penalty`` times the region's
     mean conversion seconds per byte, per byte it copies."""
-    values = list(form.consumers)  # formulate appends one tensor term per consumed value
+    values = form.tensor_values  # the value each tensor term converts
     tensors = form.integer.tensors
     assert len(values) == len(tensors)
     nbytes = [table.conversions[v].nbytes for v in values]

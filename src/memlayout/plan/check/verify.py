@@ -116,8 +116,8 @@ def verify(reference: fx.GraphModule, planned: nn.Module, inputs: tuple[Any, ...
     raise LayoutVerificationError(
         f"the planned model differs from the original by {worst:.3g} (relative; tolerance "
         f"{rtol:g} for {dtype or 'float32'}){named}. The plan was not applied; please report "
-        "this with the model, or plan with measure=False to try another plan"
-    )
+        "this with the model, or plan with measure=False to try another plan",
+        cause="outputs differ", node=node)
 
 
 # ---------------------------------------------------------------- training
@@ -139,7 +139,8 @@ def training_loss(out: Any) -> torch.Tensor:
     if not terms:
         raise LayoutVerificationError(
             f"the model's output ({type(out).__name__}) holds no floating tensor that needs a "
-            "gradient: nothing to verify a training step on; plan with train=False")
+            "gradient: nothing to verify a training step on; plan with train=False",
+            cause="no output needs a gradient", fallback=False)
     return torch.stack(terms).sum()
 
 
@@ -202,7 +203,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
         strides = {k: (tuple(p.stride()), tuple(g.stride()))
                    for k, p, g in zip(grads, wrt, got, strict=False) if g is not None}
         buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
-    return Step(_detach(out), grads, got[len(wrt):], buffers, strides)
+    return Step(detached(out), grads, got[len(wrt):], buffers, strides)
 
 
 #: ``alpha_dropout``'s SELU constant (ATen's Dropout.cpp)
@@ -294,7 +295,8 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
         raise LayoutVerificationError(
             f"the planned model's gradients of {', '.join(bad_strides[:3])} come back in other "
             "strides than their parameters (an optimizer or DDP's gradient buckets would see "
-            "them); the plan was not applied; please report this with the model")
+            "them); the plan was not applied; please report this with the model",
+            cause="gradients in other strides than their parameters")
     node = None
     if reference_graph is not None and planned_graph is not None:
         node = first_divergent_training(_float64(reference_graph), planned64,
@@ -307,7 +309,8 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
         f"a training step of the planned model differs from the original's, in "
         f"{dtype or 'float32'} (relative error {worst:.3g}, tolerance {rtol:g}) and in float64 "
         f"(relative error {exact:.3g}, first in the {what}){named}. The plan was not applied; "
-        "please report this with the model, or plan with measure=False to try another plan")
+        "please report this with the model, or plan with measure=False to try another plan",
+        cause=f"a training step differs, first in the {what}", node=node)
 
 
 def agree(want: Step, got: Step, dtype: torch.dtype | None) -> tuple[bool, float, str, int]:
@@ -462,13 +465,14 @@ def _cuda_devices(device: torch.device) -> list[int]:
     return [device.index or 0] if device.type == "cuda" else []
 
 
-def _detach(value: Any) -> Any:
+def detached(value: Any) -> Any:
+    """``value`` with every tensor detached (containers rebuilt, namedtuples kept)."""
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, dict):
-        return {k: _detach(v) for k, v in value.items()}
+        return {k: detached(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_detach(v) for v in value)
+        return type(value)(detached(v) for v in value)
     return value
 
 
@@ -606,20 +610,21 @@ class Calls:
 
 
 def call_twice(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
-               device: torch.device) -> Calls:
-    """``module`` called twice (no grad, autocast for ``dtype``), each call on fresh copies of
-    ``inputs`` from a fixed RNG state, element-wise dropout drawn in logical order, so two
-    models in different layouts draw the same masks. The caller's RNG is left alone."""
+               device: torch.device, calls: int = 2) -> Calls:
+    """``module`` called twice (``calls``: once; no grad, autocast for ``dtype``), each call
+    on fresh copies of ``inputs`` from a fixed RNG state, element-wise dropout drawn in
+    logical order, so two models in different layouts draw the same masks. The caller's RNG
+    is left alone."""
     outputs, after = [], []
-    for i in range(2):
+    for i in range(calls):
         xs = _clone(inputs)
         with torch.random.fork_rng(devices=_cuda_devices(device)), _LayoutFreeDropout():
             torch.manual_seed(SEED + i)
             with torch.no_grad(), autocast(device, dtype):
-                outputs.append(_detach(module(*xs)))
+                outputs.append(detached(module(*xs)))
         after.append(xs)
     buffers = {k: b.detach().clone() for k, b in module.named_buffers(remove_duplicate=False)}
-    return Calls((outputs[0], outputs[1]), (after[0], after[1]), buffers)
+    return Calls((outputs[0], outputs[-1]), (after[0], after[-1]), buffers)
 
 
 def check_semantics(want: Calls, got: Calls, dtype: torch.dtype | None, *,
@@ -636,15 +641,15 @@ def check_semantics(want: Calls, got: Calls, dtype: torch.dtype | None, *,
         ok, err, n = compare(want.inputs_after[i], got.inputs_after[i], dtype)
         count += n
         if not ok:
-            cause = (f"it changes its input in place ({', '.join(inplace)})" if inplace else
-                     "it changes its input in place")
+            why = (f"it changes its input in place ({', '.join(inplace)})" if inplace else
+                   "it changes its input in place")
             exc = LayoutVerificationError(
                 f"after a call, the caller's input tensors differ between the planned model and "
-                f"the original by {err:.3g} (relative): {cause}, and the planned model converts "
+                f"the original by {err:.3g} (relative): {why}, and the planned model converts "
                 "that input to another format first, so the change lands on a copy. Make the "
                 "op out of place in forward (x = x * 2 instead of x.mul_(2)), or pass inputs "
-                "already in the format the plan gives them; the plan was not applied")
-            exc.inputs_changed = True
+                "already in the format the plan gives them; the plan was not applied",
+                cause=f"the caller's inputs differ after a call: {why}", inputs_changed=True)
             raise exc
     ok, err, n = compare(want.outputs[1], got.outputs[1], dtype)
     count += n
@@ -654,7 +659,8 @@ def check_semantics(want: Calls, got: Calls, dtype: torch.dtype | None, *,
             f"{err:.3g} (relative; tolerance {rtol:g}), its first call matched: the forward "
             "depends on state it changes per call (a counter, a cache) that the captured graph "
             "holds as a constant. Keep such state in a registered buffer updated with tensor "
-            "ops, or plan the stateless part of the model; the plan was not applied")
+            "ops, or plan the stateless part of the model; the plan was not applied",
+            cause="the second call differs")
     for name, w in want.buffers.items():
         g = got.buffers.get(name)
         if g is None:
@@ -665,7 +671,8 @@ def check_semantics(want: Calls, got: Calls, dtype: torch.dtype | None, *,
             raise LayoutVerificationError(
                 f"buffer {name!r} after two calls differs between the planned model and the "
                 f"original by {err:.3g} (relative): the planned model updates the model's state "
-                "differently; the plan was not applied; please report this with the model")
+                "differently; the plan was not applied; please report this with the model",
+                cause=f"buffer {name} differs after two calls")
     return count
 
 
@@ -713,7 +720,8 @@ def check_parameters(original: nn.Module, planned: nn.Module) -> int:
     if missing:
         raise LayoutVerificationError(
             f"the planned model lacks the original's parameters {missing[:3]}: its state_dict "
-            "would not load; the plan was not applied; please report this with the model")
+            "would not load; the plan was not applied; please report this with the model",
+            cause="parameters missing")
     groups: dict[int, list[str]] = {}
     for k, p in want.items():
         groups.setdefault(id(p), []).append(k)
@@ -722,17 +730,20 @@ def check_parameters(original: nn.Module, planned: nn.Module) -> int:
             raise LayoutVerificationError(
                 f"the original shares one parameter between {', '.join(names)} (tied weights); "
                 "the planned model holds separate tensors for them, which a training step "
-                "would update apart; the plan was not applied; please report this with the model")
+                "would update apart; the plan was not applied; please report this with the model",
+                cause="tied weights untied")
     tied = {id(got[k]) for k in want}
     if len(tied) != len(groups):
         raise LayoutVerificationError(
             f"the planned model ties parameters the original keeps apart ({len(groups)} "
-            f"parameters in the original, {len(tied)} planned); the plan was not applied")
+            f"parameters in the original, {len(tied)} planned); the plan was not applied",
+            cause="parameters tied that were not")
     flipped = [k for k, p in want.items() if p.requires_grad != got[k].requires_grad]
     if flipped:
         raise LayoutVerificationError(
             f"the planned model's parameters {flipped[:3]} differ in requires_grad from the "
-            "original's; the plan was not applied; please report this with the model")
+            "original's; the plan was not applied; please report this with the model",
+            cause="requires_grad differs")
     return len(groups)
 
 

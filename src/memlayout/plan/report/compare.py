@@ -26,8 +26,8 @@ from memlayout.dtypes import autocast
 from memlayout.layout import Format
 from memlayout.machine import SPREAD_LIMIT, Conditions, noisy
 from memlayout.plan.check.guard import train_step
-from memlayout.plan.pipeline import example_inputs_of
-from memlayout.plan.steer.module import OptimizedModule
+from memlayout.plan.inputs import example_inputs_of
+from memlayout.plan.steer.steering import planned_state, prepare_inputs
 from memlayout.tensors import convert_batch, convert_module, device_of
 from memlayout.timing import Comparison, Ratio, device_sync, interleaved
 
@@ -88,7 +88,7 @@ class ModelComparison:
         return out
 
 
-def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inputs: Any, *,
+def compare_with_eager(model: nn.Module, optimized: nn.Module, example_inputs: Any, *,
                        rounds: int = 7, warmup: int = 1, train: bool = False) -> ModelComparison:
     """Time the optimized model against eager NCHW and eager NHWC copies of ``model``,
     interleaved round by round (``memlayout.timing.interleaved``), under the plan's autocast.
@@ -99,13 +99,13 @@ def compare_with_eager(model: nn.Module, optimized: OptimizedModule, example_inp
     mode's own model in train mode; ``optimized`` is trained by it.
     """
     inputs = example_inputs_of(example_inputs)
-    dtype = optimized.autocast_dtype
+    dtype = planned_state(optimized).dtype
     device = device_of(inputs, model)
     nchw = convert_module(copy.deepcopy(model).train(train), Format.CONTIGUOUS)
     nhwc = copy.deepcopy(model).train(train)
     convert_module(nhwc, Format.CHANNELS_LAST)
     convert_module(nhwc, Format.CHANNELS_LAST_3D)
-    inputs = optimized.prepare_inputs(*inputs)
+    inputs = prepare_inputs(optimized, *inputs)
 
     def runner(module: nn.Module, fmt: Format | None) -> Callable[[], Any]:
         # Every mode gets the same input; an eager mode converts it as its user would.

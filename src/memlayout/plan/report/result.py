@@ -318,12 +318,17 @@ class NodeChoice:
     timed: bool
     #: why it returns another format when fed channels-last (``memlayout.plan.costs.drops``)
     drops: list[str] = field(default_factory=list)
+    #: with contiguous weights, how it reads them channels-last (``as_is`` / ``per_call``)
+    weights: str | None = None
 
 
 @dataclass(frozen=True)
 class Conversion:
-    """One inserted conversion: the value converted, to which format, shapes, bytes, cost,
-    and the nodes (or ``output``) it serves."""
+    """One conversion of the planned model: the value converted, to which format, shapes,
+    bytes, cost, and the nodes (or ``output``) it serves; where it happens: the module whose
+    call converts it (``module``, ``""`` the model's own call), on the way in or out
+    (``side``), at which leaves of the call's arguments or results (``leaves``: position and
+    rank)."""
 
     region: str
     value: str
@@ -332,6 +337,9 @@ class Conversion:
     nbytes: int
     seconds: float
     consumers: list[str]
+    module: str = ""
+    side: str = "in"
+    leaves: list[list[int]] = field(default_factory=list)
 
 
 CONV1D_OPS = ("Conv1d", "ConvTranspose1d")
@@ -429,8 +437,14 @@ class Plan:
     #: machine, or rounds spread beyond ``machine.SPREAD_LIMIT``; ``memlayout.plan.costs.cache``)
     costs_timed: int = 0
     costs_noisy: int = 0
-    #: what ``memlayout.apply`` checks a model against (``memlayout.plan.apply.model_signature``)
+    #: what ``memlayout.apply`` checks a model against (``memlayout.plan.capture.regions.model_signature``)
     model_signature: str = ""
+    #: how parameters are stored (``"converted"`` or ``"contiguous"``) and the model's
+    #: train/eval mode it was planned in (a call in the other mode is planned on first sight)
+    weights: str = "converted"
+    mode: str = "eval"
+    #: module results whose format, run, was not the plan's (``memlayout.plan.check.realized``)
+    realized: list[str] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:

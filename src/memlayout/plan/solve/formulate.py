@@ -11,6 +11,7 @@ format, carried as a constant).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import fx
 
@@ -32,18 +33,34 @@ class Formulation:
     producers: dict[str, str | int] = field(default_factory=dict)  # value -> producer
     consumers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # value -> consumers
     unit: float = 1.0
+    # the module-call boundaries values cross (memlayout.plan.solve.boundaries); empty for the
+    # problem with a conversion possible on any edge
+    crossings: tuple[Any, ...] = ()
+    tensor_values: tuple[str, ...] = ()  # the value each tensor term converts, in order
 
 
 #: ``input_label`` meaning "the plan chooses the format inputs arrive in"
 AUTO = "auto"
 
 
-def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | None,
-              output_label: int | str | None) -> Formulation:
+@dataclass
+class NodeTerms:
+    """What the layout nodes of a graph bring to either formulation: each node's costs in both
+    labels, the pins (a label that fails, an output in one definite format), the ties (one
+    module's or one tensor's users), and each value's producer (a node whose label is its
+    format, or a constant label)."""
+
+    unary: dict[str, tuple[float, float]]
+    pins: dict[str, int]
+    ties: list[tuple[str, str]]
+    producers: dict[str, str | int]
+
+
+def node_terms(gm: fx.GraphModule, table: CostTable, *,
+               input_label: int | str | None) -> NodeTerms:
     """``input_label``: the format graph inputs arrive in (``None``: as captured; ``AUTO``:
     chosen, each input in a definite format a variable at no cost of its own, all of them
-    tied to one format).
-    ``output_label``: ``"keep"`` (as the original returns them), 0/1, or ``None`` (free)."""
+    tied to one format)."""
     unary: dict[str, tuple[float, float]] = {}
     pins: dict[str, int] = {}
     ties: list[tuple[str, str]] = []
@@ -119,6 +136,18 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | 
                     by_owner.setdefault(f"tensor:{id(shared)}", []).append(n.name)
     for names in by_owner.values():
         ties.extend((names[0], other) for other in names[1:])
+    return NodeTerms(unary, pins, ties, producers)
+
+
+def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | None,
+              output_label: int | str | None) -> Formulation:
+    """The problem with a conversion possible on any edge of the graph (what a graph rewrite
+    realizes: ``memlayout.plan.steer.rewrite``): each value converted once per target format,
+    serving every consumer that wants it (a P^n Potts term). ``input_label``: see
+    :func:`node_terms`; ``output_label``: ``"keep"`` (as the original returns them), 0/1, or
+    ``None`` (free)."""
+    terms = node_terms(gm, table, input_label=input_label)
+    unary, pins, ties, producers = terms.unary, terms.pins, terms.ties, terms.producers
     # consumers, the Potts terms, and output pins
     consumers: dict[str, tuple[str, ...]] = {}
     tensors: list[Tensor] = []
@@ -143,7 +172,8 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | 
         tensors.append(Tensor(producer, tuple(users), c.to_1, c.to_0))  # type: ignore[arg-type]
     seconds = Problem(unary, tuple(tensors), pins, tuple(ties))
     integer, unit = _integer(seconds)
-    return Formulation(seconds, integer, producers, consumers, unit)
+    return Formulation(seconds, integer, producers, consumers, unit,
+                       tensor_values=tuple(consumers))
 
 
 def _attr(gm: fx.GraphModule, target: str) -> object | None:

@@ -1,0 +1,163 @@
+"""The verification step (L2 plan): the model that will run against the original, both from the
+caller's state.
+
+The planned model is the user's own forward with planned layouts, so it is verified as it will
+run: one call (one training step when training) compared value by value with the original's
+within the dtype's tolerance (beyond it, only if float64 copies of both agree), then two calls
+of each (the second call's output, the inputs and buffers after them) and the parameters
+(names, ties, ``requires_grad``). A mismatch names the first module whose output differs
+(:func:`first_divergent_module`). When the plan fails, :func:`verified_fallback` tries the
+model run entirely in one format, the faster first.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlayout.errors import LayoutVerificationError
+from memlayout.plan.check.verify import (
+    TOLERANCE,
+    ModuleState,
+    call_twice,
+    compare,
+    detached,
+    float64_agreement,
+    restore_state,
+    verify_semantics,
+    verify_training,
+)
+from memlayout.plan.report.result import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
+
+
+def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
+                 dtype: torch.dtype | None, device: torch.device, train: bool,
+                 state: ModuleState, inplace: tuple[str, ...] = ()) -> Verification:
+    """``planned`` against ``reference`` (the original) on ``inputs``, both from ``state``:
+    one call (``train``: one training step), then the semantic checks. Raises
+    ``LayoutVerificationError`` saying what differs (and where, when a module's output does);
+    leaves both models in ``state``."""
+    start = time.perf_counter()
+    restore_state(reference, state)
+    want = call_twice(reference, inputs, dtype=dtype, device=device)
+    try:
+        restore_state(reference, state)
+        restore_state(planned, state)
+        _runs(planned, inputs, dtype=dtype, device=device)
+        restore_state(planned, state)
+        if train:
+            v = verify_training(reference, planned, inputs, dtype=dtype, device=device)
+            verification = Verification(
+                True, DTYPE_TOLERANCE if v.float64_error is None else FLOAT64_RECHECK,
+                v.max_error, v.tolerance, v.tensors, train=True, float64_error=v.float64_error)
+        else:
+            verification = _one_call(reference, planned, inputs, dtype=dtype, device=device,
+                                     expected=want.outputs[0])
+        restore_state(reference, state)
+        count = verify_semantics(reference, planned, inputs, state, want, dtype=dtype,
+                                 device=device, inplace=inplace)
+    finally:
+        restore_state(reference, state)
+        restore_state(planned, state)
+    return dataclasses.replace(verification, semantics=count,
+                               seconds=time.perf_counter() - start)
+
+
+def _runs(planned: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
+          device: torch.device) -> None:
+    """``LayoutVerificationError`` when the planned model fails where the original runs (an op
+    that needs a format the plan did not give it: a ``.view`` of a channels-last tensor)."""
+    try:
+        call_twice(planned, inputs, dtype=dtype, device=device, calls=1)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise LayoutVerificationError(
+            f"the planned model fails where the original runs: {type(exc).__name__}: {first}",
+            cause=f"it fails: {type(exc).__name__}") from exc
+
+
+def _one_call(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
+              dtype: torch.dtype | None, device: torch.device, expected: Any) -> Verification:
+    """One call of ``planned`` against ``expected`` (the original's output, from the same
+    state and seed as ``call_twice`` draws), with the float64 re-check beyond tolerance."""
+    got = call_twice(planned, inputs, dtype=dtype, device=device, calls=1).outputs[0]
+    ok, err, count = compare(expected, got, dtype)
+    rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
+    if ok:
+        return Verification(True, DTYPE_TOLERANCE, err, rtol, count)
+    exact = float64_agreement(reference, planned, inputs, device=device)
+    if exact is not None:  # rounding of the run dtype, equal in float64
+        return Verification(True, FLOAT64_RECHECK, err, rtol, count, float64_error=exact)
+    where = first_divergent_module(reference, planned, inputs, dtype=dtype, device=device)
+    named = (f"; the first module whose output differs: {where}" if where else
+             "; no module's output differs alone: the difference is in the model's own code")
+    raise LayoutVerificationError(
+        f"the planned model's outputs differ from the original's by {err:.3g} (relative; "
+        f"tolerance {rtol:g} for {dtype or 'float32'}, and in float64 too){named}",
+        cause="outputs differ", node=where)
+
+
+def first_divergent_module(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
+                           *, dtype: torch.dtype | None, device: torch.device) -> str | None:
+    """The first module call (in the order the calls end) whose output differs between float64
+    copies of the two models, as ``"path (Class)"``; ``None`` when none does."""
+    ref64, planned64 = _float64(reference), _float64(planned)
+    xs = tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+               for x in inputs)
+    try:
+        want = _module_outputs(ref64, xs, device)
+        got = _module_outputs(planned64, xs, device)
+    except RuntimeError:  # a dtype fixed in the model's code: no float64 run
+        return None
+    for (path, kind, w), (path2, _, g) in zip(want, got, strict=False):
+        if path != path2:
+            return None  # another control flow: nothing to compare call by call
+        if not compare(w, g, torch.float32)[0]:
+            return f"{path or 'the model'} ({kind})"
+    return None
+
+
+def _module_outputs(model: nn.Module, inputs: tuple[Any, ...],
+                    device: torch.device) -> list[tuple[str, str, Any]]:
+    """Every module call's output, in the order the calls end."""
+    seen: list[tuple[str, str, Any]] = []
+    handles = [m.register_forward_hook(
+        lambda mod, _a, out, path=path: seen.append((path, type(mod).__name__, detached(out))))
+        for path, m in model.named_modules()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _float64(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model).double()
+
+
+def verified_fallback(candidates: list[tuple[str, Callable[[], nn.Module]]],
+                      verify: Callable[[nn.Module], Verification],
+                      failure: LayoutVerificationError,
+                      ) -> tuple[str, nn.Module, Verification, list[str]]:
+    """The first of ``candidates`` (name, builder; the faster first) that verifies, with the
+    reasons the others did not. Raises ``failure`` when none does."""
+    tried = []
+    for name, make in candidates:
+        module = make()
+        try:
+            return name, module, verify(module), tried
+        except LayoutVerificationError as exc:
+            tried.append(f"{name}: {exc.cause or str(exc)}")
+    raise failure
+
+
+__all__ = ["first_divergent_module", "verified_fallback", "verify_model"]

@@ -1,0 +1,116 @@
+"""What a steered module does at its boundary (application): convert chosen tensor leaves of
+its arguments on the way in, and of its results on the way out.
+
+A leaf is named by its position among ``torch.utils._pytree``'s leaves of ``(args, kwargs)``
+(or of the output), as the analysis found it (``memlayout.plan.capture.calls``). A leaf is
+converted only when it is a tensor of the rank it had when planned; a call whose arguments
+are shaped otherwise (other keyword arguments, say) is left as it comes. A conversion is
+``Tensor.contiguous(memory_format=...)``: a no-op for a tensor already in the format, and an
+op every tracer records with its real strides (``torch.jit.trace``, ``torch.export``,
+``torch.compile``; under ``torch.fx.symbolic_trace`` it is one ``call_function`` node).
+
+>>> b = Boundary(inputs=((0, 1, 4),))
+>>> (x,), _ = b.enter((torch.zeros(2, 3, 4, 4),), {})
+>>> x.stride()
+(48, 1, 12, 3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+#: ``(leaf position, label, rank)``: convert that leaf to the label's format for its rank
+Leaf = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What one module call does besides its own forward: convert ``inputs`` (leaves of the
+    flattened ``(args, kwargs)``) and ``outputs`` (leaves of the flattened result); for a
+    convolution, convert its stored weight to ``weight_label`` per call (the stored weight
+    stays contiguous: ``weights="contiguous"``), or run it with its channels ``padding``
+    (``(in, out)``, rounded up to the vector width; inference)."""
+
+    inputs: tuple[Leaf, ...] = ()
+    outputs: tuple[Leaf, ...] = ()
+    weight_label: int | None = None
+    padding: tuple[int, int] | None = None
+
+    def enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not self.inputs:
+            return args, kwargs
+        if not kwargs and all(_plain(a) for a in args):
+            # the usual call: tensors given positionally, one leaf each
+            items = list(args)
+            for p, label, rank in self.inputs:
+                if p < len(items):
+                    items[p] = convert_leaf(items[p], label, rank)
+            return tuple(items), kwargs
+        return pytree.tree_unflatten(
+            _convert(pytree.tree_leaves((args, kwargs)), self.inputs),
+            pytree.tree_structure((args, kwargs)))
+
+    def exit(self, output: Any) -> Any:
+        if not self.outputs:
+            return output
+        if _plain(output) and len(self.outputs) == 1 and self.outputs[0][0] == 0:
+            _, label, rank = self.outputs[0]
+            return convert_leaf(output, label, rank)
+        leaves, spec = pytree.tree_flatten(output)
+        return pytree.tree_unflatten(_convert(leaves, self.outputs), spec)
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, fx.Proxy))
+
+
+def _convert(leaves: list[Any], plan: tuple[Leaf, ...]) -> list[Any]:
+    out = list(leaves)
+    for p, label, rank in plan:
+        if p < len(out):
+            out[p] = convert_leaf(out[p], label, rank)
+    return out
+
+
+def convert_leaf(value: Any, label: int, rank: int) -> Any:
+    """``value`` in ``label``'s format when it is a tensor (or a traced one) of ``rank`` dims;
+    anything else as it is."""
+    if isinstance(value, fx.Proxy):
+        return to_label(value, label)  # one node of the traced graph (torch.fx.wrap)
+    if not isinstance(value, torch.Tensor) or value.dim() != rank:
+        return value
+    return to_label(value, label)
+
+
+def to_label(t: torch.Tensor, label: int) -> torch.Tensor:
+    """``t`` in ``label``'s format for its rank; ``t`` itself when it already is (an
+    ambiguous tensor, C == 1 or H == W == 1, is in both).
+
+    >>> to_label(torch.zeros(2, 4, 8), 1).stride()
+    (32, 1, 4)
+    """
+    if t.dim() == 3:  # channels_last_1d: N L C in memory, no torch memory format for it
+        if label and t.stride(1) != 1 and t.size(1) > 1:
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+        if not label and not t.is_contiguous():
+            return t.contiguous()
+        return t
+    fmt = _MEMORY_FORMATS.get((int(label), t.dim()))
+    if fmt is None or t.is_contiguous(memory_format=fmt):
+        return t
+    return t.contiguous(memory_format=fmt)
+
+
+_MEMORY_FORMATS = {(0, 4): torch.contiguous_format, (0, 5): torch.contiguous_format,
+                   (1, 4): torch.channels_last, (1, 5): torch.channels_last_3d}
+
+# Under torch.fx.symbolic_trace a steered module's conversion is one node, not a trace of its
+# stride checks (which a Proxy cannot answer).
+fx.wrap("to_label")
+

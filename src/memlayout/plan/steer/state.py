@@ -1,0 +1,256 @@
+"""What memlayout keeps on a planned model (application): ``model.memlayout``.
+
+The plans by input signature (the example's first, others planned on first sight, at most
+``max_plans`` held, least recently used dropped first), which of them the call in progress
+runs (each steered module reads it), the input format, the autocast dtype, and how each plan's
+results are handed back (in the strides the original returns them in).
+
+>>> shape_signature((torch.zeros(2, 3, 8, 8),))
+(((2, 3, 8, 8), 'float32', 'cpu'),)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from memlayout.dtypes import autocast
+from memlayout.errors import MemlayoutError
+from memlayout.plan.graph import Label, label_of, value_meta
+from memlayout.plan.steer.boundary import convert_leaf
+from memlayout.plan.steer.forward import restride, storage_addresses
+from memlayout.tensors import device_of, iter_tensors
+
+if TYPE_CHECKING:
+    from memlayout.plan.report.result import Plan
+
+Signature = tuple[tuple[tuple[int, ...], str, str], ...]
+#: ``(position, label, rank)`` of each result leaf handed back in the original's format
+Formats = tuple[tuple[int, int, int], ...]
+#: plans a new input signature of a planned model: ``(model, args, kwargs, key) -> plan``
+#: (``None``: it failed; the model then runs its own computation for that signature, unsteered)
+Replanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], "Plan | None"]
+
+
+def shape_signature(args: Any) -> Signature:
+    """What a plan is made for: shape, dtype and device of every tensor argument.
+
+    >>> shape_signature((torch.zeros(2, 3, 8, 8),))
+    (((2, 3, 8, 8), 'float32', 'cpu'),)
+    """
+    return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device))
+                 for t in iter_tensors(args))
+
+
+class PlannedState:
+    """A planned model's plans and the call in progress (see the module docstring).
+
+    ``plan``: the example's plan; ``plans``: every plan held, by input signature;
+    ``replans``: the plans made after the example's; ``enabled``: ``False`` runs the model's
+    own forward everywhere, unsteered (the parameters keep their formats)."""
+
+    def __init__(self, *, plan: Plan, key: Any, dtype: torch.dtype | None,
+                 ranks: tuple[int, ...], input_label: int | None, outputs: Formats,
+                 max_plans: int = 8, replanner: Replanner | None = None) -> None:
+        self.plan = plan
+        self.example = key
+        self.dtype = dtype
+        self.ranks = tuple(ranks)
+        self.input_label = input_label
+        self.max_plans = max_plans
+        self.replanner = replanner
+        self.replans = 0
+        self.enabled = True
+        self.outputs: dict[Any, Formats] = {key: outputs}
+        self._held: OrderedDict[Any, Plan | None] = OrderedDict()  # other keys, LRU order
+        self._local = threading.local()
+
+    # ------------------------------------------------------------ the call in progress
+
+    @property
+    def active(self) -> Any:
+        """The key of the plan the call in progress runs (the example's outside a call)."""
+        return getattr(self._local, "key", self.example)
+
+    def activate(self, key: Any) -> Any:
+        """Make ``key`` the active plan; returns the one it replaces."""
+        previous = self.active
+        self._local.key = key
+        return previous
+
+    def key_for(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The key of the plan for this call, planning its input signature (and, for a
+        model in the other train/eval mode than the example's plan, that mode) on first sight."""
+        if self.replanner is None or _tracing() or _sharded(model):
+            # under a tracer or compiler the example's plan serves every shape: planning
+            # would run inside the trace; a sharded model (FSDP) is planned on rank 0 before
+            # it is sharded and runs that plan on every rank, whatever the shape
+            return self.example
+        key = _call_signature(args, kwargs)
+        if model.training != (self.plan.mode == "train"):
+            # a plan is made and verified for one mode (padded weights do not train): the
+            # other mode is planned on first sight like another shape
+            key = (*key, ((), "train" if model.training else "eval", "mode"))
+        if key == self.example:
+            return key
+        if key in self._held:
+            self._held.move_to_end(key)
+            return key
+        if not _binds(model, args, kwargs):
+            return self.example  # a call the forward does not take: it raises its own error
+        try:
+            plan = self.replanner(model, args, kwargs, key)
+        except MemlayoutError as exc:
+            warnings.warn(f"memlayout: planning input shapes {[s for s, _, _ in key]} failed "
+                          f"({exc}); the model runs its own computation, unsteered, for them",
+                          stacklevel=4)
+            plan = None
+        self.replans += 1
+        self._held[key] = plan
+        while len(self._held) > max(0, self.max_plans - 1):
+            dropped, _ = self._held.popitem(last=False)
+            self.outputs.pop(dropped, None)
+        return key
+
+    def forget(self) -> None:
+        """Drop the plans of other signatures (the model moved: its tensors are new)."""
+        for key in self._held:
+            self.outputs.pop(key, None)
+        self._held.clear()
+
+    @property
+    def plans(self) -> dict[Signature, Plan]:
+        """The plans held, by input signature: the example's first (a plan for the other mode
+        is held under its shapes too; its ``train`` says which)."""
+        held: dict[Signature, Plan] = {self.example: self.plan}
+        held.update((tuple(e for e in key if e[2] != "mode"), plan)
+                    for key, plan in self._held.items() if plan is not None)
+        return held
+
+    # ------------------------------------------------------------ what a call does
+
+    def arrive(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's layout-rank tensors in the plan's input format (a no-op for those
+        already in it); as they are when the plan takes inputs as they come."""
+        if self.input_label is None:
+            return args, kwargs
+        return (tuple(self._arrive(a) for a in args),
+                {k: self._arrive(v) for k, v in kwargs.items()})
+
+    def prepare_inputs(self, *args: Any) -> tuple[Any, ...]:
+        """``args`` as the plan's inputs arrive (``plan.input_format``), converted once here
+        so that the calls that follow convert nothing: what a data pipeline (or a benchmark)
+        does before its loop."""
+        return self.arrive(args, {})[0]
+
+    def _arrive(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return convert_leaf(value, int(self.input_label), value.dim()) \
+                if value.dim() in self.ranks else value
+        if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+            return type(value)(self._arrive(v) for v in value)
+        return value
+
+    def autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The plan's autocast region, on the device of this call's tensors."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return autocast(device_of((args, kwargs)), self.dtype)
+
+    def restride(self, output: Any, key: Any, inputs: Any) -> Any:
+        """``output`` in the formats the original model returns it in (``restride``)."""
+        formats = self.outputs.get(key, ())
+        if not formats:
+            return output
+        if _tracing():  # what a tracer records: the plan's own formats, no storage read
+            return restride(output, formats)
+        return restride(output, formats, _arrival_label(inputs, self.ranks),
+                        storage_addresses(inputs), self.ranks)
+
+    # ------------------------------------------------------------ copies
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_local"]  # the call in progress is this process's, this thread's
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+
+def output_formats(output: Any, inputs: Any, ranks: tuple[int, ...]) -> Formats:
+    """``(index, label, rank)`` of every tensor of the original's ``output`` (on ``inputs``),
+    in ``iter_tensors`` order: the label of each one of a layout rank in one definite format
+    that is not a view of an input, ``-1`` for the others (as they come)."""
+    formats = []
+    views = storage_addresses(inputs)
+    for i, t in enumerate(iter_tensors(output)):
+        label = -1
+        if t.dim() in ranks and not storage_addresses(t) & views:
+            found = label_of(value_meta(t, ranks).tensors, ranks)
+            if found in (Label.CONTIGUOUS, Label.CHANNELS_LAST):
+                label = int(found)
+        formats.append((i, label, t.dim()))
+    return tuple(formats)
+
+
+def _arrival_label(inputs: Any, ranks: tuple[int, ...]) -> int | None:
+    """The label of the first layout-rank input in one definite format (``None``: none)."""
+    for t in iter_tensors(inputs):
+        if t.dim() in ranks:
+            found = label_of(value_meta(t, ranks).tensors, ranks)
+            if found in (Label.CONTIGUOUS, Label.CHANNELS_LAST):
+                return int(found)
+    return None
+
+
+def _call_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
+    """``shape_signature((args, kwargs))``, without walking the structure in the common call
+    of plain tensor arguments (this runs on every forward)."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args):
+        return shape_signature(args)
+    return shape_signature((args, kwargs))
+
+
+def _sharded(model: nn.Module) -> bool:
+    """``model`` is sharded by FSDP's ``fully_shard``: one rank cannot plan it alone."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return module is not None and isinstance(model, module)
+
+
+def _binds(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The model's own forward takes these arguments (else it raises, as the original would)."""
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): let the forward decide
+        return True
+    return True
+
+
+def _tracing() -> bool:
+    """Inside ``torch.compile``, ``torch.export``, ``torch.jit.trace`` or
+    ``torch.fx.symbolic_trace``."""
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if compiling is not None and compiling():
+        return True
+    return torch.jit.is_tracing() or _fx_tracing()
+
+
+try:  # torch.fx.symbolic_trace alone (is_fx_tracing warns that it also means torch.export)
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing as _fx_tracing
+except ImportError:  # older torch
+    from torch.fx._symbolic_trace import is_fx_tracing as _fx_tracing
