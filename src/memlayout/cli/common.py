@@ -4,8 +4,10 @@ the conditions line printed before anything is timed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -41,6 +43,25 @@ def fail(exc: MemlayoutError, *, debug: bool = False) -> NoReturn:
                       highlight=False)
     console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
     raise typer.Exit(2)
+
+
+def debug_log(ctx: typer.Context, enabled: bool) -> None:
+    """With ``--debug``, memlayout's debug log (what torch printed or logged while capturing)
+    goes to stderr until the command ends; without it nothing of it reaches the terminal."""
+    if not enabled:
+        return
+    logger = logging.getLogger("memlayout")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("debug: %(name)s: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+
+    def remove() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+    ctx.call_on_close(remove)
 
 
 # -- flag checks: each returns the parsed value or raises a MemlayoutError naming the flag ----

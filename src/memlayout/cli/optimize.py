@@ -15,6 +15,7 @@ from memlayout.cli.common import (
     at_least,
     check_device,
     console,
+    debug_log,
     fail,
     on_device,
     print_measuring_conditions,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 @app.command()
 def optimize(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
     dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
@@ -48,7 +50,7 @@ def optimize(
     compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: the fastest verified of the plan compiled so it stands (Inductor's layout optimization off), Inductor's own layout, Inductor with freezing and, on the CPU, the peer runtimes installed (Inductor's kept unless another measures >2% faster; cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
     input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous (also nchw / ncdhw), channels_last (also nhwc; channels_last_3d / ndhwc for video), or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example is built (contiguous).")] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="On an error, also print the traceback of its cause (a factory that raised, a capture that failed). Default: off.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Also print torch's whole text of why a part is not captured, what torch printed while capturing (on stderr), and on an error the traceback of its cause (a factory that raised, a capture that failed). Default: off.")] = False,
     plan_file: Annotated[str | None, typer.Option("--plan", help="Apply this saved plan (--save) instead of measuring: checked against the model and this torch, verified; its input shape, dtype, input format and train/inference are the plan's. Default: none (plan here).")] = None,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
@@ -61,6 +63,7 @@ def optimize(
     from memlayout.plan.report.compare import compare_with_eager
     from memlayout.plan.steer.module import keyword_call
 
+    debug_log(ctx, debug)
     try:  # the options first: a bad one is reported before any model is built
         run_dtype = parse_dtype(dtype)
         if input_format is not None and input_format.strip().lower() != "auto":
@@ -128,9 +131,9 @@ def optimize(
         fail(exc, debug=debug)
     plan = opt.plan
     if explain:
-        plan.explain(console)  # ends with the summary
+        plan.explain(console, full=debug)  # ends with the summary
     else:
-        console.print(plan.summary(), markup=False, highlight=False)
+        console.print(plan.summary(full=debug), markup=False, highlight=False)
     if plan.input_format is None:
         arrives = f"{format_name(format_of(first))}, as built"
     else:

@@ -31,6 +31,7 @@ from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError
 from memlayout.layout import Format, formats_of
 from memlayout.plan.capture.trace import (
+    EXPORT,
     FX,
     METHOD_KEY,
     ConvolutionCount,
@@ -225,7 +226,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
                             Coverage(count_convolutions(gm), eager[1], (method,)))
         reasons.append(f"the {method} graph computes other values than forward (relative "
                        f"error {error:.3g})")
-    reason = "; ".join(reasons)
+    reason = join_reasons(reasons)
     calls, output, total = _record_submodule_calls(model, inputs, dtype, device)
     regions: list[Region] = []
     uncaptured: list[tuple[str, str]] = [("", reason)]
@@ -233,7 +234,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     if not regions:
         raise CaptureError(
             f"no part of {type(model).__name__} could be traced by torch.fx or exported by "
-            f"torch.export (whole model: {reason}); nothing to plan. Make the model's forward "
+            f"torch.export (whole model: {short_reason(reason)}); nothing to plan. Make the model's forward "
             "traceable (no data-dependent control flow) or pass a traceable submodule"
         )
     planned = sum(count_convolutions(r.gm) for r in regions)
@@ -298,11 +299,11 @@ def graphs(module: nn.Module, args: tuple[Any, ...],
         try:
             yield faithful_trace(module), ""
         except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-            yield None, f"torch.fx: {type(exc).__name__}: {_first_line(exc)}"
+            yield None, reason_text([(FX, exc)])
     try:
         yield export_graph(module, args, kwargs), ""
     except Exception as exc:  # export raises many types (UserError, GuardOnDataDependent...)
-        yield None, f"torch.export: {type(exc).__name__}: {_first_line(exc)}"
+        yield None, reason_text([(EXPORT, exc)])
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
@@ -445,11 +446,10 @@ def _child_region(child: nn.Module, path: str, call: _Call, dtype: torch.dtype |
             output = propagate(gm, flat, dtype=dtype, ranks=ranks, device=device)
             mark_spatial(gm)
         except Exception as exc:
-            reasons.append(f"the {gm.meta.get(METHOD_KEY, FX)} graph: {type(exc).__name__}: "
-                           f"{_first_line(exc)}")
+            reasons.append(reason_text([(f"the {gm.meta.get(METHOD_KEY, FX)} graph", exc)]))
         else:
             return Region(path, gm, flat, output), ""
-    return None, "; ".join(reasons)
+    return None, join_reasons(reasons)
 
 
 def _convolutions_under(model: nn.Module, path: str) -> int:
@@ -464,6 +464,49 @@ def _has_children(m: nn.Module) -> bool:
 
 def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:
     return (n for n in gm.graph.nodes if n.op == op)
+
+
+# -- why a part stays eager: one short line first, torch's whole text after it -------------
+#: characters of torch's message kept in a reason's first line
+SHORT = 100
+
+
+def reason_text(failures: list[tuple[str, BaseException]]) -> str:
+    """Why capture methods failed, as one text: its first line short (each method's exception
+    type and the first sentence of its message), torch's whole messages on the lines after
+    it (kept in the plan's JSON; a terminal shows the first line, ``--debug`` all).
+
+    >>> print(reason_text([("torch.fx", TypeError("no. Details follow\\nline two"))]))
+    torch.fx: TypeError: no.
+    torch.fx: TypeError: no. Details follow
+    line two
+    """
+    short = "; ".join(f"{how}: {type(exc).__name__}: {_first_sentence(exc)}"
+                      for how, exc in failures)
+    whole = "\n".join(f"{how}: {type(exc).__name__}: {str(exc).strip() or type(exc).__name__}"
+                      for how, exc in failures)
+    return short if whole == short else f"{short}\n{whole}"
+
+
+def join_reasons(reasons: list[str]) -> str:
+    """Several :func:`reason_text` as one: the first lines joined, then the rest of each."""
+    heads = "; ".join(short_reason(r) for r in reasons)
+    if not any("\n" in r for r in reasons):
+        return heads
+    return "\n".join([heads, *(r.partition("\n")[2] or r for r in reasons)])
+
+
+def short_reason(reason: str) -> str:
+    """The first line of a reason (:func:`reason_text`): what a terminal shows."""
+    return reason.partition("\n")[0]
+
+
+def _first_sentence(exc: BaseException) -> str:
+    line = _first_line(exc)
+    end = line.find(". ")
+    if 0 < end < SHORT:
+        return line[:end + 1]
+    return line if len(line) <= SHORT else line[:SHORT].rsplit(" ", 1)[0] + " ..."
 
 
 def _first_line(exc: BaseException) -> str:
