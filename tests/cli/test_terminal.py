@@ -70,3 +70,12 @@ def test_debug_shows_torchs_whole_text_and_what_it_printed(models, tmp_path):
     detail = [" ".join(line.split()) for line in str(failure).strip().splitlines()[1:]]
     assert all(line in text for line in detail if line)
     assert json.loads((tmp_path / "plan.json").read_text())["uncaptured"]
+
+
+def test_the_audit_header_gives_the_batch_that_ran(models):
+    given = runpy.run_path(str(models))["own_input"]()[1]
+    res = CliRunner().invoke(app, ["audit", f"{models}:own_input", "--batch", "8"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "--batch and --image-size do not apply" in text
+    assert f"(inference, batch {given.shape[0]})" in text and "batch 8" not in text
