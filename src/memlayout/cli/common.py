@@ -17,9 +17,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from memlayout import machine
 from memlayout.dtypes import dtype_name, parse_dtype
 from memlayout.errors import MemlayoutError
-from memlayout.machine import Conditions
+from memlayout.machine import Bf16Speed, Conditions
 
 console = Console()
 if not console.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
@@ -139,6 +140,18 @@ def print_measuring_conditions(measure: bool) -> None:
             "a quiet machine measures them again instead of reading them from the cache, and a "
             f"plan predicting more than {SUSPECT:g}x the guard's measured time measures its "
             "costs once more", markup=False, highlight=False)
+
+
+def bf16_notice(dtypes: str | tuple[str, ...], device: str, then: str) -> Bf16Speed | None:
+    """Where bf16 is asked for, its speed here measured against fp32 (once per process);
+    where it is emulated, one note saying so up front and ``then``, what the verb does about
+    it. ``None`` when no bf16 is asked for."""
+    if "bf16" not in ((dtypes,) if isinstance(dtypes, str) else dtypes):
+        return None
+    speed = machine.bf16_speed(device)  # (tests inject the measured fact here)
+    if speed.emulated:
+        console.print(f"note: {speed.describe()}; {then}", markup=False, highlight=False)
+    return speed
 
 
 def on_device(value: Any, device: str) -> Any:

@@ -9,10 +9,12 @@ import torch
 import typer
 from rich.progress import Progress
 
+from memlayout import machine
 from memlayout.cli.app import app
 from memlayout.cli.common import (
     UsageError,
     at_least,
+    bf16_notice,
     check_device,
     console,
     debug_log,
@@ -88,6 +90,9 @@ def optimize(
             dtype = saved.dtype or "fp32"
             run_dtype = parse_dtype(dtype)
             input_format = saved.input_format
+        if saved is None and run_dtype is torch.bfloat16:
+            padding = _bounded_for_bf16(ctx, run_device, measure=measure, compile=compile,
+                                        padding=padding)
     except MemlayoutError as exc:
         fail(exc)
     try:
@@ -160,6 +165,28 @@ def optimize(
         result = compare_with_eager(module, opt, example, rounds=rounds, train=train)
         unit = "training step (forward, backward, SGD)" if train else "batch"
         _print_comparison(result, unit)
+
+
+def _bounded_for_bf16(ctx: typer.Context, device: str, *, measure: bool, compile: bool,  # noqa: A002
+                      padding: bool) -> bool:
+    """Where bf16 is emulated (measured), say so before any work and keep the work bounded:
+    ``--compile`` is refused (Inductor's bf16 builds run for many minutes there), the padding
+    candidates (which multiply the measurements) are off unless ``--padding`` is given.
+    Returns the padding to plan with."""
+    given = ctx.get_parameter_source("padding").name not in ("DEFAULT", "DEFAULT_MAP")
+    speed = machine.bf16_speed(device)
+    if not speed.emulated:
+        return padding
+    if compile:
+        raise UsageError(f"--compile --dtype bf16: {speed.describe()}; Inductor's bf16 "
+                         "candidates would build for many minutes to time what no CPU with bf16 "
+                         "instructions does: use --dtype fp32, or plan without --compile")
+    off = measure and padding and not given
+    then = ("every cost is measured in emulated bf16, several times slower than fp32"
+            + ("; the padding candidates are off (--padding times them all the same), "
+               "--no-measure plans from the analytical model in seconds" if off else ""))
+    bf16_notice("bf16", device, then)
+    return padding and not off
 
 
 def _print_comparison(result: ModelComparison, unit: str) -> None:

@@ -14,6 +14,7 @@ from memlayout.cli.app import app
 from memlayout.cli.common import (
     PLAN_COSTS,
     at_least,
+    bf16_notice,
     check_device,
     check_dtype,
     choice,
@@ -146,6 +147,10 @@ def train(
                           f"{image_size} px, {len(trainer.dataset)} images in {len(trainer.dataset.classes)} classes, "
                           f"{trainer.steps_per_epoch} steps/epoch, {epochs} epochs, device {trainer.device}, "
                           f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+                if info.is_main:
+                    bf16_notice(cfg.dtype, str(trainer.device),
+                                "bf16 training runs slower than fp32 here; its speed says "
+                                "nothing of a CPU with bf16 instructions")
                 if trainer.plan_summary:
                     out.print(trainer.plan_summary, markup=False, highlight=False)
                 if resume:
