@@ -685,7 +685,7 @@ def resume_note(saved: dict[str, Any], config: TrainConfig, saved_world: int | N
 
     >>> a = TrainConfig("torchvision:resnet18", "data", lr=0.01)
     >>> resume_note(settings_of(a), replace(a, lr=0.5, epochs=3), 1, 1)
-    'resuming with settings other than the checkpoint's: lr 0.01 -> 0.5, epochs 1 -> 3 (the run will not repeat the uninterrupted one exactly)'
+    "resuming with settings other than the checkpoint's: epochs 1 -> 3, lr 0.01 -> 0.5 (the run will not repeat the uninterrupted one exactly)"
     """
     now = settings_of(config)
     changed = [k for k in saved if k in now and saved[k] != now[k]]
