@@ -77,6 +77,11 @@ class CheckpointError(MemlayoutError):
     """A training checkpoint that cannot be written, read, or loaded into this model."""
 
 
+class CacheFileError(MemlayoutError, ValueError):
+    """A file at the measurement cache's path that memlayout did not create: ``memlayout
+    cache`` refuses it and a planning run measures without a cache; it is never moved."""
+
+
 class ExportError(MemlayoutError):
     """``torch.export`` of a (planned) model failed; the message says why and what to do."""
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from memlayout.timing import device_sync, interleaved
+
 #: the relative spread of a measurement's rounds, (max - min) / median, above which it is
 #: noisy: quiet runs on this project's 2-core machine stay well under it, runs beside another
 #: job reach 1-18 (8.5 and 18.5 seen in one comparison)
@@ -90,6 +92,57 @@ def noisy(spread: float | None) -> bool:
     (False, True, False)
     """
     return spread is not None and spread > SPREAD_LIMIT
+
+
+#: a bf16 matmul at less than this fraction of the fp32 rate has no bf16 instructions behind
+#: it (converted to fp32 and back around each kernel): 0.07-0.3x measured on an AVX2-only CPU,
+#: above 1x where AVX512-BF16 or AMX run it
+EMULATED_BELOW = 0.8
+#: side of the square matmuls compared (seconds in all on an AVX2-only CPU)
+BF16_SIDE = 256
+
+
+@dataclass(frozen=True)
+class Bf16Speed:
+    """How fast bf16 matrix multiplication runs here against fp32, as measured."""
+
+    relative: float  # the bf16 matmul's rate / the fp32 one's (> 1: bf16 is faster)
+    device: str
+    side: int = BF16_SIDE
+
+    @property
+    def emulated(self) -> bool:
+        """No bf16 arithmetic behind bf16 here: it runs slower than fp32.
+
+        >>> Bf16Speed(0.3, "cpu").emulated, Bf16Speed(2.1, "cpu").emulated
+        (True, False)
+        """
+        return self.relative < EMULATED_BELOW
+
+    def describe(self) -> str:
+        """One phrase with the measured rate.
+
+        >>> Bf16Speed(0.29, "cpu").describe()
+        'bf16 is emulated on this cpu: a 256x256 bf16 matmul runs at 0.29x the fp32 rate (measured now)'
+        """
+        what = "emulated" if self.emulated else "native"
+        return (f"bf16 is {what} on this {self.device}: a {self.side}x{self.side} bf16 matmul "
+                f"runs at {self.relative:.2g}x the fp32 rate (measured now)")
+
+
+@functools.cache
+def bf16_speed(device: str = "cpu") -> Bf16Speed:
+    """The bf16 matmul rate against fp32 on ``device``, measured once per process (a few
+    interleaved rounds of one matmul each, by the one timer), never guessed from the CPU's
+    name: what torch's kernels do with bf16 here is what counts."""
+    gen = torch.Generator().manual_seed(0)
+    a32, b32 = (torch.randn(BF16_SIDE, BF16_SIDE, generator=gen).to(device) for _ in range(2))
+    a16, b16 = a32.bfloat16(), b32.bfloat16()
+    out32, out16 = torch.empty_like(a32), torch.empty_like(a16)
+    c = interleaved({"fp32": lambda: torch.mm(a32, b32, out=out32),
+                     "bf16": lambda: torch.mm(a16, b16, out=out16)},
+                    rounds=5, warmup=1, sync=device_sync(device))
+    return Bf16Speed(c["fp32"].median / c["bf16"].median, torch.device(device).type)
 
 
 @functools.lru_cache(maxsize=1)

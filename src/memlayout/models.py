@@ -35,6 +35,7 @@ from torch import nn
 
 from memlayout.errors import ModelSpecError
 from memlayout.layout import Format
+from memlayout.tensors import iter_tensors
 
 # Defaults per kind: (image size, channels-last format of the model's activations).
 _DEFAULT_SIZE = {"classification": 224, "segmentation": 224, "detection": 224, "video": 112,
@@ -196,6 +197,7 @@ def _file(spec: str, path: Path, factory: str, batch: int, image_size: int | Non
             f"{spec!r}: {factory}() returned {type(made).__name__}; expected an nn.Module, "
             "(nn.Module, args) or (nn.Module, args, kwargs)"
         )
+    _check_values(spec, factory, module, args, kwargs)
     note = ""
     if args is None:
         args = _invented_input(spec, factory, module, batch, image_size, generator)
@@ -209,6 +211,25 @@ def _file(spec: str, path: Path, factory: str, batch: int, image_size: int | Non
     rank = tensors[0].dim() if tensors else 4
     fmt = Format.CHANNELS_LAST_3D if rank == 5 else Format.CHANNELS_LAST
     return ModelSpec(spec, module.eval(), args, "custom", fmt, dict(kwargs), note)
+
+
+def _check_values(spec: str, factory: str, module: nn.Module, args: Any,
+                  kwargs: dict[str, Any]) -> None:
+    """``ModelSpecError`` for weights or inputs on the meta device (a factory that built
+    under ``torch.device("meta")``): shapes without values, nothing can run on them."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    meta = [name for name, t in tensors if t.is_meta]
+    if meta:
+        raise ModelSpecError(
+            f"{spec!r}: {factory}() built {len(meta)} of {len(tensors)} parameters and buffers "
+            f"on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
+            "shapes without values, so nothing can run, be measured or verified. Materialize "
+            f"them in {factory}(), e.g. module.to_empty(device='cpu') then reset_parameters() "
+            "per module or load_state_dict from a checkpoint")
+    if any(t.is_meta for t in iter_tensors((args, kwargs))):
+        raise ModelSpecError(f"{spec!r}: {factory}() returned example inputs on the meta device "
+                             "(shapes without values); return real tensors, e.g. "
+                             "torch.randn(shape)")
 
 
 def _invented_input(spec: str, factory: str, module: nn.Module, batch: int,

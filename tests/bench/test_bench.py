@@ -225,9 +225,13 @@ def test_quick_zoo_cli_writes_every_record_and_output(tmp_path):
             assert r["note"].replace("|", "\\|") in chose
 
 
-def test_every_mode_trains_or_reports_why(tmp_path):
+def test_every_mode_trains_or_reports_why(tmp_path, monkeypatch):
     # train (forward + backward + SGD step) through all five modes on a tiny model; the quick
-    # zoo test above covers inference on real torchvision models
+    # zoo test above covers inference on real torchvision models. bf16 reads as native here
+    # (where it is emulated the compile modes are not built: tests/cli/test_bf16.py)
+    from memlayout import machine
+
+    monkeypatch.setattr(machine, "bf16_speed", lambda device="cpu": machine.Bf16Speed(2.0, "cpu"))
     path = _models_file(tmp_path)
     cfg = BenchConfig.from_strings([f"{path}:tiny"], modes=",".join(ALL_MODES), tasks="train",
                                    dtypes="fp32,bf16", batch=2, image_size=8, rounds=2,

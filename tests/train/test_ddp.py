@@ -125,6 +125,7 @@ def test_wrap_ddp_emits_no_layout_warning_where_a_late_conversion_does(tmp_path)
         assert r["wrap_ddp"] == {"warnings": [], "mismatches": []}
 
 
+@pytest.mark.faults
 def test_killed_during_a_checkpoint_write_the_previous_one_survives(work, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     # 8 steps per epoch; the first write (end of epoch 0) completes, the second (end of

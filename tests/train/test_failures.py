@@ -28,6 +28,8 @@ from memlayout.train.ddp import DistInfo, batchnorm_notice
 from memlayout.train.loop import Trainer
 from tests.support.train import IMAGE, config, write_models
 
+pytestmark = pytest.mark.faults
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 WAIT = 90  # seconds: a bound on child processes that must not hang the suite
 
@@ -185,20 +187,30 @@ def test_the_lock_is_released_when_a_run_ends(work, tmp_path):
 # A rank that stops answering
 
 # rank 0 trains a model sharded with FSDP (its parameter all-gathers are the collectives that
-# wait); DDP's all-reduce goes through the same ``collectives``
+# wait), or replicated with DDP (its layout check and gradient all-reduce)
 COLLECTIVE = """
 import sys
+from datetime import timedelta
 import torch
+import torch.distributed as dist
 from torch import nn
 from memlayout.errors import TrainError
-from memlayout.train.ddp import collectives, init_distributed
+from memlayout.train.ddp import DistInfo, collectives, wrap_ddp
 from memlayout.train.fsdp import wrap_fsdp
 
-info = init_distributed("cpu", timeout=2)
+strategy, port = sys.argv[1], int(sys.argv[2])
+# the ranks may take long to start on a busy machine: joining waits for them as long as the
+# test does; gloo's own set-up and the collectives get the run's timeout
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=90))
+# (the prefix init_process_group gives its own store, which rank 1's env:// join uses)
+dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                        world_size=2, timeout=timedelta(seconds=2))
+info = DistInfo(rank=0, world_size=2)
 try:
-    with collectives(info, 2, "an FSDP training step"):
-        model = wrap_fsdp(nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3)), nn.Flatten(),
-                                        nn.Linear(4 * 6 * 6, 2)))
+    with collectives(info, 2, f"a {strategy.upper()} training step"):
+        model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3)), nn.Flatten(),
+                              nn.Linear(4 * 6 * 6, 2))
+        model = wrap_fsdp(model) if strategy == "fsdp" else wrap_ddp(model)
         x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
         model(x).sum().backward()
 except TrainError as exc:
@@ -222,16 +234,20 @@ os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
-def test_a_frozen_rank_is_named_within_the_timeout():
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    ranks = [python(code, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_frozen_rank_is_named_within_the_timeout(strategy):
+    port = _free_port()
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ranks = [python(code, *args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r, code in enumerate((COLLECTIVE, FROZEN))]
+             for r, (code, args) in enumerate(((COLLECTIVE, (strategy, str(port))),
+                                               (FROZEN, ())))]
     try:
         out, _ = ranks[0].communicate(timeout=WAIT)  # torch's default would be 30 minutes
         assert ranks[0].returncode == 3, out
         text = " ".join(out.split())
-        assert "rank 0 of 2: rank 1 stopped answering while an FSDP training step" in text
+        assert (f"rank 0 of 2: rank 1 stopped answering while a {strategy.upper()} training "
+                "step") in text
         assert "--timeout 2 s" in text and "raise --timeout" in text
         assert "Traceback" not in text
     finally:

@@ -182,6 +182,7 @@ def test_fsdp_with_fp16_is_refused_with_what_to_use(work):
         train(_config(work, strategy="fsdp", dtype="fp16"))
 
 
+@pytest.mark.faults
 def test_a_killed_sharded_write_leaves_the_linked_checkpoint_and_is_cleaned_up(tmp_path):
     """What a writer killed mid-way leaves (its temporary folder, a version no link points
     at) is removed by the next run holding the folder; the linked version stays."""

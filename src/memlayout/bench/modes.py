@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from memlayout import runtimes
+from memlayout import machine, runtimes
 from memlayout.bench.config import CONTROL, DTYPES, RUNTIME_MODES, ModeUnavailable
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import MemlayoutError
@@ -187,6 +187,12 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
     args = _on(inputs, device)
     if mode in RUNTIME_MODES:
         return _prepare_runtime(mode, module, args, dtype=dtype, task=task, device=device)
+    if "compile" in mode and dtype == "bf16" and machine.bf16_speed(device).emulated:
+        # resnet50's planned+compile build ran past 20 minutes on an AVX2-only CPU
+        raise ModeUnavailable(f"{mode} is not built in bf16 here: "
+                              f"{machine.bf16_speed(device).describe()}, and Inductor's bf16 "
+                              "build on such a CPU runs for many minutes to time what no CPU "
+                              "with bf16 instructions would do")
     start = time.perf_counter()
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -25,6 +25,7 @@ from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
 from memlayout.models import load_model
+from memlayout.tensors import iter_tensors
 
 if TYPE_CHECKING:
     pass
@@ -74,11 +75,12 @@ def audit(
             report = run_audit(module, inputs, train=train, fmt=fmt, dtype=dtype, kwargs=kwargs)
     except MemlayoutError as exc:
         fail(exc)
+    runs_on = _input_words(inputs, kwargs)
     if overhead:
         what = "forward+backward" if train else "forward"
-        audit_render.render_overhead(c, console, f"{model} batch {batch} {fmt.value} {dtype} {what}")
+        audit_render.render_overhead(c, console, f"{model} {runs_on} {fmt.value} {dtype} {what}")
         return
-    title = f"memlayout audit {model} ({'train' if train else 'inference'}, batch {batch})"
+    title = f"memlayout audit {model} ({'train' if train else 'inference'}, {runs_on})"
     audit_render.render_terminal(report, console, title=title, top=top)
     if json_path:
         audit_render.write_json(report, json_path)
@@ -86,3 +88,15 @@ def audit(
     if html_path:
         audit_render.write_html(report, html_path, title=title)
         console.print(f"HTML report: {html_path}")
+
+
+def _input_words(inputs: Any, kwargs: dict[str, Any]) -> str:
+    """``batch 8``, read from the input that runs (a factory's own input keeps its batch,
+    whatever ``--batch`` says), with its shape when it is not one image-like tensor."""
+    tensors = list(iter_tensors((inputs, kwargs)))
+    if not tensors or tensors[0].dim() == 0:
+        return "no tensor input"
+    shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+    if len(tensors) == 1 and tensors[0].dim() in (4, 5):
+        return f"batch {tensors[0].shape[0]}"
+    return f"batch {tensors[0].shape[0]}, inputs {shapes}"

@@ -14,6 +14,7 @@ from memlayout.cli.common import (
     BENCH_DTYPES,
     DEVICE_HELP,
     PLAN_COSTS,
+    bf16_notice,
     check_device,
     check_dtypes,
     choice,
@@ -101,6 +102,9 @@ def bench(
         ("--gemm-size", gemm_size, None), ("--plan-costs", plan_costs, "measured"),
         ("--out", out, None)), steady_heap)
     render_header(cfg, console)
+    bf16_notice(tuple(cfg.dtypes), cfg.device,
+                "the compile modes (compile, planned+compile) are not built in bf16 (recorded "
+                "unavailable, with the reason), and the other bf16 modes time emulation")
     conditions = Conditions.now()
     if threads is not None:  # the run sets them; state what it will run with
         conditions = dataclasses.replace(conditions, threads=threads)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import sqlite3
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from memlayout.cli.app import app
 from memlayout.cli.common import UsageError, console, fail
-from memlayout.errors import MemlayoutError
+from memlayout.errors import CacheFileError, MemlayoutError
 
 if TYPE_CHECKING:
     pass
@@ -23,17 +26,34 @@ CACHE_HELP = "The cache file. Default: $MEMLAYOUT_CACHE_DIR/costs.sqlite, else $
 
 
 @contextlib.contextmanager
-def _cache_store(path: str | None) -> Iterator[tuple[Any, Path] | None]:
+def _cache_store(path: str | None, *, readonly: bool = False) -> Iterator[tuple[Any, Path] | None]:
     """The cache at ``path`` (default: the user's) opened for one verb and closed after it;
-    ``None``, said on screen, when there is no cache file."""
-    from memlayout.plan.costs.cache import CostCache, cache_path
+    ``None``, said on screen, when there is no cache file. A file memlayout did not create is
+    refused (one error line) and left as it is; ``readonly``: nothing is created, repaired or
+    moved (``show``)."""
+    from memlayout.plan.costs.cache import CacheWarning, CostCache, cache_path, foreign_reason
 
     file = Path(path) if path else cache_path()
     if not file.is_file():
         console.print(f"no cache at {file}", markup=False, highlight=False)
         yield None
         return
-    store = CostCache(file)
+    try:
+        foreign = foreign_reason(file)
+    except sqlite3.Error as exc:
+        fail(CacheFileError(f"the cache {file} cannot be read now ({exc}); another process "
+                            "holds it: try again when it is done"))
+    if foreign is not None:
+        what = (f"give --path a cache memlayout wrote (default {cache_path()})" if path else
+                "point MEMLAYOUT_CACHE_DIR at another folder, or move the file")
+        fail(CacheFileError(f"{file} is {foreign}, not a memlayout measurement cache; it is "
+                            f"left as it is: {what}"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", CacheWarning)
+        store = CostCache(file, readonly=readonly)
+    for warning in seen:
+        if issubclass(warning.category, CacheWarning):
+            console.print(f"[yellow]warning[/yellow]: {escape(str(warning.message))}")
     try:
         yield store, file
     finally:
@@ -47,7 +67,7 @@ def cache_show(
     """The cache's file and its entries, grouped by machine, kind and quality, with ages."""
     from memlayout.plan.costs.cache import render
 
-    with _cache_store(path) as opened:
+    with _cache_store(path, readonly=True) as opened:
         if opened is not None:
             render(opened[0].summary(), console)
 

@@ -4,8 +4,10 @@ the conditions line printed before anything is timed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -15,9 +17,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from memlayout import machine
 from memlayout.dtypes import dtype_name, parse_dtype
 from memlayout.errors import MemlayoutError
-from memlayout.machine import Conditions
+from memlayout.machine import Bf16Speed, Conditions
 
 console = Console()
 if not console.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
@@ -41,6 +44,25 @@ def fail(exc: MemlayoutError, *, debug: bool = False) -> NoReturn:
                       highlight=False)
     console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
     raise typer.Exit(2)
+
+
+def debug_log(ctx: typer.Context, enabled: bool) -> None:
+    """With ``--debug``, memlayout's debug log (what torch printed or logged while capturing)
+    goes to stderr until the command ends; without it nothing of it reaches the terminal."""
+    if not enabled:
+        return
+    logger = logging.getLogger("memlayout")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("debug: %(name)s: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+
+    def remove() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+    ctx.call_on_close(remove)
 
 
 # -- flag checks: each returns the parsed value or raises a MemlayoutError naming the flag ----
@@ -118,6 +140,18 @@ def print_measuring_conditions(measure: bool) -> None:
             "a quiet machine measures them again instead of reading them from the cache, and a "
             f"plan predicting more than {SUSPECT:g}x the guard's measured time measures its "
             "costs once more", markup=False, highlight=False)
+
+
+def bf16_notice(dtypes: str | tuple[str, ...], device: str, then: str) -> Bf16Speed | None:
+    """Where bf16 is asked for, its speed here measured against fp32 (once per process);
+    where it is emulated, one note saying so up front and ``then``, what the verb does about
+    it. ``None`` when no bf16 is asked for."""
+    if "bf16" not in ((dtypes,) if isinstance(dtypes, str) else dtypes):
+        return None
+    speed = machine.bf16_speed(device)  # (tests inject the measured fact here)
+    if speed.emulated:
+        console.print(f"note: {speed.describe()}; {then}", markup=False, highlight=False)
+    return speed
 
 
 def on_device(value: Any, device: str) -> Any:

@@ -9,12 +9,15 @@ import torch
 import typer
 from rich.progress import Progress
 
+from memlayout import machine
 from memlayout.cli.app import app
 from memlayout.cli.common import (
     UsageError,
     at_least,
+    bf16_notice,
     check_device,
     console,
+    debug_log,
     fail,
     on_device,
     print_measuring_conditions,
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 
 @app.command()
 def optimize(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
     dtype: Annotated[str, typer.Option(help="fp32, or bf16 / fp16 under autocast. Default: fp32.")] = "fp32",
     batch: Annotated[int, typer.Option(help="Batch size of the random input. Default: 8.")] = 8,
@@ -48,7 +52,7 @@ def optimize(
     compile: Annotated[bool, typer.Option("--compile", help="memlayout.compile: the fastest verified of the plan compiled so it stands (Inductor's layout optimization off), Inductor's own layout, Inductor with freezing and, on the CPU, the peer runtimes installed (Inductor's kept unless another measures >2% faster; cached); then time it against torch.compile's default and eager NCHW. Default: off.")] = False,  # noqa: A002
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
     input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous (also nchw / ncdhw), channels_last (also nhwc; channels_last_3d / ndhwc for video), or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example is built (contiguous).")] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="On an error, also print the traceback of its cause (a factory that raised, a capture that failed). Default: off.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Also print torch's whole text of why a part is not captured, what torch printed while capturing (on stderr), and on an error the traceback of its cause (a factory that raised, a capture that failed). Default: off.")] = False,
     plan_file: Annotated[str | None, typer.Option("--plan", help="Apply this saved plan (--save) instead of measuring: checked against the model and this torch, verified; its input shape, dtype, input format and train/inference are the plan's. Default: none (plan here).")] = None,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
@@ -60,6 +64,7 @@ def optimize(
     from memlayout.plan.pipeline import optimize as plan_model
     from memlayout.plan.report.compare import compare_with_eager
 
+    debug_log(ctx, debug)
     try:  # the options first: a bad one is reported before any model is built
         run_dtype = parse_dtype(dtype)
         if input_format is not None and input_format.strip().lower() != "auto":
@@ -84,6 +89,9 @@ def optimize(
             dtype = saved.dtype or "fp32"
             run_dtype = parse_dtype(dtype)
             input_format = saved.input_format
+        if saved is None and run_dtype is torch.bfloat16:
+            padding = _bounded_for_bf16(ctx, run_device, measure=measure, compile=compile,
+                                        padding=padding)
     except MemlayoutError as exc:
         fail(exc)
     try:
@@ -127,9 +135,9 @@ def optimize(
         fail(exc, debug=debug)
     plan = opt.plan
     if explain:
-        plan.explain(console)  # ends with the summary
+        plan.explain(console, full=debug)  # ends with the summary
     else:
-        console.print(plan.summary(), markup=False, highlight=False)
+        console.print(plan.summary(full=debug), markup=False, highlight=False)
     if plan.input_format is None:
         arrives = f"{format_name(format_of(first))}, as built"
     else:
@@ -156,6 +164,28 @@ def optimize(
         result = compare_with_eager(module, opt, example, rounds=rounds, train=train)
         unit = "training step (forward, backward, SGD)" if train else "batch"
         _print_comparison(result, unit)
+
+
+def _bounded_for_bf16(ctx: typer.Context, device: str, *, measure: bool, compile: bool,  # noqa: A002
+                      padding: bool) -> bool:
+    """Where bf16 is emulated (measured), say so before any work and keep the work bounded:
+    ``--compile`` is refused (Inductor's bf16 builds run for many minutes there), the padding
+    candidates (which multiply the measurements) are off unless ``--padding`` is given.
+    Returns the padding to plan with."""
+    given = ctx.get_parameter_source("padding").name not in ("DEFAULT", "DEFAULT_MAP")
+    speed = machine.bf16_speed(device)
+    if not speed.emulated:
+        return padding
+    if compile:
+        raise UsageError(f"--compile --dtype bf16: {speed.describe()}; Inductor's bf16 "
+                         "candidates would build for many minutes to time what no CPU with bf16 "
+                         "instructions does: use --dtype fp32, or plan without --compile")
+    off = measure and padding and not given
+    then = ("every cost is measured in emulated bf16, several times slower than fp32"
+            + ("; the padding candidates are off (--padding times them all the same), "
+               "--no-measure plans from the analytical model in seconds" if off else ""))
+    bf16_notice("bf16", device, then)
+    return padding and not off
 
 
 def _print_comparison(result: ModelComparison, unit: str) -> None:

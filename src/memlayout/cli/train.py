@@ -14,6 +14,7 @@ from memlayout.cli.app import app
 from memlayout.cli.common import (
     PLAN_COSTS,
     at_least,
+    bf16_notice,
     check_device,
     check_dtype,
     choice,
@@ -29,8 +30,16 @@ if TYPE_CHECKING:
     pass
 
 
+#: ``memlayout train`` flags -> the setting each gives (those a resumed run may take from its
+#: checkpoint when they are not on the command line: ``memlayout.train.loop.RESUMED``)
+_FLAG_SETTINGS = {"lr": "lr", "batch": "batch", "epochs": "epochs", "dtype": "dtype",
+                  "layout": "layout", "image_size": "image_size", "seed": "seed",
+                  "sync_bn": "sync_batchnorm", "plan_costs": "plan_measure"}
+
+
 @app.command()
 def train(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Classification model spec: torchvision:NAME, timm:NAME or file.py:factory.")],
     data: Annotated[str, typer.Option(help="ImageFolder (one sub-folder per class); with --synthetic, where it is written. Default: memlayout-synthetic.")] = "memlayout-synthetic",
     synthetic: Annotated[int | None, typer.Option(help="Write N synthetic JPEGs (4 classes, PIL, at --image-size) into --data first; nothing is downloaded. Default: off.")] = None,
@@ -40,7 +49,8 @@ def train(
     layout: Annotated[str, typer.Option(help="nchw (torchvision's usual path), nhwc (channels-last model + memlayout's channels-last data pipeline) or planned (memlayout.optimize(train=True) + the pipeline). Default: nhwc.")] = "nhwc",
     lr: Annotated[float, typer.Option(help="SGD learning rate (momentum 0.9). Default: 0.01.")] = 0.01,
     checkpoint: Annotated[str | None, typer.Option(help="Folder for latest.pt, written atomically at each epoch's end and the last step (rank 0), locked by this run (one writer per folder); its parent must exist. Default: none.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from --checkpoint's latest.pt (model, optimizer, step, RNG). Default: off.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from --checkpoint's latest.pt (model, optimizer, step, RNG); the settings not given again (--lr, --batch, --epochs, --dtype, --layout, --image-size, --seed, --sync-bn, --plan-costs) are the checkpoint's, those given win, and a note names every one that differs. Default: off.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the checkpoint --checkpoint holds (a run without --resume or --overwrite refuses to). Default: off.")] = False,
     image_size: Annotated[int, typer.Option(help="Image height and width (images are resized to it). Default: 64.")] = 64,
     workers: Annotated[int, typer.Option(help="DataLoader worker processes. Default: 0.")] = 0,
     log_every: Annotated[int, typer.Option(help="Steps per log line (and per timed interval of --compare). Default: 10.")] = 10,
@@ -66,7 +76,7 @@ def train(
         make_synthetic,
     )
     from memlayout.train.ddp import barrier, collectives, shutdown
-    from memlayout.train.loop import IntervalLog, check_compare, layout_of
+    from memlayout.train.loop import IntervalLog, check_compare, layout_of, resumed_config
     from memlayout.train.render import interval_line, render_comparison, render_run
 
     layouts = [s.strip() for s in compare.split(",") if s.strip()] if compare else []
@@ -74,10 +84,16 @@ def train(
         choice("--plan-costs", plan_costs, PLAN_COSTS)
         at_least(1, synthetic=synthetic, rounds=rounds, max_steps=max_steps, threads=threads)
         cfg = TrainConfig(model, data, epochs=epochs, batch=batch, dtype=check_dtype(dtype), layout=layout,
-                          lr=lr, checkpoint=checkpoint, resume=resume, image_size=image_size,
-                          workers=workers, log_every=log_every, seed=seed, max_steps=max_steps,
-                          device=check_device(device), plan_measure=plan_costs == "measured",
-                          sync_batchnorm=sync_bn, timeout=timeout, strategy=strategy)
+                          lr=lr, checkpoint=checkpoint, resume=resume, overwrite=overwrite,
+                          image_size=image_size, workers=workers, log_every=log_every, seed=seed,
+                          max_steps=max_steps, device=check_device(device),
+                          plan_measure=plan_costs == "measured", sync_batchnorm=sync_bn,
+                          timeout=timeout, strategy=strategy)
+        cfg.check()
+        given = {setting for flag, setting in _FLAG_SETTINGS.items()
+                 if ctx.get_parameter_source(flag).name not in ("DEFAULT", "DEFAULT_MAP")}
+        cfg, taken = resumed_config(cfg, given)
+        epochs, batch, image_size, layout = cfg.epochs, cfg.batch, cfg.image_size, cfg.layout
         for name in layouts or [layout]:
             dataclasses.replace(cfg, layout=layout_of(name)).check()
         if layouts:
@@ -131,10 +147,17 @@ def train(
                           f"{image_size} px, {len(trainer.dataset)} images in {len(trainer.dataset.classes)} classes, "
                           f"{trainer.steps_per_epoch} steps/epoch, {epochs} epochs, device {trainer.device}, "
                           f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+                if info.is_main:
+                    bf16_notice(cfg.dtype, str(trainer.device),
+                                "bf16 training runs slower than fp32 here; its speed says "
+                                "nothing of a CPU with bf16 instructions")
                 if trainer.plan_summary:
                     out.print(trainer.plan_summary, markup=False, highlight=False)
                 if resume:
-                    out.print(f"resumed at step {trainer.step} from {checkpoint}", markup=False)
+                    kept = (" with its settings " + ", ".join(f"{k} {v}" for k, v in taken.items())
+                            + " (not given on the command line)" if taken else "")
+                    out.print(f"resumed at step {trainer.step} from {checkpoint}{kept}",
+                              markup=False, highlight=False)
                 progress.update(bar, total=trainer.total_steps, completed=trainer.step, description=layout)
                 run = trainer.run()
     except MemlayoutError as exc:

@@ -149,13 +149,14 @@ def _steering(plan: Plan, solution: Solution, options: Any) -> Steering:
 def read_plan(path: Path) -> Plan:
     """The plan saved at ``path``; ``PlanError`` naming the file and what is wrong with it."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise PlanError(f"plan file {path}: cannot be read ({exc.strerror}); pass the path of "
                         "a plan saved with Plan.to_json or `memlayout optimize --save`") from None
-    except UnicodeDecodeError:
-        raise PlanError(f"plan file {path}: not text (a binary file?); pass the path of a plan "
-                        "saved with Plan.to_json or `memlayout optimize --save`") from None
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"plan file {path}: not text (byte {exc.start} is not UTF-8), so not a "
+                        "plan's JSON; pass the path of a plan saved with Plan.to_json or "
+                        "`memlayout optimize --save`") from None
     try:
         return Plan.from_json(text)
     except PlanError as exc:

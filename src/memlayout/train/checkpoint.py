@@ -282,6 +282,40 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
     return removed
 
 
+def saved_settings(folder: str | Path, *, sharded: bool = False) -> dict[str, Any]:
+    """What the checkpoint in ``folder`` says of itself: ``step`` and the ``config`` it was
+    trained with (empty when the file holds none). Reads only the small parts: a sharded
+    checkpoint's ``memlayout.pt``, or ``latest.pt`` memory-mapped."""
+    folder = Path(folder)
+    if sharded:
+        meta = load_sharded_meta(folder)
+    else:
+        path = folder / LATEST
+        try:
+            meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (EOFError, RuntimeError, pickle.UnpicklingError, ValueError, OSError) as exc:
+            raise CheckpointError(f"{str(path)!r} is not a readable checkpoint "
+                                  f"({type(exc).__name__}: {exc})") from exc
+    if not isinstance(meta, dict):
+        return {}
+    return {"step": meta.get("step"), "config": dict(meta.get("config") or {})}
+
+
+def existing_checkpoint(folder: str | Path) -> str | None:
+    """What a run without ``--resume`` would replace in ``folder``: ``latest.pt (step 12)``,
+    ``latest.dcp (step 4)``, or ``None`` when it holds no checkpoint. Reads only."""
+    folder = Path(folder)
+    for name, sharded in ((LATEST, False), (LATEST_SHARDED, True)):
+        if not (folder / name).exists():
+            continue
+        try:
+            step = saved_settings(folder, sharded=sharded).get("step")
+        except CheckpointError as exc:
+            return f"{name} (which cannot be read: {exc})"
+        return f"{name} (step {step})" if step is not None else name
+    return None
+
+
 def check_location(folder: str | Path, *, resume: bool = False, sharded: bool = False) -> Path:
     """Raise ``CheckpointError`` unless ``folder`` can hold checkpoints: an existing writable
     folder, or a new one whose parent is an existing writable folder (a mistyped parent is

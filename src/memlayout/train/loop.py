@@ -31,7 +31,14 @@ from memlayout.models import load_model
 from memlayout.tensors import convert_batch, convert_module
 from memlayout.timing import Comparison, device_sync, interleaved
 from memlayout.train import checkpoint as ckpt
-from memlayout.train.data import LAYOUTS, SkipSampler, image_folder, loader, model_input
+from memlayout.train.data import (
+    LAYOUTS,
+    SkipSampler,
+    UnreadableBatch,
+    image_folder,
+    loader,
+    model_input,
+)
 from memlayout.train.ddp import (
     DEFAULT_TIMEOUT,
     DistInfo,
@@ -56,7 +63,11 @@ STRATEGIES = ("ddp", "fsdp")
 class TrainConfig:
     """Everything a run depends on. ``batch`` is per process; ``max_steps`` stops early
     (counted from the start of training, across resumes); ``timeout``: seconds a rank waits
-    for the others in one collective before the run stops with a ``TrainError``.
+    for the others in one collective before the run stops with a ``TrainError``. A
+    checkpoint folder that holds a checkpoint is continued (``resume``) or replaced
+    (``overwrite``), never replaced unasked; on ``resume`` every setting here is used as
+    given (the learning rate too, not the checkpoint's optimizer's) and those that differ
+    from the checkpoint's are named in a note.
     ``strategy``: ``"ddp"`` or ``"fsdp"`` (``fully_shard`` per block then the root, every
     parameter contiguous, mixed precision through FSDP's policy, sharded checkpoints)."""
 
@@ -71,6 +82,7 @@ class TrainConfig:
     weight_decay: float = 5e-5
     checkpoint: str | None = None
     resume: bool = False
+    overwrite: bool = False
     image_size: int = 64
     workers: int = 0
     log_every: int = 10
@@ -109,14 +121,30 @@ class TrainConfig:
         for name in ("epochs", "batch", "image_size", "log_every"):
             if getattr(self, name) < 1:
                 raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "momentum", "weight_decay"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise TrainError(f"--{name.replace('_', '-')} {value}: expected a finite number "
+                                 f">= 0 (default {getattr(TrainConfig, name)}); a non-finite "
+                                 "setting makes every weight NaN at the first step")
         if self.workers < 0:
             raise TrainError(f"--workers must be >= 0, got {self.workers}")
         if self.resume and not self.checkpoint:
             raise TrainError("--resume needs --checkpoint DIR (the folder holding latest.pt)")
-        if not self.timeout > 0:
-            raise TrainError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise TrainError(f"--timeout must be > 0 seconds and finite, got {self.timeout}")
+        if self.resume and self.overwrite:
+            raise TrainError("--resume continues the checkpoint, --overwrite replaces it: "
+                             "give one of them")
         if self.checkpoint:
             ckpt.check_location(self.checkpoint, resume=self.resume, sharded=self.sharded)
+            held = None if self.resume or self.overwrite else ckpt.existing_checkpoint(
+                self.checkpoint)
+            if held is not None:
+                raise CheckpointError(
+                    f"--checkpoint {self.checkpoint!r} holds {held}, which this run would "
+                    "replace; continue it with --resume, replace it with --overwrite, or give "
+                    "another --checkpoint folder")
 
 
 @dataclass(frozen=True)
@@ -404,6 +432,8 @@ class Trainer:
             for i, batch in enumerate(data):
                 if done + i >= self.steps_per_epoch:
                     break
+                if isinstance(batch, UnreadableBatch):
+                    raise batch.error()
                 yield batch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,8 +472,36 @@ class Trainer:
                 loss, c = self.train_step(*self.next_batch())
             losses.append(loss)
             correct.append(c)
-        return (torch.stack(losses).mean().item(),
-                100.0 * torch.stack(correct).sum().item() / (n * self.config.batch))
+        loss = torch.stack(losses).mean().item()
+        if not math.isfinite(loss):
+            raise self._diverged(torch.stack(losses).tolist())
+        return loss, 100.0 * torch.stack(correct).sum().item() / (n * self.config.batch)
+
+    def _diverged(self, values: list[float]) -> TrainError:
+        """The error for an interval whose loss is not finite, naming the first such step."""
+        first = self.step - len(values) + 1
+        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        where = (f"at step {first + bad} ({values[bad]})" if bad is not None else
+                 f"on another rank in steps {first}-{self.step}")
+        kept = " (the last checkpoint written is kept)" if self.config.checkpoint else ""
+        return TrainError(f"the loss is not finite {where}: training stopped before writing "
+                          f"a checkpoint{kept}; lower --lr (now {self.config.lr:g}) or check "
+                          "the data")
+
+    def _check_finite_weights(self) -> None:
+        """``TrainError`` instead of a checkpoint of NaN or infinite weights (every rank: a
+        sharded model's ranks each check their shards)."""
+        bad = [name for name, t in keyed_module(self.model).state_dict().items()
+               if isinstance(t, torch.Tensor) and t.is_floating_point()
+               and not bool(torch.isfinite(_local(t)).all())]
+        with collectives(self.dist, self.config.timeout, "checking the weights are finite"):
+            (count,) = all_reduce_sum([float(len(bad))], self.device)
+        if count:
+            named = (f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad
+                     else " (on another rank)")
+            raise TrainError(f"{int(count)} weight tensors are not finite at step "
+                             f"{self.step}{named}: training stopped before writing a checkpoint "
+                             f"of them; lower --lr (now {self.config.lr:g})")
 
     def _doing_step(self) -> str:
         what = ("the parameter all-gathers and gradient reduce-scatters of FSDP" if self.fsdp
@@ -467,8 +525,7 @@ class Trainer:
             "step_in_epoch": self.step % self.steps_per_epoch,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": rngs, "world_size": self.dist.world_size,
-            "config": {k: v for k, v in asdict(self.config).items()
-                       if k not in ("resume", "max_steps", "checkpoint", "timeout")},
+            "config": settings_of(self.config),
         }
 
     def _sharded_state(self) -> dict[str, Any]:
@@ -530,23 +587,17 @@ class Trainer:
             state = self._load_sharded(path.parent)
         else:
             state = ckpt.load_checkpoint(path)
-        same = ("model", "image_size", "data")
-        saved = state.get("config", {})
-        changed = [k for k in same if k in saved and saved[k] != getattr(self.config, k)]
-        # N ranks with batch B see the batches one process with batch N * B sees
-        world = state.get("world_size")
-        if "batch" in saved and world is not None and (
-                saved["batch"] * world != self.config.batch * self.dist.world_size):
-            changed.append("global batch (batch x world size)")
-        elif not self.config.sharded and world != self.dist.world_size:
-            changed.append("world size")  # RNG states are per rank (dropout)
-        if changed:
-            self.on_event(f"note: resuming with other settings than the checkpoint's "
-                          f"({', '.join(changed)} differ): the run will not "
-                          "repeat the uninterrupted one exactly")
+        note = resume_note(state.get("config", {}), self.config, state.get("world_size"),
+                           self.dist.world_size)
+        if note and self.dist.is_main:
+            self.on_event(f"note: {note}")
         if not self.config.sharded:
             ckpt.load_neutral_state_dict(self.model, state["model"])
             ckpt.load_optimizer_state(self.optimizer, state["optimizer"])
+        # the optimizer's state dict brings the checkpoint's hyperparameters: this run's win
+        for group in self.optimizer.param_groups:
+            group.update(lr=self.config.lr, momentum=self.config.momentum,
+                         weight_decay=self.config.weight_decay)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         rngs = state.get("rng") or []
@@ -580,6 +631,8 @@ class Trainer:
                     total_loss, total_correct, count = all_reduce_sum(
                         [sum(values) * cfg.batch, float(torch.stack(correct).sum()), float(n)],
                         self.device)
+                if not math.isfinite(total_loss):  # on every rank alike: the sum is shared
+                    raise self._diverged(values)
                 seconds = time.perf_counter() - start
                 epoch, done = divmod(self.step - 1, self.steps_per_epoch)
                 log = IntervalLog(cfg.layout, epoch, done + 1, self.steps_per_epoch, self.step,
@@ -589,6 +642,7 @@ class Trainer:
                 self.on_event(log)
                 losses, correct = [], []
                 if (end_of_epoch or last) and cfg.checkpoint:
+                    self._check_finite_weights()
                     path = self.save()
                     if path is not None:
                         result.checkpoint = str(path)
@@ -596,6 +650,68 @@ class Trainer:
                 start = time.perf_counter()
         result.step = self.step
         return result
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (an FSDP ``DTensor``'s shard), or the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+#: settings a checkpoint records but a run may change without changing what it trains
+_HARMLESS = ("epochs", "log_every", "workers")
+#: settings a checkpoint does not record: they say how this run goes, not what it trains
+_NOT_SAVED = ("resume", "overwrite", "max_steps", "checkpoint", "timeout")
+#: the ``memlayout train`` flags a resumed run takes from its checkpoint unless given again
+RESUMED = ("lr", "batch", "epochs", "dtype", "layout", "image_size", "seed", "sync_batchnorm",
+           "plan_measure")
+
+
+def settings_of(config: TrainConfig) -> dict[str, Any]:
+    """The settings a checkpoint records: what was trained, and how."""
+    return {k: v for k, v in asdict(config).items() if k not in _NOT_SAVED}
+
+
+def resume_note(saved: dict[str, Any], config: TrainConfig, saved_world: int | None,
+                world_size: int) -> str | None:
+    """What a resumed run does otherwise than the checkpoint's: every setting that differs,
+    with both values, and whether the run can still repeat the uninterrupted one; ``None``
+    when nothing differs.
+
+    >>> a = TrainConfig("torchvision:resnet18", "data", lr=0.01)
+    >>> resume_note(settings_of(a), replace(a, lr=0.5, epochs=3), 1, 1)
+    "resuming with settings other than the checkpoint's: epochs 1 -> 3, lr 0.01 -> 0.5 (the run will not repeat the uninterrupted one exactly)"
+    """
+    now = settings_of(config)
+    changed = [k for k in saved if k in now and saved[k] != now[k]]
+    parts = [f"{k} {saved[k]} -> {now[k]}" for k in changed]
+    repeats = all(k in _HARMLESS for k in changed)
+    # N ranks with batch B see the batches one process with batch N * B sees
+    if saved_world is not None and saved_world != world_size:
+        parts.append(f"world size {saved_world} -> {world_size}")
+        if "batch" in saved and saved["batch"] * saved_world != config.batch * world_size:
+            parts.append("global batch (batch x world size) "
+                         f"{saved['batch'] * saved_world} -> {config.batch * world_size}")
+            repeats = False
+        elif not config.sharded:
+            repeats = False  # RNG states are per rank (dropout)
+    if not parts:
+        return None
+    then = ("the steps in common repeat the uninterrupted run" if repeats else
+            "the run will not repeat the uninterrupted one exactly")
+    return f"resuming with settings other than the checkpoint's: {', '.join(parts)} ({then})"
+
+
+def resumed_config(config: TrainConfig, given: set[str]) -> tuple[TrainConfig, dict[str, Any]]:
+    """``config`` with each of :data:`RESUMED` not in ``given`` (the flags on the command
+    line) taken from the checkpoint it resumes, and what was taken: ``--resume`` alone
+    continues the run the checkpoint was part of. Nothing changes without ``resume``."""
+    if not (config.resume and config.checkpoint):
+        return config, {}
+    saved = ckpt.saved_settings(config.checkpoint, sharded=config.sharded).get("config", {})
+    taken = {k: saved[k] for k in RESUMED
+             if k not in given and k in saved and saved[k] != getattr(config, k)}
+    return replace(config, **taken), taken
 
 
 def train(config: TrainConfig, *, dist_info: DistInfo | None = None,
@@ -673,5 +789,5 @@ def compare_layouts(config: TrainConfig, layouts: list[str], *, rounds: int = 7,
 
 
 __all__ = ["IntervalLog", "LayoutComparison", "TrainConfig", "TrainResult",
-           "Trainer", "compare_layouts", "grad_layout_mismatches", "plan_for_training", "train",
-           "unwrap"]
+           "Trainer", "compare_layouts", "grad_layout_mismatches", "plan_for_training",
+           "resume_note", "resumed_config", "settings_of", "train", "unwrap"]

@@ -1,7 +1,10 @@
 """The measurement cache can never stop a run: a read-only file, a lock held by another
 process, another schema, records of an unexpected shape and a corrupt file each give one
-warning and a plan; a corrupt or foreign file is moved aside and rebuilt. Entries carry the
-machine's fingerprint and conditions; ``memlayout cache`` shows, prunes and clears them."""
+warning and a plan. Only a file memlayout created is ever moved aside (corrupt, or of another
+schema version) and rebuilt; another application's file, or bytes that are no database, are
+left exactly as they are. Entries carry the machine's fingerprint and conditions;
+``memlayout cache`` shows (moving nothing), prunes and clears them, and refuses a file that is
+not a memlayout cache."""
 
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ def _aside(db, what: str) -> list:
     return sorted(db.parent.glob(f"{db.name}.{what}-*"))
 
 
+@pytest.mark.faults
 def test_a_read_only_cache_serves_what_it_has_and_plans_the_rest(db, monkeypatch) -> None:
     _plan(Features().eval(), db)
     real = sqlite3.connect
@@ -55,6 +59,7 @@ def test_a_read_only_cache_serves_what_it_has_and_plans_the_rest(db, monkeypatch
     assert opt.plan.measured > 0
 
 
+@pytest.mark.faults
 def test_a_lock_held_mid_run_turns_the_cache_off_with_one_warning(db) -> None:
     gm = capture(Branchy().eval(), (_x(),)).regions[0].gm
     store = CostCache(db, timeout=0.05)
@@ -73,14 +78,38 @@ def test_a_lock_held_mid_run_turns_the_cache_off_with_one_warning(db) -> None:
     store.close()
 
 
+def _memlayouts(db, entries: int = 200) -> bytes:
+    """A cache memlayout wrote, with pages enough to corrupt; its bytes."""
+    store = CostCache(db, conditions=lambda: QUIET)
+    for i in range(entries):
+        store.put(json.dumps(["node", i]), {"s": 1.0, "out": 0, "pad": "x" * 40})
+    store.close()
+    return db.read_bytes()
+
+
+@pytest.mark.faults
 @pytest.mark.parametrize("create", [
     "CREATE TABLE costs (key TEXT PRIMARY KEY, val TEXT)",  # another program's table
     "CREATE TABLE entries (key TEXT PRIMARY KEY, value TEXT)",  # our name, other columns
 ])
-def test_another_schema_is_moved_aside_and_rebuilt(db, create) -> None:
+def test_another_applications_database_is_never_moved_and_planning_goes_on(db, create) -> None:
     with sqlite3.connect(db) as con:
         con.execute(create)
         con.execute("INSERT INTO " + create.split()[2] + " VALUES ('k', 'v')")
+    con.close()
+    before = db.read_bytes()
+    for _ in range(2):  # every run leaves it alone and says so
+        opt, warned = _plan(Branchy().eval(), db)
+        assert len(warned) == 1 and "not a memlayout measurement cache" in str(warned[0].message)
+        assert "left as it is" in str(warned[0].message) and opt.plan.measured > 0
+    assert db.read_bytes() == before and sorted(db.parent.iterdir()) == [db]
+
+
+@pytest.mark.faults
+def test_memlayouts_cache_of_another_schema_is_moved_aside_and_rebuilt(db) -> None:
+    _memlayouts(db, entries=3)
+    with sqlite3.connect(db) as con:
+        con.execute("PRAGMA user_version = 1")  # as an older memlayout wrote it
     con.close()
     first, warned = _plan(Branchy().eval(), db)
     assert len(warned) == 1 and "another schema" in str(warned[0].message)
@@ -89,18 +118,46 @@ def test_another_schema_is_moved_aside_and_rebuilt(db, create) -> None:
     assert not warned and again.plan.measured == 0
 
 
-def test_corrupt_bytes_are_moved_aside_once_and_the_cache_rebuilt(db) -> None:
+def test_a_cache_written_before_the_application_id_is_read_and_marked(db) -> None:
+    _memlayouts(db, entries=3)
+    with sqlite3.connect(db) as con:
+        con.execute("PRAGMA application_id = 0")  # as memlayout wrote it before setting one
+    con.close()
+    store = CostCache(db, conditions=lambda: QUIET)
+    assert store.get(json.dumps(["node", 0])) is not None and store.problem is None
+    store.close()
+    with sqlite3.connect(db) as con:
+        assert con.execute("PRAGMA application_id").fetchone()[0] == cache_module.APPLICATION_ID
+    con.close()
+
+
+@pytest.mark.faults
+def test_bytes_that_are_no_database_are_left_alone(db) -> None:
     db.write_bytes(b"\x00not a database\xff" * 300)
+    before = db.read_bytes()
+    first, warned = _plan(Branchy().eval(), db)
+    assert len(warned) == 1 and "not an SQLite database" in str(warned[0].message)
+    assert db.read_bytes() == before and sorted(db.parent.iterdir()) == [db]
+    assert first.plan.measured > 0
+
+
+@pytest.mark.faults
+def test_memlayouts_corrupt_cache_is_moved_aside_once_and_rebuilt(db) -> None:
+    data = bytearray(_memlayouts(db))
+    data[100:4096] = b"\xff" * (4096 - 100)  # the header (memlayout's id) kept, its pages gone
+    db.write_bytes(bytes(data))
+    with pytest.raises(sqlite3.DatabaseError):  # what SQLite makes of it
+        sqlite3.connect(db).execute("PRAGMA quick_check").fetchall()
     first, warned = _plan(Branchy().eval(), db)
     assert len(warned) == 1 and "not a readable SQLite database" in str(warned[0].message)
-    assert _aside(db, "corrupt")[0].read_bytes().startswith(b"\x00not a database")
+    assert _aside(db, "corrupt")[0].read_bytes() == bytes(data)
     again, warned = _plan(Branchy().eval(), db)
     assert not warned and again.plan.measured == 0 and again.plan.guard.source == "cache"
 
 
-
 @pytest.mark.parametrize("bad", ["{oops", "[1, 2]", '{"s": "fast", "out": 0}', '{"x": 1}',
                                  "null", '{"ratios": 3, "rounds": "many"}'])
+@pytest.mark.faults
 def test_records_of_an_unexpected_shape_are_measured_again(db, bad) -> None:
     model = Branchy().eval()
     _plan(model, db)
@@ -167,6 +224,34 @@ def test_cache_verb_shows_prunes_and_clears(db) -> None:
     cleared = runner.invoke(app, ["cache", "clear", "--path", str(db)])
     assert "cleared 40 entries" in cleared.output
     assert CostCache(db).summary().count == 0
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("verb", [["show"], ["prune", "--noisy"], ["clear"]])
+def test_cache_verbs_refuse_another_applications_file_and_never_touch_it(tmp_path, verb) -> None:
+    app_db = tmp_path / "app.db"
+    with sqlite3.connect(app_db) as con:
+        con.execute("CREATE TABLE users (id INTEGER, name TEXT)")
+        con.execute("INSERT INTO users VALUES (1, 'a')")
+    con.close()
+    before = app_db.read_bytes()
+    res = CliRunner().invoke(app, ["cache", *verb, "--path", str(app_db)])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert text.startswith("error:") and str(app_db) in text and "Traceback" not in text
+    assert "not a memlayout measurement cache" in text and "users" in text
+    assert app_db.read_bytes() == before and sorted(tmp_path.iterdir()) == [app_db]
+
+
+@pytest.mark.faults
+def test_cache_show_reports_a_corrupt_cache_and_moves_nothing(db) -> None:
+    data = bytearray(_memlayouts(db))
+    data[100:4096] = b"\xff" * (4096 - 100)
+    db.write_bytes(bytes(data))
+    res = CliRunner().invoke(app, ["cache", "show", "--path", str(db)])
+    assert res.exit_code == 0, res.output
+    assert "not a readable SQLite database" in " ".join(res.output.split())
+    assert db.read_bytes() == bytes(data) and sorted(db.parent.iterdir()) == [db]
 
 
 def test_cache_verb_on_a_missing_file_creates_nothing(tmp_path) -> None:

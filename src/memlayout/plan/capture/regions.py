@@ -39,6 +39,7 @@ from memlayout.plan.capture.calls import (
     versions_of,
 )
 from memlayout.plan.capture.trace import (
+    EXPORT,
     FX,
     METHOD_KEY,
     count_convolutions,
@@ -145,7 +146,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
                             eager.calls)
         reasons.append(f"the {method} graph computes other values than forward (relative "
                        f"error {error:.3g})")
-    reason = "; ".join(reasons)
+    reason = join_reasons(reasons)
     with _seeded(device):
         run = record_calls(model, inputs, dtype=dtype, device=device, keep_arguments=True)
     regions: list[Region] = []
@@ -154,7 +155,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     if not regions:
         raise CaptureError(
             f"no part of {type(model).__name__} could be traced by torch.fx or exported by "
-            f"torch.export (whole model: {reason}); nothing to plan. Make the model's forward "
+            f"torch.export (whole model: {short_reason(reason)}); nothing to plan. Make the model's forward "
             "traceable (no data-dependent control flow) or pass a traceable submodule"
         )
     planned = sum(count_convolutions(r.gm) for r in regions)
@@ -208,11 +209,11 @@ def graphs(module: nn.Module, args: tuple[Any, ...],
         try:
             yield faithful_trace(module), ""
         except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-            yield None, f"torch.fx: {type(exc).__name__}: {first_line(exc)}"
+            yield None, reason_text([(FX, exc)])
     try:
         yield export_graph(module, args, kwargs), ""
     except Exception as exc:  # export raises many types (UserError, GuardOnDataDependent...)
-        yield None, f"torch.export: {type(exc).__name__}: {first_line(exc)}"
+        yield None, reason_text([(EXPORT, exc)])
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
@@ -304,11 +305,10 @@ def _child_region(child: nn.Module, path: str, args: tuple[Any, ...], kwargs: di
             output = propagate(gm, flat, dtype=dtype, ranks=ranks, device=device)
             mark_spatial(gm)
         except Exception as exc:
-            reasons.append(f"the {gm.meta.get(METHOD_KEY, FX)} graph: {type(exc).__name__}: "
-                           f"{first_line(exc)}")
+            reasons.append(reason_text([(f"the {gm.meta.get(METHOD_KEY, FX)} graph", exc)]))
         else:
             return Region(path, gm, flat, output), ""
-    return None, "; ".join(reasons)
+    return None, join_reasons(reasons)
 
 
 def _convolutions_under(model: nn.Module, path: str) -> int:
@@ -337,3 +337,46 @@ def model_signature(captured: Captured) -> str:
         for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
             h.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
     return h.hexdigest()
+
+
+# -- why a part stays eager: one short line first, torch's whole text after it -------------
+#: characters of torch's message kept in a reason's first line
+SHORT = 100
+
+
+def reason_text(failures: list[tuple[str, BaseException]]) -> str:
+    """Why capture methods failed, as one text: its first line short (each method's exception
+    type and the first sentence of its message), torch's whole messages on the lines after
+    it (kept in the plan's JSON; a terminal shows the first line, ``--debug`` all).
+
+    >>> print(reason_text([("torch.fx", TypeError("no. Details follow\\nline two"))]))
+    torch.fx: TypeError: no.
+    torch.fx: TypeError: no. Details follow
+    line two
+    """
+    short = "; ".join(f"{how}: {type(exc).__name__}: {_first_sentence(exc)}"
+                      for how, exc in failures)
+    whole = "\n".join(f"{how}: {type(exc).__name__}: {str(exc).strip() or type(exc).__name__}"
+                      for how, exc in failures)
+    return short if whole == short else f"{short}\n{whole}"
+
+
+def join_reasons(reasons: list[str]) -> str:
+    """Several :func:`reason_text` as one: the first lines joined, then the rest of each."""
+    heads = "; ".join(short_reason(r) for r in reasons)
+    if not any("\n" in r for r in reasons):
+        return heads
+    return "\n".join([heads, *(r.partition("\n")[2] or r for r in reasons)])
+
+
+def short_reason(reason: str) -> str:
+    """The first line of a reason (:func:`reason_text`): what a terminal shows."""
+    return reason.partition("\n")[0]
+
+
+def _first_sentence(exc: BaseException) -> str:
+    line = first_line(exc)
+    end = line.find(". ")
+    if 0 < end < SHORT:
+        return line[:end + 1]
+    return line if len(line) <= SHORT else line[:SHORT].rsplit(" ", 1)[0] + " ..."

@@ -21,7 +21,11 @@ different regions never share a cost-cache entry.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,6 +34,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlayout.errors import CaptureError
+
+log = logging.getLogger(__name__)
 
 METHOD_KEY = "memlayout_capture"  # GraphModule.meta key: how the graph was captured
 FX = "torch.fx"
@@ -110,7 +116,8 @@ def export_graph(module: nn.Module, args: tuple[Any, ...],
     """The graph of ``module(*args, **kwargs)`` by non-strict ``torch.export``, as a
     GraphModule over the original parameter names whose ``forward`` takes the original
     arguments (positional or by name) and returns the original output structure."""
-    ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
+    with _export_output(type(module).__name__):
+        ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
     gm = ep.module()
     gm._forward_pre_hooks.clear()  # export's input checks: a plan is per input signature
     _drop_guard_calls(gm)
@@ -120,6 +127,48 @@ def export_graph(module: nn.Module, args: tuple[Any, ...],
     gm.recompile()
     gm.meta[METHOD_KEY] = EXPORT
     return gm
+
+
+class _ToDebugLog(logging.Filter):
+    """Passes torch's own log records on to this module's debug log, not the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("torch"):
+            return True  # a handler torch shares with others: their records pass
+        if record.getMessage().strip():
+            log.debug("%s logged: %s", record.name, record.getMessage())
+        return False
+
+
+def _torch_handlers() -> set[logging.Handler]:
+    """The handlers torch's loggers write through (``torch._logging`` gives each its own
+    stderr handler and stops propagation)."""
+    loggers = [logging.getLogger("torch"), *(
+        lg for name, lg in logging.root.manager.loggerDict.items()
+        if name.startswith("torch.") and not name.startswith("torch.__trace")
+        and isinstance(lg, logging.Logger))]  # (the trace artifacts' handler writes files)
+    return {h for lg in loggers for h in lg.handlers}
+
+
+@contextlib.contextmanager
+def _export_output(name: str) -> Iterator[None]:
+    """What ``torch.export`` writes while it runs goes to the debug log (``--debug``), not the
+    terminal: on a failure it prints the partial graph's whole code to stderr (thousands of
+    lines for a detection model) and logs warnings and the exportdb case; the failure itself
+    is the exception, which capture states in one line."""
+    printed = io.StringIO()
+    quiet = _ToDebugLog()
+    handlers = _torch_handlers()
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)
+        if printed.getvalue().strip():
+            log.debug("torch.export printed while exporting %s:\n%s", name, printed.getvalue())
 
 
 def flat_inputs(gm: fx.GraphModule, args: tuple[Any, ...],

@@ -9,12 +9,16 @@ busy, or whose rounds spread more than ``machine.SPREAD_LIMIT``, is *noisy*: rea
 machine it is a miss (measured again and overwritten); read on a busy one it is returned and
 said to be noisy (:class:`Entry`), so noisy and quiet numbers are never mixed silently.
 
-The cache can never stop a run. A file that is not a database, fails SQLite's quick check or
-holds another schema is moved aside (``costs.sqlite.corrupt-<UTC time>``, ``.foreign-...``) and
-an empty one is built; a read or write that fails (read-only file, a lock held past
-``timeout``) turns the cache off for the rest of the run with one :class:`CacheWarning`, and
-planning measures without it; a record that does not parse, or fails the reader's check, is a
-miss (one warning).
+The cache can never stop a run, and never touches a file memlayout did not create. A cache
+file carries memlayout's SQLite ``application_id``; a file without it (another application's
+database, or no database at all) is left exactly as it is, and planning measures without a
+cache for that run (one :class:`CacheWarning`; ``memlayout cache`` refuses it). A file of
+memlayout's that fails SQLite's quick check or holds another schema version is moved aside
+(``costs.sqlite.corrupt-<UTC time>``, ``.foreign-...``) by a planning run, and an empty one is
+built; a read-only store (``memlayout cache show``) only reports it. A read or write that
+fails (read-only file, a lock held past ``timeout``) turns the cache off for the rest of the
+run with one warning, and planning measures without it; a record that does not parse, or
+fails the reader's check, is a miss (one warning).
 
 >>> import tempfile, pathlib
 >>> path = pathlib.Path(tempfile.mkdtemp()) / "costs.sqlite"
@@ -43,6 +47,10 @@ from typing import Any
 from memlayout.machine import SPREAD_LIMIT, Conditions, fingerprint, noisy
 
 SCHEMA = 2  # ``PRAGMA user_version`` of a cache file this code reads
+#: ``PRAGMA application_id`` of every cache file memlayout creates ("MLay"): only a file that
+#: carries it (or holds exactly this schema, written before the id was set) is memlayout's
+APPLICATION_ID = int.from_bytes(b"MLay", "big")
+_SQLITE_HEADER = b"SQLite format 3\x00"
 #: seconds a read or write waits for another process's lock before the cache is turned off
 #: (a planning run commits one small row at a time: a longer lock is a stuck process)
 TIMEOUT = 1.0
@@ -135,16 +143,34 @@ class CostCache:
 
     def __init__(self, path: Path | str | None = None, *, refresh: bool = False,
                  timeout: float = TIMEOUT,
-                 conditions: Callable[[], Conditions] | None = None) -> None:
+                 conditions: Callable[[], Conditions] | None = None,
+                 readonly: bool = False) -> None:
         self.path = Path(path) if path is not None else cache_path()
         self.refresh = refresh
+        self.readonly = readonly
         self.fingerprint = fingerprint()
         self.timeout = timeout
         self._conditions = conditions or Conditions.now
         self._written: set[str] = set()
         self._warned = False
-        self._reads, self._writes = True, True
+        self._reads, self._writes = True, not readonly
         self._db: sqlite3.Connection | None = None
+        #: why the file could not be read as a cache (``summary`` reports it)
+        self.problem: str | None = None
+        try:
+            foreign = foreign_reason(self.path)
+        except (sqlite3.Error, OSError) as exc:
+            self._off(exc, "opening it", reads=True)
+            return
+        if foreign is not None:
+            self.problem = foreign
+            self._reads = self._writes = False
+            if not readonly:
+                self._warn(f"memlayout: {self.path} is {foreign}, not a memlayout measurement "
+                           "cache: it is left as it is, and planning measures without a cache "
+                           "this run; point MEMLAYOUT_CACHE_DIR at another folder, or move "
+                           "the file")
+            return
         try:
             self._db = self._open()
         except (sqlite3.Error, OSError) as exc:
@@ -153,13 +179,22 @@ class CostCache:
     # ------------------------------------------------------------ opening and repairing
 
     def _connect(self) -> sqlite3.Connection:
-        if self.path.exists() and not os.access(self.path, os.W_OK):
+        if self.readonly or (self.path.exists() and not os.access(self.path, os.W_OK)):
             # read what it holds; a write turns writing off (one warning)
             return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=self.timeout)
         return sqlite3.connect(self.path, timeout=self.timeout)
 
-    def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def _create(self, db: sqlite3.Connection) -> None:
+        with db:
+            db.execute(_CREATE)
+            db.execute(f"PRAGMA user_version = {SCHEMA}")
+            db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+
+    def _open(self) -> sqlite3.Connection | None:
+        if self.readonly and not self.path.is_file():
+            return None  # a reader creates nothing
+        if not self.readonly:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         db = self._connect()
         try:
             problem = _schema_problem(db)
@@ -168,24 +203,34 @@ class CostCache:
             raise  # locked, unreadable: off for this run, the file is left as it is
         except sqlite3.DatabaseError:
             problem = "corrupt"
-        if problem == "empty":
-            with db:
-                db.execute(_CREATE)
-                db.execute(f"PRAGMA user_version = {SCHEMA}")
+        if problem == "empty" and not self.readonly:
+            self._create(db)
             return db
         if problem is None:
+            if not self.readonly and _application_id(self.path) != APPLICATION_ID:
+                # memlayout's file from before the id was set: mark it as memlayout's
+                with contextlib.suppress(sqlite3.Error), db:
+                    db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             return db
         db.close()
+        if problem == "empty":
+            return None
+        if self.readonly:  # a reader reports what it found and moves nothing
+            self.problem = (f"{_PROBLEMS[problem]}; the next plan (or `memlayout cache "
+                            "clear`) moves it aside and starts afresh")
+            self._reads = False
+            return None
         aside = self._move_aside(problem)
         self._warn(f"memlayout: the measurement cache {self.path} was {_PROBLEMS[problem]}; "
                    f"moved to {aside.name} and started afresh (everything is measured again)")
         db = self._connect()
-        with db:
-            db.execute(_CREATE)
-            db.execute(f"PRAGMA user_version = {SCHEMA}")
+        self._create(db)
         return db
 
     def _move_aside(self, problem: str) -> Path:
+        # only ever a file memlayout created (``foreign_reason`` is None): another
+        # application's file is never moved
+        assert not self.readonly and foreign_reason(self.path) is None
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
         aside = self.path.with_name(f"{self.path.name}.{problem}-{stamp}")
         self.path.rename(aside)
@@ -291,8 +336,11 @@ class CostCache:
     def summary(self) -> CacheSummary:
         """The entries grouped by kind, fingerprint and noise, with their ages and loads."""
         size = self.path.stat().st_size if self.path.is_file() else 0
+        if self._db is None and self.problem is None and self._reads:
+            return CacheSummary(self.path, size, self.fingerprint, ())  # empty, or no file
         if not self.usable:
-            return CacheSummary(self.path, size, self.fingerprint, (), "could not be read")
+            return CacheSummary(self.path, size, self.fingerprint, (),
+                                self.problem or "could not be read")
         assert self._db is not None
         try:
             rows = self._db.execute(
@@ -347,7 +395,64 @@ class CostCache:
 
 
 _PROBLEMS = {"corrupt": "not a readable SQLite database",
-             "foreign": "written with another schema"}
+             "foreign": "written with another schema (another memlayout version)"}
+
+
+def _application_id(path: Path) -> int | None:
+    """The SQLite ``application_id`` in the file's header, ``None`` for a file too short or
+    not SQLite's (read from the header: a corrupt database still tells whose it is)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except OSError:
+        return None
+    if len(head) < 72 or not head.startswith(_SQLITE_HEADER):
+        return None
+    return int.from_bytes(head[68:72], "big")
+
+
+def foreign_reason(path: Path | str) -> str | None:
+    """Why the file at ``path`` is not a measurement cache memlayout created, or ``None``: it
+    is one, or there is no file (or an empty one) yet. Reads only; a lock held on an SQLite
+    file raises ``sqlite3.OperationalError``.
+
+    >>> import tempfile, pathlib
+    >>> other = pathlib.Path(tempfile.mkdtemp()) / "app.db"
+    >>> _ = other.write_bytes(b"not a database")
+    >>> foreign_reason(other)
+    'a file that is not an SQLite database'
+    """
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    app = _application_id(path)
+    if app is None:
+        return "a file that is not an SQLite database"
+    if app == APPLICATION_ID:
+        return None
+    if app != 0:
+        return f"another application's SQLite database (application_id {app:#x})"
+    # no application id: memlayout's own cache written before it set one holds exactly its
+    # table, at its schema version; anything else is someone else's
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=TIMEOUT)
+    except sqlite3.Error:
+        return "an SQLite database memlayout cannot open"
+    try:
+        tables = sorted(r[0] for r in db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"))
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        columns = {r[1] for r in db.execute("PRAGMA table_info(entries)")}
+    except sqlite3.OperationalError:
+        raise  # a lock: whose it is cannot be told now
+    except sqlite3.DatabaseError:
+        return "an SQLite database that cannot be read, without memlayout's application id"
+    finally:
+        db.close()
+    if tables == ["entries"] and version == SCHEMA and columns == set(_COLUMNS):
+        return None
+    return (f"an SQLite database of another application (tables: "
+            f"{', '.join(tables) or 'none'})")
 
 
 def _schema_problem(db: sqlite3.Connection) -> str | None:

@@ -33,8 +33,10 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def summary(plan: Plan) -> str:
-    """Plain text: counts, conversions, predictions, and one line per check."""
+def summary(plan: Plan, *, full: bool = False) -> str:
+    """Plain text: counts, conversions, predictions, and one line per check. Why a part is
+    not captured is one short line per reason, the parts it applies to grouped; ``full``:
+    torch's whole text under each part (as in the plan's JSON)."""
     counts = plan.counts
     lines = [
         f"{plan.model}: {len(plan.nodes)} layout nodes "
@@ -62,14 +64,31 @@ def summary(plan: Plan) -> str:
                                 padding_summary(plan.padding),
                                 blocked_summary(plan.blocked)) if line]
     if plan.coverage is not None:
-        lines.append(f"coverage: {plan.coverage.text()}")
-    for path, reason in plan.uncaptured:
-        lines.append(f"not captured whole: {path or '(whole model)'}: {reason}")
+        lines.append(f"coverage: {plan.coverage.text(reasons=False)}")
+    lines += uncaptured_lines(plan.uncaptured, full=full)
     lines += drop_lines(plan.nodes)
     if plan.compiled is not None:
         lines.append(compiled_summary(plan.compiled))
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def uncaptured_lines(uncaptured: Sequence[Sequence[str]], *, full: bool = False) -> list[str]:
+    """One line per distinct short reason (a reason's first line) with the parts it applies
+    to; ``full``: one entry per part with torch's whole text indented below it.
+
+    >>> uncaptured_lines([["", "torch.fx: TraceError: no.\\nthe whole text"],
+    ...                   ["body", "torch.fx: TraceError: no.\\nthe whole text"]])
+    ['not captured whole: (whole model), body: torch.fx: TraceError: no.']
+    """
+    if full:
+        return [f"not captured whole: {path or '(whole model)'}:\n" + "\n".join(
+            f"    {line}" for line in reason.splitlines()) for path, reason in uncaptured]
+    groups: dict[str, list[str]] = {}
+    for path, reason in uncaptured:
+        groups.setdefault(reason.partition("\n")[0], []).append(path or "(whole model)")
+    return [f"not captured whole: {', '.join(paths)}: {reason}"
+            for reason, paths in groups.items()]
 
 
 def drop_lines(nodes: Sequence[NodeChoice], *, shown: int = 3) -> list[str]:
@@ -239,8 +258,9 @@ def padding_table(padding: Sequence[PadChoice]) -> Any:
     return table
 
 
-def explain(plan: Plan, console: Any = None) -> None:
-    """Render the plan with rich: per node the choice and both costs, then conversions."""
+def explain(plan: Plan, console: Any = None, *, full: bool = False) -> None:
+    """Render the plan with rich: per node the choice and both costs, then conversions, then
+    the summary (``full``: as :func:`summary`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -268,6 +288,6 @@ def explain(plan: Plan, console: Any = None) -> None:
         console.print(conv)
     if plan.padding:
         console.print(padding_table(plan.padding))
-    console.print(summary(plan), markup=False, highlight=False)
+    console.print(summary(plan, full=full), markup=False, highlight=False)
 
 

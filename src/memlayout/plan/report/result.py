@@ -390,13 +390,17 @@ class Coverage(Record):
     def fraction(self) -> float:
         return self.planned / self.total if self.total else 1.0
 
-    def text(self) -> str:
-        """``planned 33 of 35 convolution calls (94 %); left eager: down.1 (reason)``."""
+    def text(self, *, reasons: bool = True) -> str:
+        """``planned 33 of 35 convolution calls (94 %); left eager: down.1 (reason)``: each
+        reason's first line (its short form); ``reasons=False``: the paths alone."""
         head = (f"planned {self.planned} of {self.total} convolution calls "
                 f"({100 * self.fraction:.0f} %)" if self.total else "no convolution calls")
         via = f" via {' + '.join(self.methods)}" if self.methods else ""
-        eager = "; left eager: " + "; ".join(f"{p or '(whole model)'} ({r})"
-                                             for p, r in self.eager) if self.eager else ""
+        parts = [p or "(whole model)" for p, _ in self.eager]
+        if reasons:
+            parts = [f"{part} ({r.splitlines()[0] if r else r})"
+                     for part, (_, r) in zip(parts, self.eager, strict=True)]
+        eager = ("; left eager: " + ("; " if reasons else ", ").join(parts)) if parts else ""
         return head + via + eager
 
 
@@ -519,11 +523,12 @@ class Plan:
                                 f"{value!r}; the plan was edited or written by another tool: "
                                 "plan the model again")
 
-    def summary(self) -> str:
-        """Plain text: counts, conversions, predictions, and one line per check."""
+    def summary(self, *, full: bool = False) -> str:
+        """Plain text: counts, conversions, predictions, and one line per check; ``full``:
+        torch's whole text of why each part is not captured (else one short line each)."""
         from memlayout.plan.report import describe
 
-        return describe.summary(self)
+        return describe.summary(self, full=full)
 
     def headline(self) -> str:
         """One short line: what runs in which format and what the guard kept (for a bench
@@ -544,8 +549,8 @@ class Plan:
 
         return describe.compiled_summary(self.compiled) if self.compiled else ""
 
-    def explain(self, console: Any = None) -> None:
+    def explain(self, console: Any = None, *, full: bool = False) -> None:
         """Render the plan with rich: per node the choice and both costs, then conversions."""
         from memlayout.plan.report import describe
 
-        describe.explain(self, console)
+        describe.explain(self, console, full=full)
