@@ -393,8 +393,8 @@ def inductor_rule(gm: fx.GraphModule, inputs: list[Any], *, dtype: torch.dtype |
     try:
         # outside Dynamo's tracing context: its fake mode and shape env are the graph's own
         with torch._guards.tracing(None), torch.no_grad(), autocast(device, dtype):
-            aten = make_fx(gm, tracing_mode="symbolic" if is_dynamic(gm) else "fake")(
-                *_fresh(inputs))
+            aten = make_fx(gm, tracing_mode="symbolic" if is_dynamic(gm) else "fake",
+                           _allow_non_fake_inputs=True)(*_fresh(inputs))
         return bool(decide(aten, is_inference=not train))
     except Exception:  # an untraceable graph or a changed internal: no answer, not a failure
         return None
