@@ -221,3 +221,16 @@ def test_dynamic_shapes_plan_at_the_example_and_serve_other_sizes(tmp_path):
     assert graph.dynamic and graph.planned and graph.ran == COMPILED and not graph.fallback
     assert graph.conversions > 0
     assert all(c.planned == "channels_last" for c in graph.convolutions)
+
+
+def test_the_bench_mode_trains_through_the_backend_and_says_what_it_did():
+    from memlayout.bench.modes import prepare_mode
+
+    model, x = Broken(), torch.randn(2, 3, 16, 16)
+    prepared = prepare_mode("compile-memlayout", model, x, dtype="bf16", task="train",
+                            compile_backend="eager", plan_measure=False)
+    assert torch.isfinite(prepared.step()).all()
+    graphs = memlayout.backend_report().graphs
+    assert len(graphs) >= 2 and all(g.dtype == "bf16" for g in graphs if g.convolutions)
+    assert prepared.note.startswith("torch.compile(backend=memlayout.backend(inner='eager')): "
+                                    f"{len(graphs)} graphs")
