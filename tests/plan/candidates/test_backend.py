@@ -32,7 +32,7 @@ class Broken(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
         self.body = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.ReLU())
-        self.head = nn.Linear(16, 4)
+        self.head = nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -106,13 +106,19 @@ def test_eager_inner_plans_every_subgraph_and_trains_as_the_model_does(tmp_path)
     ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
     compiled = torch.compile(ours, backend=memlayout.backend(
         cache=str(tmp_path / "costs.sqlite"), inner="eager", rounds=1))
+    # the same dropout mask from the same seed: compiling (Dynamo, the backend's planning)
+    # leaves the caller's RNG as it was
+    torch.manual_seed(1)
     out, grads = _train_step(compiled, x)
+    torch.manual_seed(1)
     want, want_grads = _train_step(theirs, x)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     for got, expected in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
     torch.testing.assert_close(ours.stem[1].running_mean, theirs.stem[1].running_mean)
     graphs = memlayout.backend_report().graphs
+    # the graph with the dropout is checked with it off (its mask depends on the layout)
+    assert any("dropout off" in g.verification for g in graphs)
     assert len(graphs) >= 2  # the graph break: each side planned on its own
     convolutions = [c for g in graphs for c in g.convolutions]
     assert {c.where for c in convolutions} == {"stem.0", "body.0"}
@@ -234,3 +240,34 @@ def test_the_bench_mode_trains_through_the_backend_and_says_what_it_did():
     assert len(graphs) >= 2 and all(g.dtype == "bf16" for g in graphs if g.convolutions)
     assert prepared.note.startswith("torch.compile(backend=memlayout.backend(inner='eager')): "
                                     f"{len(graphs)} graphs")
+
+
+class Padded(nn.Module):
+    """Images written into a zero batch through a slice, the batch read by a convolution and
+    returned (torchvision detection's ``batch_images``): a write in place that a conversion
+    of the batch would lose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = x.new_zeros(x.shape[0], 3, 40, 40)
+        for i in range(x.shape[0]):  # as batch_images does, image by image
+            batch[i, :, :32, :32].copy_(x[i])
+        return self.conv(batch).mean((2, 3)), batch
+
+
+def test_a_tensor_written_in_place_is_not_converted_away_from_its_readers(tmp_path):
+    model, x = Padded().eval(), torch.randn(2, 3, 32, 32)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=False)
+    _scale_channels_last(cache, 0.02)  # the convolution wants channels-last
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+        cache=cache, inner="eager", guard=False))
+    with torch.no_grad():
+        for got, want in zip(compiled(x), model(x), strict=True):
+            torch.testing.assert_close(got, want)
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.planned and not graph.fallback and graph.ran == EAGER
+    assert graph.convolutions[0].planned == "channels_last"  # the input converted, not the batch

@@ -18,9 +18,10 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    (running statistics) and, in training, the gradient of every input that requires grad,
    within the dtype's tolerance (``memlayout.plan.check.verify``); where only rounding
    differs the rewrite is re-checked in float64. A graph that draws random numbers (dropout
-   in training) is checked as the planned graph run eagerly, masks drawn in logical order,
-   since Inductor's random stream is not eager's. A mismatch drops the plan: the graph is
-   compiled by Inductor with its own layouts, with a :class:`BackendWarning`;
+   in training) is checked as the planned graph against the original, both eager with their
+   dropouts off (a mask depends on the layout it is drawn in, and Inductor's random stream is
+   not eager's). A mismatch drops the plan: the graph is compiled by Inductor with its own
+   layouts, with a :class:`BackendWarning`;
 5. ``guard``: the compiled graph timed against the planned graph run eagerly, interleaved
    (a training step: forward and backward); the eager one runs where it is faster by more
    than ``GUARD_MARGIN``. The decision is cached with the costs.
@@ -76,7 +77,7 @@ from memlayout.plan.candidates.backend_report import (
     GraphRecord,
 )
 from memlayout.plan.capture.regions import BASE_RANKS, CONV1D_RANKS, FREE, META_KEY, propagate
-from memlayout.plan.check.verify import Step, agree, training_loss, training_step
+from memlayout.plan.check.verify import Step, agree, mutates_in_place, training_loss
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import CostTable, convert_value, device_name, measure_costs
 from memlayout.plan.graph import Label
@@ -197,10 +198,17 @@ class _Check:
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
                   options: Backend) -> Callable[..., Any]:
     """Plan ``gm`` (one of Dynamo's graphs, ``example_inputs`` as Dynamo gives them) and
-    compile it with ``options.inner``; record the decision in ``memlayout.backend_report()``."""
-    start = time.perf_counter()
+    compile it with ``options.inner``; record the decision in ``memlayout.backend_report()``.
+    The caller's random number generators are left as they were (planning runs the graph)."""
     inputs = real_inputs(example_inputs)
     device = _device(inputs)
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        return _compile_graph(gm, example_inputs, inputs, device, options)
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
+                   device: torch.device, options: Backend) -> Callable[..., Any]:
+    start = time.perf_counter()
     train = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
     dtype = options.run_dtype(device)
@@ -282,6 +290,8 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     except MemlayoutError as exc:
         raise _NotPlanned(f"the graph does not run on real tensors: {_first_line(exc)}") from exc
     mark_spatial(work)
+    for n in _mutated_aliases(work):  # converting these would lose a write someone reads
+        n.meta[META_KEY] = dataclasses.replace(n.meta[META_KEY], label=None)
     _refuse_module_state(work, ranks)
     if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in (0, 1)
                for n in work.graph.nodes):
@@ -331,6 +341,45 @@ def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
         return value.transpose(1, 2).contiguous().transpose(1, 2)
     fmt = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
     return value.contiguous(memory_format=fmt)
+
+
+_VIEWS = frozenset({"getitem", "view", "reshape", "narrow", "select", "slice", "permute",
+                    "transpose", "unsqueeze", "squeeze", "expand", "as_strided", "unbind",
+                    "split", "chunk", "t", "diagonal", "flatten", "unflatten", "detach",
+                    "alias", "view_as", "expand_as", "movedim", "swapaxes"})
+
+
+def _mutated_aliases(gm: fx.GraphModule) -> set[fx.Node]:
+    """Values a node writes into in place (directly or through a view) that someone else
+    reads, or that are graph inputs, with their views. Dynamo's graphs are not functional:
+    a conversion is a copy, and a write into a converted copy would not reach the other
+    readers (``batched = x.new_zeros(...); batched[..., :h, :w].copy_(x)``, then ``batched``
+    read by a convolution and returned)."""
+    def writes(n: fx.Node) -> bool:
+        return mutates_in_place(gm, n) or (n.op == "call_function" and _name(n) == "setitem")
+
+    def is_view(n: fx.Node) -> bool:
+        return (n.op in ("call_function", "call_method") and _name(n) in _VIEWS
+                and bool(n.args) and isinstance(n.args[0], fx.Node))
+
+    protected: set[fx.Node] = set()
+    for m in gm.graph.nodes:
+        target = m.args[0] if m.args and m.op in ("call_function", "call_method") else None
+        if not isinstance(target, fx.Node) or not writes(m):
+            continue
+        root = target
+        while is_view(root):
+            root = root.args[0]
+        family, todo = {root}, [root]
+        while todo:  # every view of the written tensor, transitively
+            for u in todo.pop().users:
+                if is_view(u) and u not in family:
+                    family.add(u)
+                    todo.append(u)
+        readers = {u for a in family for u in a.users} - family - {m}
+        if readers or root.op == "placeholder":
+            protected |= family
+    return protected
 
 
 def _refuse_module_state(gm: fx.GraphModule, ranks: tuple[int, ...]) -> None:
@@ -472,9 +521,8 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
     re-check and for a graph that draws random numbers."""
     names = [n.name for n in reference.graph.nodes if n.op == "placeholder"]
     if _draws_random(reference):
-        if not train:
-            return _Check(True, "not compared: the graph draws random numbers", None)
-        return _random_check(reference, planned, inputs, dtype, device)
+        return _random_check(reference, planned, inputs, names, train=train, dtype=dtype,
+                             device=device)
     how = ("the plan compiled vs the graph eagerly" if compiled
            else "the plan vs the graph, eagerly") + (", gradients" if train else "")
     want = _step(reference, inputs, names, train=train, dtype=dtype, device=device)
@@ -497,34 +545,41 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
 
 
 def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: list[Any],
-                  dtype: torch.dtype | None, device: torch.device) -> _Check:
-    """The planned graph and the original, both eager, one training step each from one RNG
-    state with dropout masks drawn in logical order (``verify.training_step``)."""
-    how = "the plan run eagerly (the graph draws random numbers), gradients"
-    want = training_step(_Call(reference), tuple(inputs), dtype=dtype, device=device)
-    got = training_step(_Call(planned), tuple(inputs), dtype=dtype, device=device)
+                  names: list[str], *, train: bool, dtype: torch.dtype | None,
+                  device: torch.device) -> _Check:
+    """The planned graph against the original, both eager with their dropouts off (a mask
+    depends on the layout it is drawn in, and Inductor's random stream is not eager's); a
+    graph that draws other random numbers is not compared."""
+    calm = [_without_dropout(g) for g in (reference, planned)]
+    if any(_draws_random(g) for g in calm):
+        return _Check(True, "not compared: the graph draws random numbers", None)
+    how = "the plan vs the graph, eagerly, dropout off" + (", gradients" if train else "")
+    want, got = (_step(g, inputs, names, train=train, dtype=dtype, device=device) for g in calm)
     ok, worst, what, _ = agree(want, got, dtype)
     if ok:
         return _Check(True, how, worst)
-    wide = tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                 for x in inputs)
+    wide = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs]
     exact, error64, _, _ = agree(
-        training_step(_Call(reference), wide, dtype=None, device=device),
-        training_step(_Call(planned), wide, dtype=None, device=device), torch.float32)
+        *(_step(g, wide, names, train=train, dtype=None, device=device) for g in calm),
+        torch.float32)
     if exact:
         return _Check(True, f"{how}; rounding only (float64: {error64:.2g})", worst)
     return _Check(False, f"{how}, first in the {what}", worst)
 
 
-class _Call(nn.Module):
-    """A graph as a module without parameters of its own (they are its inputs)."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__()
-        self.__dict__["gm"] = gm  # not a child: its state is not this module's
-
-    def forward(self, *args: Any) -> Any:
-        return self.gm(*args)
+def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose dropouts return their input (``native_dropout``, which also
+    returns its mask, is left as it is)."""
+    work = _copy(gm)
+    for n in list(work.graph.nodes):
+        if (n.op in ("call_function", "call_method") and "dropout" in _name(n)
+                and _name(n) != "native_dropout" and n.args
+                and isinstance(n.args[0], fx.Node)):
+            n.replace_all_uses_with(n.args[0])
+            work.graph.erase_node(n)
+    work.recompile()
+    return work
 
 
 def _step(fn: Callable[..., Any], inputs: list[Any], names: list[str], *, train: bool,
