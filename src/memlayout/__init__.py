@@ -39,6 +39,16 @@ def __getattr__(name: str):
         from memlayout.plan.candidates import compiled
 
         return compiled.compile
+    # memlayout.backend(...): the torch.compile backend's options record (the backend itself);
+    # backend="memlayout" is its default. memlayout.backend_report(): what it decided.
+    if name == "backend":
+        from memlayout.plan.candidates import backend
+
+        return backend.Backend
+    if name == "backend_report":
+        from memlayout.plan.candidates import backend_report
+
+        return backend_report.backend_report
     if name in _PLANNER:
         from memlayout.plan import apply, pipeline
         from memlayout.plan.report import result

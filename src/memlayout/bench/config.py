@@ -6,7 +6,7 @@
 >>> BenchConfig.from_strings(["torchvision:resnet18"], modes="nhwc,fast")
 Traceback (most recent call last):
 ...
-memlayout.bench.config.BenchConfigError: unknown mode 'fast' in --modes 'nhwc,fast'; expected a comma-separated subset of nchw, nhwc, planned, compile, planned+compile, nhwc-again, openvino, onnxruntime
+memlayout.bench.config.BenchConfigError: unknown mode 'fast' in --modes 'nhwc,fast'; expected a comma-separated subset of nchw, nhwc, planned, compile, planned+compile, compile-memlayout, nhwc-again, openvino, onnxruntime
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ DEFAULT_MODES: tuple[str, ...] = ("nchw", "nhwc", "planned", "compile", "planned
 #: peer inference runtimes (``memlayout.runtimes``): not in the default, they need the
 #: ``memlayout[runtimes]`` extra; asked for without it they are ``unavailable`` records
 RUNTIME_MODES: tuple[str, ...] = ("openvino", "onnxruntime")
-MODES: tuple[str, ...] = (*DEFAULT_MODES, CONTROL, *RUNTIME_MODES)
+#: ``torch.compile(model, backend="memlayout")``: not in the default (it measures each graph's
+#: costs on its first call, once per machine)
+BACKEND_MODE = "compile-memlayout"
+MODES: tuple[str, ...] = (*DEFAULT_MODES, BACKEND_MODE, CONTROL, *RUNTIME_MODES)
 DTYPES: tuple[str, ...] = ("fp32", "bf16")
 TASKS: tuple[str, ...] = ("infer", "train")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")

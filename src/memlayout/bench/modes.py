@@ -21,6 +21,12 @@ modes that call is the compilation (reported as compile time, never mixed into t
   Inductor's unless another measures >2 % faster), its input in the format the kept candidate
   reads (``prepare_inputs``, once); training: ``torch.compile`` of the planned model, NCHW
   input as ``compile``'s.
+- ``compile-memlayout``: ``torch.compile(model, backend=memlayout.backend(measure=...))`` on the
+  NCHW model, NCHW input as ``compile``'s: each graph Dynamo hands over planned from measured
+  costs (task ``train``: forward and backward) and compiled by Inductor with the plan
+  standing, or run eagerly with its plan where that measured faster; with
+  ``--compile-backend eager`` the planned graphs run eagerly. The note is the backend's
+  report: graphs, how each ran, the convolutions whose format differs from Inductor's rule.
 - ``openvino``, ``onnxruntime``: the model converted for a peer runtime
   (``memlayout.runtimes``), inference on the CPU only, NCHW input. Their bf16 is the runtime's
   own (OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``), not autocast; ONNX Runtime has no bf16
@@ -58,10 +64,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from memlayout import machine, runtimes
-from memlayout.bench.config import CONTROL, DTYPES, RUNTIME_MODES, ModeUnavailable
+from memlayout.bench.config import BACKEND_MODE, CONTROL, DTYPES, RUNTIME_MODES, ModeUnavailable
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
+from memlayout.plan.candidates.backend_report import BackendReport
+from memlayout.plan.candidates.backend_report import backend_report as report_backend
 from memlayout.plan.candidates.compiled import compile as plan_and_compile
 from memlayout.plan.check.verify import TOLERANCE
 from memlayout.plan.check.verify import compare as compare_outputs
@@ -223,6 +231,11 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
         note = plan.headline() if plan is not None else ""
         if own_input:
             args = prepare_inputs(model, *args)
+    if mode == BACKEND_MODE:
+        from memlayout.plan.candidates import backend
+
+        inner = "eager" if compile_backend == "eager" else "inductor"
+        model = torch.compile(model, backend=backend.Backend(measure=plan_measure, inner=inner))
     if mode == "compile" or (mode == "planned+compile" and task == "train"):
         model = torch.compile(model, backend=compile_backend)
         note = "; ".join(n for n in (note, f"torch.compile(backend={compile_backend!r}); "
@@ -231,10 +244,14 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
     setup_s = time.perf_counter() - start
 
     sync = device_sync(device)
+    if mode == BACKEND_MODE:
+        report_backend(clear=True)  # this mode's graphs only
     start = time.perf_counter()
     step()
     sync()
     first_call_s = time.perf_counter() - start
+    if mode == BACKEND_MODE:
+        note = _backend_note(report_backend(), inner)
     if mode == "planned+compile" and task == "infer":  # compiled inside memlayout.compile
         first_call_s += sum(model.plan.compiled.compile_seconds.values())  # type: ignore[union-attr]
     peak = None
@@ -245,6 +262,18 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
         peak = torch.cuda.max_memory_allocated(device)
     return PreparedMode(mode, step, setup_s, first_call_s, _input_format(args), peak, note,
                         model)
+
+
+def _backend_note(report: BackendReport, inner: str) -> str:
+    """What the backend did on the first call: graphs, how they ran, the convolutions whose
+    format differs from Inductor's rule."""
+    ran = ", ".join(f"{sum(g.ran == how for g in report.graphs)} {how}"
+                    for how in dict.fromkeys(g.ran for g in report.graphs))
+    differ = [c.where for _, c in report.differing]
+    shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
+    return (f"torch.compile(backend=memlayout.backend(inner={inner!r})): "
+            f"{len(report.graphs)} graphs ({ran}); {len(differ)} convolutions differ from "
+            f"Inductor's rule{': ' + shown if differ else ''}; first call = plan + compile time")
 
 
 def _input_format(args: tuple[Any, ...]) -> str:

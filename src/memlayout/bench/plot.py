@@ -20,7 +20,7 @@ from memlayout.bench.config import BASELINE, MODES
 from memlayout.bench.records import BenchRecord
 
 _COLORS = {"nhwc": "#1f77b4", "planned": "#2ca02c", "compile": "#ff7f0e",
-           "planned+compile": "#9467bd", "nhwc-again": "#aec7e8", "openvino": "#d62728",
+           "planned+compile": "#9467bd", "compile-memlayout": "#e377c2", "nhwc-again": "#aec7e8", "openvino": "#d62728",
            "onnxruntime": "#8c564b"}
 
 

@@ -27,6 +27,9 @@ def mode_descriptions(cfg: BenchConfig) -> dict[str, str]:
         "planned+compile": "memlayout.compile (inference): the fastest verified of the plan compiled with Inductor's "
                            "layout optimization off, Inductor's own layout and (CPU) the peer runtimes installed; "
                            "Inductor's unless another measures >2% faster; train: torch.compile of the planned model",
+        "compile-memlayout": "torch.compile(backend=memlayout.backend()) of the NCHW model: each graph planned from "
+                             "measured costs (train: forward + backward), compiled by Inductor with the plan standing "
+                             f"(--compile-backend eager: run eagerly){'' if cfg.plan_measure else '; analytical costs'}",
         "openvino": "OpenVINO CPU plugin: openvino.convert_model + compile_model, INFERENCE_PRECISION_HINT f32 or "
                     "bf16 (the runtime's own bf16, not autocast); NCHW input; inference only",
         "onnxruntime": "ONNX Runtime CPU EP: torch.onnx.export(dynamo=True) + InferenceSession, ORT_ENABLE_ALL; "

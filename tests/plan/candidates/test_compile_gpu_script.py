@@ -56,3 +56,21 @@ def test_no_cuda_is_a_clear_refusal_not_a_traceback(tmp_path, capsys):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_the_shell_script_parses():
     subprocess.run(["bash", "-n", str(BENCH / "gpu.sh")], check=True)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_the_backend_step_of_the_smoke_run_trains_and_infers_through_the_backend(tmp_path):
+    import os
+
+    out = tmp_path / "gpu"
+    env = {**os.environ, "OUT": str(out), "STEPS": "backend", "PYTHON": sys.executable}
+    subprocess.run(["bash", str(BENCH / "gpu.sh"), "--device", "cpu", "--smoke"], check=True,
+                   env=env, capture_output=True)
+    records = json.loads((out / "backend" / "results.json").read_text())
+    ours = {r["task"]: r for r in records if r["mode"] == "compile-memlayout"}
+    assert set(ours) == {"train", "infer"}
+    for r in ours.values():
+        assert r["status"] == "ok", r
+        assert r["note"].startswith("torch.compile(backend=memlayout.backend(inner='eager'))")
+    assert {r["mode"] for r in records} >= {"nhwc-again", "compile"}
+    assert not (out / "compare").exists()  # STEPS=backend: that step only

@@ -428,9 +428,10 @@ class _Measurer(fx.Interpreter):
             kind, label = "term", 0  # weights stored contiguous whatever the node's label
         value = fresh_value(self.env[m], label if kind in ("term", "param") else None,
                             self.ranks)
-        if wrt is not None and m.op != "placeholder":
+        if wrt is not None and (m.op != "placeholder" or _requires_grad(self.env[m])):
             # in training every activation (and parameter) needs its gradient; a model input
-            # does not. ``value`` is a fresh copy: a leaf of its own.
+            # does not, unless it requires grad (a Dynamo graph's parameters are its inputs).
+            # ``value`` is a fresh copy: a leaf of its own.
             for t in _iter_float_tensors(value):
                 if m.op != "get_attr" or getattr(self._attr(m.target), "requires_grad", False):
                     t.requires_grad_(True)
@@ -576,6 +577,10 @@ class _Quality:
     @property
     def noisy(self) -> bool:
         return noisy(self.spread) or (self.conditions is not None and self.conditions.busy)
+
+
+def _requires_grad(value: Any) -> bool:
+    return any(t.requires_grad for t in iter_tensors(value))
 
 
 def _iter_float_tensors(value: Any) -> list[torch.Tensor]:

@@ -1,0 +1,189 @@
+"""What the ``memlayout`` Dynamo backend decided, graph by graph, as plain data.
+
+Every graph the backend compiles adds one :class:`GraphRecord` to the process's report
+(``memlayout.backend_report()``), and logs one line to the ``memlayout.backend`` logger (INFO;
+each convolution whose format differs from Inductor's rule at DEBUG). A record names each
+convolution with its module path, the format the plan gave it, the format Inductor's own rule
+(``GraphLowering.decide_layout_opt``) would have given it and the measured seconds of both:
+the convolutions where the two differ are the ones that made the difference.
+
+>>> conv = ConvolutionChoice("layer1.0.conv1", "conv2d", (8, 64, 56, 56), "contiguous",
+...                          "channels_last", (1.0e-3, 2.5e-3), True)
+>>> conv.differs, conv.describe()
+(True, 'layer1.0.conv1 conv2d (8, 64, 56, 56): contiguous (Inductor: channels_last); measured 1 ms contiguous, 2.5 ms channels_last')
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+log = logging.getLogger("memlayout.backend")
+
+#: what ran for a graph
+COMPILED = "inductor"  # Inductor, with the plan standing (its layout optimization off)
+EAGER = "eager"  # the planned graph run eagerly (inner="eager", or it measured faster)
+INDUCTOR_OWN = "inductor (its own layouts)"  # not planned, or a plan that failed verification
+AS_GIVEN = "eager (as given)"  # inner="eager", not planned
+
+
+@dataclass(frozen=True)
+class ConvolutionChoice:
+    """One convolution of a graph: where it is (the module path, else the graph node), its
+    op and input shape, the format it runs in under the plan and under Inductor's rule
+    (``None``: no definite format, or no answer from this torch), its measured seconds in
+    (contiguous, channels-last) (``None``: not measured, or fails in that format) and whether
+    they were timed (``False``: the analytical model, ``measure=False``)."""
+
+    where: str
+    op: str
+    shape: tuple[int, ...]
+    planned: str | None
+    inductor: str | None
+    seconds: tuple[float | None, float | None] | None
+    timed: bool
+
+    @property
+    def differs(self) -> bool:
+        """The plan and Inductor's rule put this convolution in different formats."""
+        return None not in (self.planned, self.inductor) and self.planned != self.inductor
+
+    def describe(self) -> str:
+        rule = f" (Inductor: {self.inductor})" if self.differs else ""
+        text = f"{self.where} {self.op} {self.shape}: {self.planned or 'as given'}{rule}"
+        if self.seconds is not None:
+            kind = "measured" if self.timed else "estimated"
+            parts = [f"{_ms(s)} {fmt}" for s, fmt in zip(self.seconds,
+                                                        ("contiguous", "channels_last"),
+                                                        strict=True)]
+            text += f"; {kind} " + ", ".join(parts)
+        return text
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """One graph Dynamo handed to the backend and what became of it.
+
+    ``graph``: Dynamo's compile id (``frame/recompile``); ``planned``: whether a plan was made
+    (``reason`` says why not); ``ran``: what runs it (``COMPILED``, ``EAGER``,
+    ``INDUCTOR_OWN``, ``AS_GIVEN``); ``inductor_rule``: Inductor's whole-graph decision
+    (``True``: channels-last for every 2-d convolution; ``None``: this torch cannot say);
+    ``verification``: how the graph was checked and the worst relative error; ``fallback``:
+    why the plan was dropped (a mismatch), else ``""``; ``eager_vs_compiled``: the median
+    per-round ratio of the compiled graph's time to the planned graph's run eagerly (above 1:
+    eager was faster), when both were timed."""
+
+    graph: str
+    train: bool
+    dtype: str
+    dynamic: bool
+    planned: bool
+    ran: str
+    reason: str = ""
+    inductor_rule: bool | None = None
+    convolutions: tuple[ConvolutionChoice, ...] = ()
+    conversions: int = 0
+    measured: int = 0
+    cached: int = 0
+    verification: str = ""
+    max_error: float | None = None
+    fallback: str = ""
+    eager_vs_compiled: float | None = None
+    plan_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+    @property
+    def differing(self) -> tuple[ConvolutionChoice, ...]:
+        """The convolutions whose planned format differs from Inductor's rule."""
+        return tuple(c for c in self.convolutions if c.differs)
+
+    def headline(self) -> str:
+        task = "train" if self.train else "infer"
+        shapes = ", dynamic shapes (planned at the example's sizes)" if self.dynamic else ""
+        head = f"graph {self.graph} ({task}, {self.dtype}{shapes}): "
+        if not self.planned:
+            return head + f"not planned ({self.reason}); ran by {self.ran}"
+        cl = sum(c.planned == "channels_last" for c in self.convolutions)
+        rule = {True: "channels_last for every 2-d convolution", False: "strides as traced",
+                None: "unknown"}[self.inductor_rule]
+        text = (f"{head}{cl} of {len(self.convolutions)} convolutions channels_last, "
+                f"{self.conversions} conversions, {len(self.differing)} differ from "
+                f"Inductor's rule ({rule}); ran by {self.ran}")
+        if self.fallback:
+            text += f"; plan dropped: {self.fallback}"
+        elif self.verification:
+            text += f"; verified ({self.verification}, worst relative error {self.max_error:.2g})"
+        if self.eager_vs_compiled is not None:
+            text += f"; compiled / eager time {self.eager_vs_compiled:.3g}"
+        return text
+
+
+@dataclass(frozen=True)
+class BackendReport:
+    """Every graph the backend compiled in this process (or since the last ``clear``)."""
+
+    graphs: tuple[GraphRecord, ...]
+
+    @property
+    def differing(self) -> tuple[tuple[str, ConvolutionChoice], ...]:
+        """``(graph, convolution)`` for every convolution whose format differs from Inductor's
+        rule."""
+        return tuple((g.graph, c) for g in self.graphs for c in g.differing)
+
+    def render(self) -> str:
+        """The report as text: a headline per graph, then each differing convolution."""
+        if not self.graphs:
+            return "memlayout backend: no graph compiled yet"
+        lines = [f"memlayout backend: {len(self.graphs)} graphs"]
+        for g in self.graphs:
+            lines.append(g.headline())
+            lines.extend("  " + c.describe() for c in g.differing)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+class _Records:
+    """The process's report: appended by every backend call, read by ``backend_report``.
+    It records only; nothing reads it to decide anything."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._graphs: list[GraphRecord] = []
+
+    def add(self, record: GraphRecord) -> None:
+        with self._lock:
+            self._graphs.append(record)
+        log.info("%s", record.headline())
+        for c in record.differing:
+            log.debug("  %s", c.describe())
+
+    def report(self, *, clear: bool = False) -> BackendReport:
+        with self._lock:
+            out = BackendReport(tuple(self._graphs))
+            if clear:
+                self._graphs.clear()
+        return out
+
+
+RECORDS = _Records()
+
+
+def backend_report(*, clear: bool = False) -> BackendReport:
+    """What the ``memlayout`` backend decided for every graph it compiled in this process;
+    ``clear``: start a new report after this one.
+
+    >>> backend_report().graphs is not None
+    True
+    """
+    return RECORDS.report(clear=clear)
+
+
+def _ms(seconds: float | None) -> str:
+    return "fails" if seconds is None else f"{seconds * 1e3:.3g} ms"
+
+
+__all__ = ["AS_GIVEN", "COMPILED", "EAGER", "INDUCTOR_OWN", "BackendReport", "ConvolutionChoice",
+           "GraphRecord", "backend_report"]

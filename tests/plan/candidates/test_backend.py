@@ -1,0 +1,276 @@
+"""``torch.compile(model, backend="memlayout")``: every Dynamo graph planned, compiled with the
+plan standing, verified, reported.
+
+Compiles are slow on this machine: tiny models, ``inner="eager"`` wherever Inductor is not
+what a test is about, and at most one Inductor compile per test. Costs a test depends on are
+injected through the cost cache (a first run measures, then the channels-last time of every
+convolution is scaled), so no expectation depends on this machine's speed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sqlite3
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+import memlayout
+from memlayout.errors import PlanError
+from memlayout.plan.candidates import backend as b
+from memlayout.plan.candidates.backend_report import AS_GIVEN, COMPILED, EAGER
+from memlayout.plan.candidates.compiled import inductor_layout_decision
+
+
+class Broken(nn.Module):
+    """Two convolution blocks with a graph break between them (a data-dependent branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.ReLU())
+        self.head = nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        if x.amax() > -1e9:  # always true; Dynamo cannot know: a graph break
+            x = self.body(x)
+        return self.head(x.mean((2, 3)))
+
+
+def _plain() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1),
+                         nn.ReLU())
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    memlayout.backend_report(clear=True)
+    yield
+    torch._dynamo.reset()
+
+
+def _train_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _scale_channels_last(cache: str, factor: float) -> int:
+    """Every cached convolution's channels-last seconds times ``factor``; how many changed."""
+    db = sqlite3.connect(cache)
+    rows = db.execute("SELECT key, fingerprint, value FROM entries WHERE kind = 'node'").fetchall()
+    changed = 0
+    for key, fingerprint, value in rows:
+        record = json.loads(value)
+        if "conv2d" in key and json.loads(key)[-1] == 1 and record["s"] is not None:
+            record["s"] *= factor
+            db.execute("UPDATE entries SET value = ? WHERE key = ? AND fingerprint = ?",
+                       (json.dumps(record), key, fingerprint))
+            changed += 1
+    db.commit()
+    db.close()
+    return changed
+
+
+def _measure_into(cache: str, model: nn.Module, x: torch.Tensor, *, train: bool) -> None:
+    """Run the backend once on ``model`` (eagerly) so its costs land in ``cache``."""
+    work = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+        cache=cache, inner="eager", guard=False, rounds=1))
+    with torch.set_grad_enabled(train):
+        work(x)
+    torch._dynamo.reset()
+    memlayout.backend_report(clear=True)
+
+
+def test_the_entry_point_registers_the_backend_and_bad_options_say_what_to_do():
+    assert "memlayout" in torch._dynamo.list_backends()
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert isinstance(lookup_backend("memlayout"), b.Backend)
+    with pytest.raises(PlanError, match="inner='tvm'.*inductor, eager"):
+        memlayout.backend(inner="tvm")
+    with pytest.raises(PlanError, match="rounds=0"):
+        memlayout.backend(rounds=0)
+    gm = torch.fx.symbolic_trace(_plain())
+    with pytest.raises(PlanError, match=r"unknown options \['speed'\]"):
+        memlayout.backend()(gm, [torch.randn(1, 3, 8, 8)], options={"speed": 1})
+
+
+def test_eager_inner_plans_every_subgraph_and_trains_as_the_model_does(tmp_path):
+    model, x = Broken(), torch.randn(4, 3, 16, 16)
+    ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(ours, backend=memlayout.backend(
+        cache=str(tmp_path / "costs.sqlite"), inner="eager", rounds=1))
+    # the same dropout mask from the same seed: compiling (Dynamo, the backend's planning)
+    # leaves the caller's RNG as it was
+    torch.manual_seed(1)
+    out, grads = _train_step(compiled, x)
+    torch.manual_seed(1)
+    want, want_grads = _train_step(theirs, x)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(ours.stem[1].running_mean, theirs.stem[1].running_mean)
+    graphs = memlayout.backend_report().graphs
+    # the graph with the dropout is checked with it off (its mask depends on the layout)
+    assert any("dropout off" in g.verification for g in graphs)
+    assert len(graphs) >= 2  # the graph break: each side planned on its own
+    convolutions = [c for g in graphs for c in g.convolutions]
+    assert {c.where for c in convolutions} == {"stem.0", "body.0"}
+    assert all(g.train and g.planned and g.ran == EAGER and g.verification for g in graphs
+               if g.convolutions)
+    # inference under bf16 autocast: recompiled (Dynamo's guard), planned for bf16
+    ours.eval()
+    theirs.eval()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        got, want = compiled(x), theirs(x)
+    torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=1e-2)
+    infer = [g for g in memlayout.backend_report().graphs if not g.train and g.convolutions]
+    assert infer and all(g.dtype == "bf16" for g in infer)
+
+
+def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, tmp_path):
+    """Convolutions made slow channels-last (the costs in the cache scaled) are planned
+    contiguous; Inductor's rule on this CPU is channels-last. Inductor keeps the plan (its
+    convolution kernel is fed contiguous inputs and weights), the report names each
+    convolution with its measured times, and a training step equals the model's."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.select_algorithm import extern_kernels
+
+    # what Inductor's code hands its convolution kernel, call by call (the code looks the
+    # kernel up by name each call)
+    fed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = extern_kernels.convolution
+
+    def convolution(x, weight, *args, **kwargs):
+        fed.append((x, weight))
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(extern_kernels, "convolution", convolution)
+    model, x = _plain(), torch.randn(2, 3, 12, 12)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=True)
+    assert _scale_channels_last(cache, 50.0) >= 2
+    ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(ours, backend=memlayout.backend(cache=cache, guard=False))
+    out, grads = _train_step(compiled, x)
+    want, want_grads = _train_step(theirs, x)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.planned and graph.ran == COMPILED and graph.measured == 0 and graph.cached > 0
+    # Inductor's rule asked a second way: of the whole model's aten graph (on a CPU with
+    # mkldnn it is on for any graph with a 2-d convolution)
+    rule = inductor_layout_decision(model, (x,))
+    assert graph.inductor_rule == rule
+    assert [c.where for c in graph.differing] == (["0", "2"] if rule else [])
+    assert all(c.inductor == "channels_last" for c in graph.differing)
+    assert all(c.planned == "contiguous" and c.timed and c.seconds[1] > 10 * c.seconds[0]
+               for c in graph.convolutions)
+    assert "measured" in memlayout.backend_report().render()
+    # both convolutions, at every call (the check's and the step's)
+    assert len(fed) >= 2 and all(t.is_contiguous() and w.is_contiguous() for t, w in fed)
+    with inductor_config.patch(layout_optimization=False):  # the switch the plan relies on
+        assert b.inductor_rule(torch.fx.symbolic_trace(model), [x], dtype=None, train=True,
+                               device=x.device) is False
+    assert b.inductor_rule(torch.fx.symbolic_trace(model), [x], dtype=None, train=True,
+                           device=x.device) == rule
+
+
+def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch, tmp_path):
+    """A rewrite made wrong on purpose: verification catches it, the graph runs as given,
+    outputs are the model's, the report says why."""
+    real = b.rewrite
+
+    def wrong(root, gm, form, labels):
+        out = real(root, gm, form, labels)
+        result = next(n for n in gm.graph.nodes if n.op == "output")
+        (value,) = result.args[0]
+        with gm.graph.inserting_before(result):
+            scaled = gm.graph.call_function(torch.mul, (value, 1.5))
+        result.args = ((scaled,),)
+        gm.recompile()
+        return out
+
+    monkeypatch.setattr(b, "rewrite", wrong)
+    model, x = _plain().eval(), torch.randn(2, 3, 8, 8)
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+        cache=False, measure=False, inner="eager"))
+    with pytest.warns(b.BackendWarning, match="plan of graph .* was dropped"), torch.no_grad():
+        got = compiled(x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x))
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.ran == AS_GIVEN and "relative error" in graph.fallback
+
+
+def test_dynamic_shapes_plan_at_the_example_and_serve_other_sizes(tmp_path):
+    """``dynamic=True``: one graph for every size, planned at the first example's sizes;
+    with channels-last made cheap the plan converts (conversions traced with symbolic
+    sizes), and Inductor compiles it."""
+    model, x = _plain().eval(), torch.randn(2, 3, 12, 14)  # H != W: no duck-sized guard
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=False)
+    assert _scale_channels_last(cache, 0.02) >= 2
+    compiled = torch.compile(copy.deepcopy(model), dynamic=True,
+                             backend=memlayout.backend(cache=cache, guard=False))
+    with torch.no_grad():
+        for y in (x, torch.randn(3, 3, 10, 16)):
+            torch.testing.assert_close(compiled(y), model(y), rtol=1e-4, atol=1e-5)
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.dynamic and graph.planned and graph.ran == COMPILED and not graph.fallback
+    assert graph.conversions > 0
+    assert all(c.planned == "channels_last" for c in graph.convolutions)
+
+
+def test_the_bench_mode_trains_through_the_backend_and_says_what_it_did(monkeypatch):
+    from memlayout import machine
+    from memlayout.bench.modes import prepare_mode
+
+    # bf16 reads as native: an emulated bf16 CPU does not build compile modes in bf16
+    monkeypatch.setattr(machine, "bf16_speed", lambda device="cpu": machine.Bf16Speed(2.0, "cpu"))
+    model, x = Broken(), torch.randn(2, 3, 16, 16)
+    prepared = prepare_mode("compile-memlayout", model, x, dtype="bf16", task="train",
+                            compile_backend="eager", plan_measure=False)
+    assert torch.isfinite(prepared.step()).all()
+    graphs = memlayout.backend_report().graphs
+    assert len(graphs) >= 2 and all(g.dtype == "bf16" for g in graphs if g.convolutions)
+    assert prepared.note.startswith("torch.compile(backend=memlayout.backend(inner='eager')): "
+                                    f"{len(graphs)} graphs")
+
+
+class Padded(nn.Module):
+    """Images written into a zero batch through a slice, the batch read by a convolution and
+    returned (torchvision detection's ``batch_images``): a write in place that a conversion
+    of the batch would lose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = x.new_zeros(x.shape[0], 3, 40, 40)
+        for i in range(x.shape[0]):  # as batch_images does, image by image
+            batch[i, :, :32, :32].copy_(x[i])
+        return self.conv(batch).mean((2, 3)), batch
+
+
+def test_a_tensor_written_in_place_is_not_converted_away_from_its_readers(tmp_path):
+    model, x = Padded().eval(), torch.randn(2, 3, 32, 32)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=False)
+    _scale_channels_last(cache, 0.02)  # the convolution wants channels-last
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+        cache=cache, inner="eager", guard=False))
+    with torch.no_grad():
+        for got, want in zip(compiled(x), model(x), strict=True):
+            torch.testing.assert_close(got, want)
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.planned and not graph.fallback and graph.ran == EAGER
+    assert graph.convolutions[0].planned == "channels_last"  # the input converted, not the batch
