@@ -102,8 +102,13 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
              kwargs: dict[str, Any] | None = None,
              weights: str = CONVERTED, fallback: bool = True,
              inplace: bool = False) -> nn.Module:
-    """Plan a format per layout-sensitive operation from costs measured here, apply it to a
-    copy of ``model`` and verify it; the caller's model is left unchanged.
+    """Plan a format per layout-sensitive operation from costs measured here, steer a copy of
+    ``model`` with it and verify it; the caller's model is left unchanged (``inplace=True``:
+    the caller's object is planned instead, after the copy verified). What comes back is the
+    model's own class and tree running its own ``forward``: parameters in their planned
+    formats, conversions at module boundaries (``memlayout.plan.steer``), results in the
+    original's strides, each module in the train/eval mode it was in; ``model.plan`` and
+    ``model.memlayout`` hold the plans.
 
     - ``dtype``: plan and run under autocast (``"bf16"``, ``"fp16"``); ``None``/fp32: as is.
     - ``input_format``: the format inputs arrive in (default: as the example is), or
@@ -132,10 +137,11 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       (outputs, every parameter's and input's gradient, BatchNorm's running statistics after
       it; same RNG state for both, element-wise dropout masks drawn in logical order, as
       PyTorch's follow memory order) with the original's.
-      The returned module is in train mode (an inference plan's: in the caller's mode, a
-      call in train mode planned for training on first sight); its parameters are
-      ``nn.Parameter``s any optimizer takes (build it from ``optimized.parameters()``),
-      and their gradients come back in their strides (what DDP's gradient buckets expect).
+      Modes are the model's own (a training step of a model with frozen BatchNorm keeps it
+      frozen); a call in the other mode of the root is planned on first sight. Its
+      parameters are ``nn.Parameter``s any optimizer takes (with ``inplace=True`` the very
+      ones an optimizer built before holds), and their gradients come back in their strides
+      (what DDP's gradient buckets expect).
     - ``keep_weight_formats``: every node that owns a rank-4/5 parameter runs in the format
       the parameter already has (no new parameter tensors).
     - ``weights``: ``"converted"`` (a channels-last node's weights converted once, here) or
@@ -149,7 +155,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       plans held (the example's always), least recently used dropped first. The cost cache
       makes a replan of a known shape measure nothing; it still traces the model, solves,
       and runs the verification (about 5 forward passes; 2 forward + backward in training).
-      ``optimized.plans`` holds the plans by signature.
+      ``optimized.memlayout.plans`` holds the plans by signature.
     - ``padding`` (with ``measure``): convolutions whose channel counts are not a multiple of
       the vector width run padded where that measures faster (``memlayout.plan.candidates.padding``).
     - ``blocked`` (with ``measure``, default off): where this build has mkldnn tensors, chains

@@ -1,7 +1,7 @@
 """Layout-neutral, atomic training checkpoints.
 
 Layout-neutral: every tensor is saved contiguous, on the CPU, under the plain model's keys
-(``OptimizedModule`` and DDP prefixes removed), so a checkpoint of a planned or channels-last
+(DDP prefixes removed), so a checkpoint of a planned or channels-last
 model loads into the plain torchvision model and back. Loading copies values into the model's
 own tensors, which keep their layout; optimizer state is put back into its parameter's layout.
 
@@ -515,7 +515,7 @@ def load_sharded_model(model: nn.Module, folder: str | Path) -> nn.Module:
     """Load the model part of ``folder/latest.dcp`` (written by any number of ranks) into
     ``model``: a plain, unsharded, unplanned model in one process works. Returns ``model``.
 
-    The checkpoint's keys are the plain model's (``OptimizedModule`` keeps them)."""
+    The checkpoint's keys are the plain model's (a planned model's are its own)."""
     target = unwrap(model)
     state = {"model": target.state_dict()}
     load_sharded(state, folder)
