@@ -167,7 +167,7 @@ def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> No
     """Below rounding: with a float32 tolerance of 1e-9 every float32 comparison of a
     channels-last plan fails, yet the same models agree in float64 (a layout changes no
     value): verified, and the record says by how much in float64."""
-    from memlayout.plan.check import verify as v
+    from memlayout.plan.check import compare as v
 
     monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
     opt = optimize(Net(), _x(), train=True, measure=False, cache=db)
@@ -182,7 +182,7 @@ def test_an_inference_plan_passes_a_rounding_level_mismatch_through_float64_too(
     apart by more than bf16's tolerance; equal in float64, the plan is verified, and says so.
     A wrong rewrite differs in float64 as well: it is not passed (the fallback keeps a model
     run in one format instead)."""
-    from memlayout.plan.check import verify as v
+    from memlayout.plan.check import compare as v
 
     monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
     opt = optimize(Net().eval(), _x(), measure=False, cache=db, output_format=None)
@@ -298,7 +298,7 @@ class _FunctionalDropout(nn.Module):
 
 @pytest.mark.parametrize("p", [0.2, 0.5])
 def test_verified_dropout_draws_its_mask_in_logical_order(p) -> None:
-    from memlayout.plan.check.verify import _LayoutFreeDropout
+    from memlayout.plan.check.training import _LayoutFreeDropout
 
     x = torch.randn(4, 8, 6, 6) + 3  # no zeros of its own
     cl = x.contiguous(memory_format=torch.channels_last)
@@ -366,7 +366,7 @@ def test_gradient_strides_are_compared_on_dims_of_size_above_one() -> None:
     # and (8, 1, 8, 8); a gradient that comes back in the other one (bf16 autocast did, on
     # efficientnet_b0's squeeze-excitation weights) is not a mismatch, as autograd's gradient
     # layout contract and memlayout.train's DDP check say
-    from memlayout.plan.check.verify import verify_training
+    from memlayout.plan.check.training import verify_training
 
     reference = nn.Sequential(nn.Conv2d(8, 8, 1))
     planned = copy.deepcopy(reference)
@@ -383,7 +383,7 @@ def test_a_gradient_the_original_does_not_give_is_a_difference() -> None:
     """Which parameters receive a gradient is compared, not only the values: a planned model
     that hands an unused parameter a zero gradient (an optimizer with weight decay would
     move it) differs from one that hands it none."""
-    from memlayout.plan.check.verify import verify_training
+    from memlayout.plan.check.training import verify_training
 
     class Unused(nn.Module):
         def __init__(self) -> None:

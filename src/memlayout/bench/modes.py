@@ -32,7 +32,7 @@ modes that call is the compilation (reported as compile time, never mixed into t
   own (OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``), not autocast; ONNX Runtime has no bf16
   convolution on the CPU and is ``unavailable`` there. Conversion and compilation time is the
   record's ``compile_s``. Their first output is checked against eager NCHW in the same dtype
-  (``memlayout.plan.check.verify`` tolerances): a runtime that computes something else is an error,
+  (``memlayout.plan.check.compare`` tolerances): a runtime that computes something else is an error,
   never a timing.
 
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
@@ -71,8 +71,8 @@ from memlayout.layout import Format
 from memlayout.plan.candidates.backend_report import BackendReport
 from memlayout.plan.candidates.backend_report import backend_report as report_backend
 from memlayout.plan.candidates.compiled import compile as plan_and_compile
-from memlayout.plan.check.verify import TOLERANCE
-from memlayout.plan.check.verify import compare as compare_outputs
+from memlayout.plan.check.compare import compare as compare_outputs
+from memlayout.plan.check.compare import tolerance
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.steer.steering import prepare_inputs
@@ -318,7 +318,7 @@ def _prepare_runtime(mode: str, module: nn.Module, args: tuple[Any, ...], *, dty
         want = reference(x)
     ok, worst, _ = compare_outputs(want, got, run_dtype)
     if not ok:
-        rtol = TOLERANCE.get(run_dtype or torch.float32, TOLERANCE[torch.float32])[0]
+        rtol = tolerance(run_dtype)[0]
         raise OutputMismatch(f"{mode} output differs from eager NCHW by {worst:.3g} (relative to "
                              f"its largest magnitude; tolerance {rtol:g} for {dtype}): not timed")
     note = f"{model.describe()}; output vs eager NCHW: {worst:.2g} relative"

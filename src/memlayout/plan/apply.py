@@ -36,7 +36,7 @@ from memlayout.plan import pipeline as p
 from memlayout.plan.candidates.padding import block_sizes, padded_channels
 from memlayout.plan.capture.regions import Captured, capture, model_signature
 from memlayout.plan.check import guard as g
-from memlayout.plan.check.verify import module_state
+from memlayout.plan.check.semantics import module_state
 from memlayout.plan.graph import Label
 from memlayout.plan.inputs import check_materialized, example_inputs_of, inputs_in, keyword_call
 from memlayout.plan.options import RegionSolution, Solution, solve_labels

@@ -39,8 +39,8 @@ from memlayout.plan.capture.regions import Captured, capture, model_signature
 from memlayout.plan.check import guard as g
 from memlayout.plan.check import memory as mem
 from memlayout.plan.check.realized import realized_differences
+from memlayout.plan.check.semantics import inplace_on_inputs, module_state, restore_state
 from memlayout.plan.check.verification import verified_fallback, verify_model
-from memlayout.plan.check.verify import inplace_on_inputs, module_state, restore_state
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.drops import drop_notes
 from memlayout.plan.costs.measure import device_name, measure_costs
@@ -385,14 +385,15 @@ def _arrival(plan: Plan) -> int | None:
 def _check_inplace(model: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
                    options: PlanOptions) -> None:
     """The caller's object, steered in place, computes what the verified copy computes."""
-    from memlayout.plan.check.verify import call_twice, compare
+    from memlayout.plan.check.compare import compare
+    from memlayout.plan.check.semantics import call_twice
 
     state = module_state(model)
     try:
         got = call_twice(model, inputs, dtype=options.dtype, device=options.device, calls=1)
         want = call_twice(planned, inputs, dtype=options.dtype, device=options.device, calls=1)
     finally:
-        from memlayout.plan.check.verify import restore_state
+        from memlayout.plan.check.semantics import restore_state
 
         restore_state(model, state)
     ok, err, _ = compare(want.outputs[0], got.outputs[0], options.dtype)

@@ -16,7 +16,7 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    (``constrain_to_fx_strides``); AOTAutograd derives the backward of the rewritten forward;
 4. verification, once, against the graph run eagerly: outputs, inputs changed in place
    (running statistics) and, in training, the gradient of every input that requires grad,
-   within the dtype's tolerance (``memlayout.plan.check.verify``); where only rounding
+   within the dtype's tolerance (``memlayout.plan.check.compare``); where only rounding
    differs the rewrite is re-checked in float64. A graph that draws random numbers (dropout
    in training) is checked as the planned graph against the original, both eager with their
    dropouts off (a mask depends on the layout it is drawn in, and Inductor's random stream is
@@ -77,7 +77,8 @@ from memlayout.plan.candidates.backend_report import (
     GraphRecord,
 )
 from memlayout.plan.capture.regions import propagate
-from memlayout.plan.check.verify import Step, agree, mutates_in_place, training_loss
+from memlayout.plan.check.semantics import mutates_in_place
+from memlayout.plan.check.training import Step, agree, training_loss
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import CostTable, device_name, measure_costs

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlayout.plan.check.verify import worst_error
+from memlayout.plan.check.compare import worst_error
 from memlayout.plan.costs.measure import device_name
 from memlayout.plan.report.result import BlockedReport
 from memlayout.tensors import device_of

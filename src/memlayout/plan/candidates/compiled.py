@@ -64,7 +64,7 @@ from memlayout.errors import LayoutVerificationError, MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
 from memlayout.plan.check import guard as g
-from memlayout.plan.check.verify import TOLERANCE, compare
+from memlayout.plan.check.compare import compare, tolerance
 from memlayout.plan.costs.measure import device_name
 from memlayout.plan.graph import Label
 from memlayout.plan.inputs import _add_prefix, _strip_prefix, example_inputs_of
@@ -512,7 +512,7 @@ def _check(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None
     seconds = time.perf_counter() - start
     ok, err, _ = compare(reference, got, dtype)
     if not ok:
-        rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
+        rtol = tolerance(dtype)[0]
         raise LayoutVerificationError(
             f"the compiled {name} model's outputs differ from the original's by {err:.3g} "
             f"(relative; tolerance {rtol:g})")

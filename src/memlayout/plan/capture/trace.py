@@ -231,7 +231,7 @@ def _keep_wrappers(gm: fx.GraphModule) -> None:
 
 #: aten dropouts and the torch functions of the same signature: a ``TorchFunctionMode`` sees
 #: the latter (a training step is verified with masks drawn in logical order, see
-#: ``memlayout.plan.check.verify``), never the former
+#: ``memlayout.plan.check.training``), never the former
 _DROPOUTS = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
 
 

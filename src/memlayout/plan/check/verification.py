@@ -22,17 +22,9 @@ import torch
 from torch import nn
 
 from memlayout.errors import LayoutVerificationError
-from memlayout.plan.check.verify import (
-    TOLERANCE,
-    ModuleState,
-    call_twice,
-    compare,
-    detached,
-    float64_agreement,
-    restore_state,
-    verify_semantics,
-    verify_training,
-)
+from memlayout.plan.check.compare import compare, detached, float64_agreement, tolerance
+from memlayout.plan.check.semantics import ModuleState, call_twice, restore_state, verify_semantics
+from memlayout.plan.check.training import verify_training
 from memlayout.plan.report.result import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
 
 
@@ -52,10 +44,7 @@ def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ..
         _runs(planned, inputs, dtype=dtype, device=device)
         restore_state(planned, state)
         if train:
-            v = verify_training(reference, planned, inputs, dtype=dtype, device=device)
-            verification = Verification(
-                True, DTYPE_TOLERANCE if v.float64_error is None else FLOAT64_RECHECK,
-                v.max_error, v.tolerance, v.tensors, train=True, float64_error=v.float64_error)
+            verification = verify_training(reference, planned, inputs, dtype=dtype, device=device)
         else:
             verification = _one_call(reference, planned, inputs, dtype=dtype, device=device,
                                      expected=want.outputs[0])
@@ -88,7 +77,7 @@ def _one_call(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
     state and seed as ``call_twice`` draws), with the float64 re-check beyond tolerance."""
     got = call_twice(planned, inputs, dtype=dtype, device=device, calls=1).outputs[0]
     ok, err, count = compare(expected, got, dtype)
-    rtol = TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])[0]
+    rtol = tolerance(dtype)[0]
     if ok:
         return Verification(True, DTYPE_TOLERANCE, err, rtol, count)
     exact = float64_agreement(reference, planned, inputs, device=device)

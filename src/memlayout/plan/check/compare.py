@@ -1,0 +1,110 @@
+"""Comparing two models' results (L2 plan, check): dtype-aware tolerances relative to the
+scale of the reference (``|got - want| <= atol + rtol * max|want|``), NaNs where the reference has
+them, and the float64 re-check that tells rounding from a real difference.
+
+>>> worst_error(torch.ones(3), torch.ones(3) * 1.01, torch.float32)[1]
+False
+>>> worst_error(torch.ones(3), torch.ones(3) * 1.01, torch.bfloat16)[1]
+True
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlayout.tensors import iter_tensors
+
+# (rtol, atol) relative to the reference's largest magnitude. Different kernels (channels-last
+# convolutions block and accumulate differently) round differently; bf16 keeps 8 mantissa bits.
+TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-3, 1e-5),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (5e-2, 1e-2),
+}
+
+
+def worst_error(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype | None) -> tuple[float, bool]:
+    """(relative error, within tolerance) of one tensor pair; the tolerance follows the
+    lower-precision of the run dtype (autocast) and the tensors' dtype."""
+    if want.shape != got.shape:
+        return float("inf"), False
+    if not (want.is_floating_point() or want.is_complex()):
+        bad = not torch.equal(want, got)
+        return (1.0 if bad else 0.0), not bad
+    rtol, atol = max(TOLERANCE.get(d, TOLERANCE[torch.float32])
+                     for d in (want.dtype, got.dtype, dtype or want.dtype))
+    a, b = want.detach().double(), got.detach().double()
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return float("inf"), False
+    a, b = a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
+    scale = a.abs().max().item() if a.numel() else 0.0
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    rel = err / scale if scale > 0 else err
+    return rel, err <= atol + rtol * scale
+
+
+def compare(want: Any, got: Any, dtype: torch.dtype | None) -> tuple[bool, float, int]:
+    """(all within tolerance, worst relative error, tensors compared) over nested outputs."""
+    ws, gs = list(iter_tensors(want)), list(iter_tensors(got))
+    if len(ws) != len(gs):
+        return False, float("inf"), len(ws)
+    ok, worst = True, 0.0
+    for w, g in zip(ws, gs, strict=True):
+        rel, fine = worst_error(w, g, dtype)
+        ok &= fine
+        worst = max(worst, rel)
+    return ok, worst, len(ws)
+
+
+def float64_agreement(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
+                      device: torch.device | None = None) -> float | None:
+    """The worst relative error between float64 copies of both models (no autocast) on
+    float64 inputs, when within float32's tolerance; ``None`` when they differ there too. A
+    layout changes no value in exact arithmetic: a plan whose outputs differ only by the run
+    dtype's rounding (a deep bf16 network, where NHWC and NCHW kernels round differently)
+    agrees in float64, a wrong rewrite does not. ``None`` too where a model cannot run in
+    float64 (an exported graph holds the dtype of a cast as traced, ``x.to(torch.float32)``)."""
+    xs = float64(inputs)
+    try:
+        with torch.no_grad():
+            want = float64(reference)(*_clone(xs))
+            got = float64(planned)(*_clone(xs))
+    except RuntimeError:  # a dtype fixed in the graph: no re-check, the mismatch stands
+        return None
+    ok, err, _ = compare(want, got, torch.float32)
+    return err if ok else None
+
+
+def float64(value: Any) -> Any:
+    """A float64 copy of a module (strides kept: ``Tensor.double`` preserves the format) or
+    of inputs (floating tensors converted, others as they are)."""
+    if isinstance(value, nn.Module):
+        return copy.deepcopy(value).double()
+    return tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                 for x in value)
+
+
+def detached(value: Any) -> Any:
+    """``value`` with every tensor detached (containers rebuilt, namedtuples kept)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(detached(v) for v in value)
+    return value
+
+
+def _clone(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def tolerance(dtype: torch.dtype | None) -> tuple[float, float]:
+    """``(rtol, atol)`` of the run dtype (``None``: float32)."""
+    return TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])
