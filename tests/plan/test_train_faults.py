@@ -1,7 +1,6 @@
-"""Training plans of forwards that autograd handles specially, which the planner's pipeline
-does not yet: each must end in a plan or a ``MemlayoutError`` naming the construct, never in
-torch's own error from inside verification. Expected to fail until the pipeline handles them
-(strict: a pass is reported)."""
+"""Training plans of forwards that autograd handles specially: each ends in a plan that trains
+or a ``MemlayoutError`` naming the construct, never in torch's own error from inside
+verification."""
 
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ class ChangesItsInput(nn.Module):
         return y + x
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="planner pipeline")
 def test_reentrant_checkpointing_is_planned_or_refused_by_name():
     x = torch.randn(2, 3, 12, 12)
     try:
@@ -51,7 +49,6 @@ def test_reentrant_checkpointing_is_planned_or_refused_by_name():
         opt(x).sum().backward()
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="planner pipeline")
 def test_an_input_changed_in_place_says_the_originals_backward_fails_too():
     x = torch.randn(2, 3, 12, 12, requires_grad=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

@@ -52,14 +52,14 @@ class Step:
 
 
 def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
-                  names: list[str] | None = None, accumulate: bool = False,
+                  names: list[str] | None = None,
                   device: torch.device | None = None) -> Step:
     """Forward (under autocast for ``dtype``) from the RNG state ``SEED``, ``training_loss``
     and backward, leaving the module's state as it was (buffers restored, ``.grad`` as
-    before, the caller's RNG untouched). ``accumulate``: gradients through
-    ``.backward()`` into ``.grad`` (so their strides are what an optimizer and DDP see),
-    else ``torch.autograd.grad``. Dropout draws its masks in logical order, whatever the
-    activation's layout (``_LayoutFreeDropout``)."""
+    before, the caller's RNG untouched). Gradients go through ``.backward()`` into ``.grad``,
+    as an optimizer and DDP see them (their strides too; reentrant activation checkpointing
+    takes no other way). Dropout draws its masks in logical order, whatever the activation's
+    layout (``_LayoutFreeDropout``)."""
     device = device_of(inputs, module) if device is None else device
     params = dict(module.named_parameters())
     names = [k for k, p in params.items() if p.requires_grad] if names is None else names
@@ -78,13 +78,10 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
                 out = module(*args)
         with torch.enable_grad():  # the caller may be under no_grad (a replan in eval code)
             loss = training_loss(out)
-            if accumulate:
-                for p in wrt:
-                    p.grad = None
-                loss.backward()
-                got: list[torch.Tensor | None] = [p.grad for p in wrt] + [x.grad for x in leaves]
-            else:
-                got = list(torch.autograd.grad(loss, [*wrt, *leaves], allow_unused=True))
+            for p in params.values():
+                p.grad = None
+            loss.backward()
+            got: list[torch.Tensor | None] = [p.grad for p in wrt] + [x.grad for x in leaves]
         grads = dict(zip([k for k in names if k in params], got[:len(wrt)], strict=True))
         strides = {k: (tuple(p.stride()), tuple(g.stride()))
                    for k, p, g in zip(grads, wrt, got, strict=False) if g is not None}
@@ -155,9 +152,17 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
     tolerance, while a wrong plan differs in float64 by the size of the values. On a mismatch
     raises ``LayoutVerificationError`` naming the first tensor that differs."""
     device = device_of(inputs, reference) if device is None else device
-    want = training_step(reference, inputs, dtype=dtype, device=device)
-    got = training_step(planned, inputs, dtype=dtype, names=list(want.grads), accumulate=True,
-                        device=device)
+    try:
+        want = training_step(reference, inputs, dtype=dtype, device=device)
+    except RuntimeError as exc:  # autograd refuses the original's own step: nothing to compare
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LayoutVerificationError(
+            f"a training step of the original model itself fails (RuntimeError: {first}), "
+            "so there is no step to verify a plan against; the original's backward fails the "
+            "same way: fix the forward (an in-place change of a tensor autograd saved, say), "
+            "or plan inference with train=False",
+            cause="the original's own training step fails", fallback=False) from exc
+    got = training_step(planned, inputs, dtype=dtype, names=list(want.grads), device=device)
     ok, worst, what, count = agree(want, got, dtype)
     bad_strides = [k for k, (ps, gs) in got.grad_strides.items()
                    if not strides_agree(tuple(got.grads[k].shape), ps, gs)]
