@@ -51,10 +51,10 @@ def __getattr__(name: str):
         return backend_report.backend_report
     if name in _PLANNER:
         from memlayout.plan import apply, pipeline
-        from memlayout.plan.report import result
+        from memlayout.plan.report import plan as plan_record
         from memlayout.plan.steer import steering
 
-        return {"optimize": pipeline.optimize, "apply": apply.apply, "Plan": result.Plan,
+        return {"optimize": pipeline.optimize, "apply": apply.apply, "Plan": plan_record.Plan,
                 "plan_of": steering.plan_of, "prepare_inputs": steering.prepare_inputs}[name]
     raise AttributeError(f"module 'memlayout' has no attribute {name!r}")
 

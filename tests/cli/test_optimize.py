@@ -5,7 +5,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from memlayout.cli import app
-from memlayout.plan.report.result import Plan
+from memlayout.plan.report.plan import Plan
 
 
 def test_optimize_command_plans_verifies_and_times(tmp_path, monkeypatch) -> None:

@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from memlayout.cli import app
-from memlayout.plan.report.result import Plan
+from memlayout.plan.report.plan import Plan
 from tests.support.faults import write_models
 
 pytestmark = pytest.mark.faults

@@ -179,9 +179,9 @@ def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
     # after the guard, a memory budget's candidate plans are solved again (conversion bytes
     # weighed more): the inputs' format is settled by then and they must keep it
     from memlayout.plan.check.memory import PENALTIES, _labels_weighing_bytes
-    from memlayout.plan.options import RegionSolution
     from memlayout.plan.solve.formulate import AUTO, formulate
     from memlayout.plan.solve.mincut import solve_min_cut
+    from memlayout.plan.solve.regions import RegionSolution
 
     x = _x()
     region = capture(Branchy().eval(), (x,)).regions[0]

@@ -20,13 +20,13 @@ from memlayout.errors import PlanError
 from memlayout.plan.check import guard as g
 from memlayout.plan.costs import measure as costs
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.report.result import (
+from memlayout.plan.report.plan import Plan
+from memlayout.plan.report.records import (
     DTYPE_TOLERANCE,
     SCHEMA,
     Conversion,
     GuardRecord,
     NodeChoice,
-    Plan,
     Verification,
 )
 

@@ -7,8 +7,8 @@ from torch import nn
 
 import memlayout
 from memlayout.layout import Format
-from memlayout.plan import options as records
 from memlayout.plan.capture import regions as capture
+from memlayout.plan.solve import regions as solve_regions
 from memlayout.plan.solve.mincut import Solution
 from tests.support.counting import conv_inputs
 
@@ -20,8 +20,8 @@ def _net() -> nn.Module:
 
 def _plan_all_channels_last(monkeypatch) -> None:
     """Label every unpinned node channels-last (the rewrite is what is under test)."""
-    real = records.solve_min_cut
-    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
+    real = solve_regions.solve_min_cut
+    monkeypatch.setattr(solve_regions, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
 
 

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 import memlayout.plan.pipeline as pipeline
+from memlayout.plan.check import verification
+from memlayout.plan.costs import regions as cost_regions
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.steer.state import shape_signature
 
@@ -43,14 +45,14 @@ def db(tmp_path):
 def measurements(monkeypatch):
     """Every ``measure_costs`` call the planner makes: (input shape, timings taken)."""
     calls: list[tuple[tuple[int, ...], int]] = []
-    real = pipeline.measure_costs
+    real = cost_regions.measure_costs
 
     def counting(gm, inputs, **kwargs):  # noqa: ANN001, ANN202
         table = real(gm, inputs, **kwargs)
         calls.append((tuple(inputs[0].shape), table.measured))
         return table
 
-    monkeypatch.setattr(pipeline, "measure_costs", counting)
+    monkeypatch.setattr(cost_regions, "measure_costs", counting)
     return calls
 
 
@@ -144,7 +146,8 @@ def test_a_shape_whose_plan_fails_runs_the_original_computation(db, monkeypatch)
     def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise LayoutVerificationError("a planted mismatch")
 
-    monkeypatch.setattr(pipeline, "verify", failing)
+    monkeypatch.setattr(pipeline, "verify", failing)  # the plan and every fallback fail
+    monkeypatch.setattr(verification, "verify", failing)
     x = _x(3)
     with pytest.warns(UserWarning, match="a planted mismatch"), torch.no_grad():
         got = opt(x)

@@ -250,7 +250,7 @@ def test_optimize_command_train_verifies_a_step_and_times_training_steps(tmp_pat
     from typer.testing import CliRunner
 
     from memlayout.cli import app
-    from memlayout.plan.report.result import Plan
+    from memlayout.plan.report.plan import Plan
 
     monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "plan.json"

@@ -11,8 +11,8 @@ from torch import nn
 
 import memlayout
 from memlayout.layout import Format
-from memlayout.plan import options as records
 from memlayout.plan.capture.regions import capture
+from memlayout.plan.solve import regions as solve_regions
 from memlayout.plan.solve.mincut import Solution
 from tests.support.counting import conv_inputs
 
@@ -60,8 +60,8 @@ def test_torchvision_video_models_plan_verify_and_match(name):
 
 
 def test_an_ndhwc_plan_feeds_ndhwc_and_keeps_the_output_format(monkeypatch):
-    real = records.solve_min_cut
-    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
+    real = solve_regions.solve_min_cut
+    monkeypatch.setattr(solve_regions, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
     net = nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.BatchNorm3d(8), nn.ReLU(),
                         nn.MaxPool3d(2), nn.Conv3d(8, 4, 3, padding=1)).eval()

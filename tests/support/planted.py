@@ -21,14 +21,25 @@ def corrupt_the_plan_at(monkeypatch: Any, path: str, change: Callable[[Any], Any
 
 def add_to_the_plan(monkeypatch: Any, path: str, boundary: Any) -> None:
     """Every plan made from now on also steers the module at ``path`` with ``boundary``."""
-    from memlayout.plan import pipeline
+    from memlayout.plan.steer import build
     from memlayout.plan.steer.steering import Steering
 
-    real = pipeline.steering_of
+    real = build.steering_of
 
     def planted(solution: Any, options: Any, storage: Any = None) -> Steering:
         s = real(solution, options, storage)
         return Steering(s.parameters, (*s.boundaries, (path, boundary)))
 
-    monkeypatch.setattr(pipeline, "steering_of", planted)
-    monkeypatch.setattr(pipeline, "is_uniform", lambda solution, label, root="": False)
+    replace_steering(monkeypatch, planted)
+
+
+def replace_steering(monkeypatch: Any, steering_of: Callable[..., Any]) -> None:
+    """Every plan made from now on is steered by ``steering_of(solution, options, storage)``
+    (where the guard builds its candidates and where the memory step rebuilds one), and is
+    never taken for an eager one-format model."""
+    from memlayout.plan import pipeline
+    from memlayout.plan.check import guard
+
+    monkeypatch.setattr(pipeline, "steering_of", steering_of)
+    monkeypatch.setattr(guard, "steering_of", steering_of)
+    monkeypatch.setattr(guard, "is_uniform", lambda solution, label, root="": False)

@@ -1,5 +1,5 @@
 """Apply a saved plan (L2 plan): ``memlayout.apply(model, plan)`` rebuilds the planned model
-from a :class:`~memlayout.plan.report.result.Plan` (``Plan.from_json``) without measuring anything,
+from a :class:`~memlayout.plan.report.plan.Plan` (``Plan.from_json``) without measuring anything,
 and verifies it like a fresh plan.
 
 The plan says, per captured region and layout node, which format it runs in (so which format
@@ -32,18 +32,21 @@ import torch
 from torch import nn
 
 from memlayout.errors import PlanError
-from memlayout.plan import pipeline as p
+from memlayout.plan import pipeline
 from memlayout.plan.candidates.padding import block_sizes, padded_channels
 from memlayout.plan.capture.regions import Captured, capture, model_signature
-from memlayout.plan.check import guard as g
+from memlayout.plan.check.guard import PLANNED, UNIFORM, build_uniform
 from memlayout.plan.check.semantics import module_state
+from memlayout.plan.check.verification import verify
+from memlayout.plan.costs.regions import measure_regions
 from memlayout.plan.graph import Label
 from memlayout.plan.inputs import check_materialized, example_inputs_of, inputs_in, keyword_call
-from memlayout.plan.options import RegionSolution, Solution, solve_labels
-from memlayout.plan.report.result import UNPADDED, Plan
+from memlayout.plan.report.plan import Plan
+from memlayout.plan.report.records import UNPADDED
 from memlayout.plan.solve.mincut import Problem
+from memlayout.plan.solve.regions import RegionSolution, Solution, region_formulation, solve_labels
 from memlayout.plan.steer.boundary import Boundary
-from memlayout.plan.steer.build import build, node_choices, steering_of
+from memlayout.plan.steer.build import build, node_choices, steering_of, wanted_outputs
 from memlayout.plan.steer.steering import Steering
 from memlayout.tensors import device_of, iter_tensors
 
@@ -81,7 +84,7 @@ def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None,
                         f"{mode} mode (BatchNorm and dropout run otherwise): call "
                         f"model.{plan.mode}() first, or plan it in {mode} mode with "
                         "memlayout.optimize")
-    options = p.plan_options(
+    options = pipeline.plan_options(
         root, inputs, dtype=plan.dtype, input_format=plan.input_format,
         output_format=plan.output_format, measure=False, cache=False, progress=None,
         rounds=1, name=plan.model, guard=False, guard_rounds=0, train=plan.train,
@@ -90,18 +93,18 @@ def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None,
         weights=plan.weights, keywords=root is not model)
     if options.input_label is not None:
         inputs = inputs_in(inputs, options.input_label, options.ranks)
-    reference = p.reference_copy(root)
+    reference = pipeline.reference_copy(root)
     state = module_state(reference)
     example = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-    captured = capture(p.analysis_copy(reference), inputs, dtype=options.dtype,
+    captured = capture(pipeline.analysis_copy(reference), inputs, dtype=options.dtype,
                        ranks=options.ranks, device=options.device)
-    costs = p.measure_regions(captured, options, None)  # analytical: nothing timed
+    costs = measure_regions(captured, options, None)  # analytical: nothing timed
     _check_matches(plan, captured, costs, inputs)
     solution = _solution(plan, captured, costs, options)
-    outputs = p._outputs(captured, inputs, options)
-    kept = plan.guard.kept if plan.guard is not None else g.PLANNED
-    if kept in g.UNIFORM:
-        built = p.build_uniform(reference, captured, solution, g.UNIFORM[kept], options,
+    outputs = wanted_outputs(captured, inputs, options)
+    kept = plan.guard.kept if plan.guard is not None else PLANNED
+    if kept in UNIFORM:
+        built = build_uniform(reference, captured, solution, UNIFORM[kept], options,
                                 outputs, arrive=options.input_label)
     else:
         built = build(reference, _steering(plan, solution, options), options, outputs=outputs,
@@ -119,13 +122,13 @@ def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None,
         built = build(reference, built.steering.padded(channels), options, outputs=outputs,
                       input_label=options.input_label, nodes=built.nodes,
                       conversions=built.conversions, label=built.label)
-    verification = p.verify(reference, built, example, options, state, ())
+    verification = verify(reference, built, example, options, state, ())
     applied = dataclasses.replace(
         plan, verification=verification, measured=0, cached=0,
         planning_seconds=time.perf_counter() - start,
         notes=[*plan.notes, "applied from a saved plan (memlayout.apply): nothing measured, "
                             "verified here"])
-    return p.finish(model, built, applied, inputs, options, inplace=inplace)
+    return pipeline.finish(model, built, applied, inputs, options, inplace=inplace)
 
 
 def _steering(plan: Plan, solution: Solution, options: Any) -> Steering:
@@ -211,7 +214,7 @@ def _solution(plan: Plan, captured: Captured, costs: Any, options: Any) -> Solut
     """Each region's formulation with every layout node pinned to the plan's format."""
     regions = []
     for region, table in zip(captured.regions, costs.tables, strict=True):
-        form = p.region_formulation(captured, region, table, options)
+        form = region_formulation(captured, region, table, options)
         pins = {**form.integer.pins, **{n.name: int(Label.parse(n.format)) for n in plan.nodes
                                          if n.region == region.path}}
         labels = solve_labels(Problem(form.integer.unary, form.integer.tensors, pins,

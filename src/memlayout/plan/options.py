@@ -9,20 +9,14 @@ step's (:class:`MemoryDecision`).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from memlayout.plan.capture.regions import Region
-from memlayout.plan.costs.measure import CostTable, Progress
-from memlayout.plan.report.result import Conversion, GuardRecord, MemoryReport, NodeChoice
-from memlayout.plan.solve.formulate import AUTO, Formulation, formulate
-from memlayout.plan.solve.mincut import Problem, solve_min_cut
+from memlayout.plan.costs.measure import Progress
+from memlayout.plan.solve.formulate import AUTO
 
 
 @dataclass(frozen=True)
@@ -73,139 +67,3 @@ class PlanOptions:
         """How weights are stored: ``"converted"`` (once, to their node's format) or
         ``"contiguous"`` (``memlayout.plan.steer.weights``)."""
         return "contiguous" if self.contiguous_weights else "converted"
-
-
-@dataclass(frozen=True)
-class Costs:
-    """The measured (or analytical) cost table of every captured region, in region order."""
-
-    tables: tuple[CostTable, ...]
-    measured: int
-    cached: int
-
-
-@dataclass(frozen=True)
-class RegionSolution:
-    """One region's solved problem: its costs, the formulation and the min-cut labels."""
-
-    region: Region
-    table: CostTable
-    form: Formulation
-    labels: Mapping[str, int]
-
-    @property
-    def input_variables(self) -> list[str]:
-        """The top-level graph's inputs that are layout variables (``input_format="auto"``)."""
-        if self.region.path != "":
-            return []
-        return [n.name for n in self.region.gm.graph.nodes
-                if n.op == "placeholder" and n.name in self.form.seconds.unary]
-
-    def pin_inputs(self, label: int) -> RegionSolution:
-        """This solution with its input variables pinned to ``label``, solved again if its
-        labels had them otherwise (the guard kept an eager model whose format is not the one
-        the min cut chose)."""
-        names = self.input_variables
-        if not names:
-            return self
-        pins = dict.fromkeys(names, label)
-        form = dataclasses.replace(
-            self.form,
-            integer=dataclasses.replace(self.form.integer, pins={**self.form.integer.pins, **pins}),
-            seconds=dataclasses.replace(self.form.seconds, pins={**self.form.seconds.pins, **pins}))
-        labels = self.labels
-        if any(labels[n] != label for n in names):
-            labels = solve_labels(form.integer)
-        return RegionSolution(self.region, self.table, form, labels)
-
-
-@dataclass(frozen=True)
-class Solution:
-    """Every region's solution and the predicted seconds of the plan and of each uniform
-    labelling (``planned``, ``all_contiguous``, ``all_channels_last``)."""
-
-    regions: tuple[RegionSolution, ...]
-    predicted: dict[str, float]
-    measured: int
-    cached: int
-
-    @property
-    def has_variables(self) -> bool:
-        return any(len(s.labels) for s in self.regions)
-
-    def chosen_input(self) -> int | None:
-        """The label the solver gave the top-level graph's inputs (all tied to one), ``None``
-        when none is a variable."""
-        for s in self.regions:
-            names = s.input_variables
-            if names:
-                return s.labels[names[0]]
-        return None
-
-    def pin_inputs(self, label: int) -> Solution:
-        return dataclasses.replace(self, regions=tuple(s.pin_inputs(label) for s in self.regions))
-
-    def graphs(self) -> list[tuple[str, Any, Mapping[str, int]]]:
-        """``(region path, graph, labels)`` per region, as ``guard.signature`` hashes them."""
-        return [(s.region.path, s.region.gm, s.labels) for s in self.regions]
-
-
-def solve_labels(problem: Problem) -> dict[str, int]:
-    """The min-cut labels of ``problem``; when its weight ties contradict its pins (a shared
-    module pinned two ways: one call fails in a format), solved without the ties
-    (verification still guards the result)."""
-    try:
-        return solve_min_cut(problem).labels
-    except ValueError:
-        return solve_min_cut(Problem(problem.unary, problem.tensors, problem.pins)).labels
-
-
-@dataclass(frozen=True)
-class RegionCheck:
-    """A planned region and its rewritten graph module, verified against the region's
-    captured graph."""
-
-    region: Region
-    planned: nn.Module
-
-
-@dataclass(frozen=True)
-class Build:
-    """A rewritten model: the module, the regions to verify, each node's choice and the
-    conversions inserted."""
-
-    module: nn.Module
-    checks: tuple[RegionCheck, ...]
-    nodes: tuple[NodeChoice, ...]
-    conversions: tuple[Conversion, ...]
-
-
-@dataclass(frozen=True)
-class GuardDecision:
-    """The build the guard kept, its record (``Plan.guard``; ``None``: the guard did not run)
-    and the format the inputs now arrive in."""
-
-    build: Build
-    record: GuardRecord | None
-    input_label: int | None
-
-    @property
-    def kept(self) -> str:
-        """``planned``, or the eager model that replaced the plan."""
-        return self.record.kept if self.record is not None else "planned"
-
-
-@dataclass(frozen=True)
-class MemoryDecision:
-    """The build the memory step kept and its record (``Plan.memory``; ``None``: not run)."""
-
-    build: Build
-    record: MemoryReport | None
-
-
-def region_formulation(region: Region, table: CostTable, options: PlanOptions) -> Formulation:
-    """One region's min-cut formulation: the top-level graph takes the run's input and output
-    formats, a submodule's inputs are as captured and its outputs kept."""
-    top = region.path == ""
-    return formulate(region.gm, table, input_label=options.root_input_label if top else None,
-                     output_label=options.output_label if top else "keep")

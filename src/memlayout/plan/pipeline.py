@@ -34,17 +34,30 @@ from memlayout import dtypes
 from memlayout.errors import DtypeError, LayoutVerificationError, PlanError
 from memlayout.layout import Format
 from memlayout.plan.candidates.blocked import measure_blocked
-from memlayout.plan.candidates.padding import block_sizes, padded_channels, plan_padding
-from memlayout.plan.capture.regions import Captured, capture, model_signature
-from memlayout.plan.check import guard as g
-from memlayout.plan.check import memory as mem
+from memlayout.plan.candidates.padding import (
+    padding_step,
+)
+from memlayout.plan.capture.regions import Captured, capture
+from memlayout.plan.check.guard import (
+    PLANNED,
+    GuardDecision,
+    build_uniform,
+    guarded_build,
+    suspect_costs,
+    suspect_note,
+)
+from memlayout.plan.check.memory import MemoryDecision, budget_bytes, plan_signature
+from memlayout.plan.check.memory import memory_step as peak_memory_step
 from memlayout.plan.check.realized import realized_differences
-from memlayout.plan.check.semantics import inplace_on_inputs, module_state, restore_state
-from memlayout.plan.check.verification import verified_fallback, verify_model
+from memlayout.plan.check.semantics import module_state, restore_state
+from memlayout.plan.check.verification import (
+    changed_inputs,
+    fall_back,
+    verify,
+)
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.drops import drop_notes
-from memlayout.plan.costs.measure import device_name, measure_costs
-from memlayout.plan.graph import NONE, Label, planned_ranks, value_meta
+from memlayout.plan.costs.regions import measure_regions
+from memlayout.plan.graph import Label, planned_ranks
 from memlayout.plan.inputs import (
     KeywordCall,
     check_materialized,
@@ -53,41 +66,24 @@ from memlayout.plan.inputs import (
     inputs_in,
     keyword_call,
 )
-from memlayout.plan.options import (
-    Costs,
-    GuardDecision,
-    MemoryDecision,
-    PlanOptions,
-    Progress,
-    RegionSolution,
-    Solution,
-    solve_labels,
-)
-from memlayout.plan.report.result import (
-    BlockedReport,
-    GuardRecord,
-    PadChoice,
-    Plan,
-    Verification,
-    conv1d_notes,
-)
-from memlayout.plan.solve.boundaries import formulate_boundaries
-from memlayout.plan.solve.formulate import AUTO, Formulation, formulate
-from memlayout.plan.solve.mincut import Problem, objective
+from memlayout.plan.options import PlanOptions, Progress
+from memlayout.plan.report.make import make_plan
+from memlayout.plan.report.plan import Plan
+from memlayout.plan.report.records import BlockedReport, PadChoice
+from memlayout.plan.solve.formulate import AUTO
+from memlayout.plan.solve.regions import Solution, solve_regions
 from memlayout.plan.steer.build import (
     Build,
     build,
     conversions_of,
     node_choices,
     steering_of,
-    uniform_conversions,
-    uniform_steering,
-    user_path,
+    wanted_outputs,
 )
-from memlayout.plan.steer.state import Formats, output_formats, shape_signature
+from memlayout.plan.steer.state import Formats, shape_signature
 from memlayout.plan.steer.steering import STATE, Steering, planned_state, steer, unsteer
-from memlayout.plan.steer.weights import CONTIGUOUS, CONVERTED, WEIGHTS, storage_counts
-from memlayout.tensors import device_of, iter_tensors
+from memlayout.plan.steer.weights import CONTIGUOUS, CONVERTED, WEIGHTS
+from memlayout.tensors import device_of
 
 
 def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,
@@ -226,7 +222,7 @@ def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torc
         ranks=planned_ranks(model),
         input_label=None if auto_input else format_label(input_format, "input_format"),
         auto_input=auto_input, output_label=output_label, max_plans=max_plans,
-        memory_budget=mem.budget_bytes(memory_budget),
+        memory_budget=budget_bytes(memory_budget),
         contiguous_weights=weights == CONTIGUOUS, **rest)
 
 
@@ -265,7 +261,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
     try:
         captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
                            ranks=options.ranks, device=options.device)
-        outputs = _outputs(captured, inputs, options)
+        outputs = wanted_outputs(captured, inputs, options)
         costs = measure_regions(captured, options, store)
         solution = solve_regions(captured, costs, options)
         decision = guarded_build(reference, captured, solution, inputs, options, store, outputs)
@@ -285,7 +281,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
             inputs = inputs_in(inputs, decision.input_label, options.ranks)
             solution = solution.pin_inputs(decision.input_label)
         # the records below are cached under the plan's signature: a second plan runs no forward
-        signature = mem.plan_signature(solution.graphs(), [
+        signature = plan_signature(solution.graphs(), [
             decision.kept, options.root_input_label, options.output_label, options.train,
             "boundaries", *([options.weights] if options.contiguous_weights else [])])
         padded, padded_build = padding_step(reference, decision.build, inputs, options, store,
@@ -308,7 +304,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
             notes.append(note)
             warnings.warn(f"memlayout: {note}", stacklevel=3)
         realized: list[str] = []
-        if decision.kept == g.PLANNED:
+        if decision.kept == PLANNED:
             realized = realized_differences(memory.build.module, example, solution,
                                             dtype=options.dtype, device=options.device)
             restore_state(memory.build.module, state)
@@ -317,7 +313,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
                              f"module results (first: {realized[0]}): the plan's formats are "
                              "where it steers, the model's own code decides in between")
         if disagree is not None:
-            note = g.suspect_note(solution.predicted["planned"], decision.record, disagree)
+            note = suspect_note(solution.predicted["planned"], decision.record, disagree)
             notes.append(note)
             warnings.warn(f"memlayout: {note}", stacklevel=3)
         restore_state(memory.build.module, state)  # as the caller's model is: nothing ran on it
@@ -407,264 +403,30 @@ def _check_inplace(model: nn.Module, planned: nn.Module, inputs: tuple[Any, ...]
 # ---------------------------------------------------------------- steps
 
 
-def _outputs(captured: Captured, inputs: tuple[Any, ...], options: PlanOptions) -> Formats:
-    """The formats the planned model hands its results back in: as the original does
-    (``output_format="keep"``), all in one format, or as they come (``None``)."""
-    label = options.output_label
-    if label is None:
-        return ()
-    kept = output_formats(captured.output, inputs, options.ranks)
-    if label == "keep":
-        return kept
-    return tuple((i, int(label) if rank in options.ranks else -1, rank) for i, _, rank in kept)
 
 
-def measure_regions(captured: Captured, options: PlanOptions,
-                    store: CostCache | None) -> Costs:
-    """The cost table of every captured region (measured, cached, or analytical), with each
-    node's reason for dropping channels-last noted in its meta."""
-    tables = []
-    for region in captured.regions:
-        table = measure_costs(region.gm, region.inputs, dtype=options.dtype,
-                              measure=options.measure, cache=store, rounds=options.rounds,
-                              progress=options.progress, train=options.train,
-                              device=options.device, weights=options.weights)
-        drop_notes(region.gm, region.inputs, table, dtype=options.dtype,  # into node.meta
-                   device=options.device)
-        tables.append(table)
-    return Costs(tuple(tables), sum(t.measured for t in tables), sum(t.cached for t in tables))
 
 
-def region_formulation(captured: Captured, region: Any, table: Any,
-                       options: PlanOptions) -> Formulation:
-    """One region's boundary problem: the top-level graph takes the run's input and output
-    formats, a submodule's inputs are as captured and its outputs kept."""
-    top = region.path == ""
-    return formulate_boundaries(
-        region.gm, table, input_label=options.root_input_label if top else None,
-        output_label=options.output_label if top else "keep", calls=captured.calls,
-        root=region.path, fixed=frozenset({""}) if options.keywords else frozenset())
 
 
-def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Solution:
-    """The min-cut labels of every region, and the predicted seconds of the plan, of the model
-    run entirely in one format, and of the best plan were conversions possible anywhere
-    (``anywhere``: what steering at module boundaries gives up, by the cost table)."""
-    predicted = {"planned": 0.0, "all_contiguous": 0.0, "all_channels_last": 0.0,
-                 "anywhere": 0.0}
-    solved = []
-    for region, table in zip(captured.regions, costs.tables, strict=True):
-        form = region_formulation(captured, region, table, options)
-        if options.keep_weight_formats and not options.contiguous_weights:
-            # (contiguous weights say nothing of the format their node runs in)
-            form = pin_weight_formats(region.gm, form, table, options.ranks)
-        labels = solve_labels(form.integer)
-        relaxed = Problem(form.seconds.unary, form.seconds.tensors)
-        predicted["planned"] += objective(relaxed, labels) or 0.0
-        for label, key in ((0, "all_contiguous"), (1, "all_channels_last")):
-            predicted[key] += uniform_seconds(form, table, label)
-        free = formulate(region.gm, table, input_label=options.root_input_label
-                         if region.path == "" else None,
-                         output_label=options.output_label if region.path == "" else "keep")
-        predicted["anywhere"] += objective(Problem(free.seconds.unary, free.seconds.tensors),
-                                           solve_labels(free.integer)) or 0.0
-        solved.append(RegionSolution(region, table, form, labels))
-    return Solution(tuple(solved), predicted, costs.measured, costs.cached)
 
 
-def uniform_seconds(form: Formulation, table: Any, label: int) -> float:
-    """The predicted seconds of every layout node in ``label`` (a node whose other label
-    fails stays pinned), with the fewest conversions the boundaries then need."""
-    pins = {**{n: label for n in table.nodes}, **form.integer.pins}
-    try:
-        labels = solve_labels(Problem(form.integer.unary, form.integer.tensors, pins,
-                                      form.integer.ties))
-    except ValueError:  # a pinned node tied to one in the other label: nothing realizable
-        labels = {n: pins.get(n, label) for n in form.seconds.unary}
-    return objective(Problem(form.seconds.unary, form.seconds.tensors), labels) or 0.0
 
 
-def pin_weight_formats(gm: Any, form: Formulation, table: Any,
-                       ranks: tuple[int, ...]) -> Formulation:
-    """``form`` with every node that owns (or reads) layout-rank parameters pinned to the
-    format those parameters have (canonical strides), where exactly one format fits: a plan
-    for another shape keeps the weights as they are."""
-    from memlayout.layout import strides_for
-    from memlayout.plan.costs.measure import module_has_layout_params
-    from memlayout.plan.graph import attribute
-
-    pins: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.name not in table.nodes or n.name in form.integer.pins:
-            continue
-        tensors: list[torch.Tensor] = []
-        if n.op == "call_module" and module_has_layout_params(gm, n):
-            sub = gm.get_submodule(n.target)
-            tensors += [t for t in [*sub.parameters(), *sub.buffers()] if t.dim() in ranks]
-        for m in n.all_input_nodes:
-            value = attribute(gm, str(m.target)) if m.op == "get_attr" else None
-            if isinstance(value, torch.Tensor) and value.dim() in ranks:
-                tensors.append(value)
-        fits = [label for label in (0, 1) if tensors and all(
-            tuple(t.stride()) == strides_for(tuple(t.shape), Label(label).format(t.dim()))
-            for t in tensors)]
-        if len(fits) == 1:
-            pins[n.name] = fits[0]
-    if not pins:
-        return form
-    return dataclasses.replace(
-        form, integer=dataclasses.replace(form.integer, pins={**form.integer.pins, **pins}),
-        seconds=dataclasses.replace(form.seconds, pins={**form.seconds.pins, **pins}))
 
 
-def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
-                  inputs: tuple[Any, ...], options: PlanOptions, store: CostCache | None,
-                  outputs: Formats) -> GuardDecision:
-    """Build the min-cut plan; with the guard on (and measuring), time it as a whole model
-    against the original run entirely in one format (eager NCHW, eager NHWC: weights and
-    inputs converted, outputs as the plan hands them back), skipping a format the plan
-    already is end to end (or read that measurement from the cache), and keep the fastest
-    (``memlayout.plan.check.guard``). With ``input_format="auto"`` each candidate is timed with
-    its inputs already in its format, and the inputs then arrive in the kept one's."""
-    entry = solution.chosen_input() if options.auto_input else options.input_label
-    own_inputs = options.auto_input and entry is not None
-
-    def uniform(label: int) -> Build:
-        return build_uniform(reference, captured, solution, label, options, outputs,
-                             arrive=label if own_inputs else options.input_label)
-
-    root = "module" if options.keywords else ""
-    skipped = [name for name, label in g.UNIFORM.items() if is_uniform(solution, label, root)]
-    if skipped:
-        # the plan runs the model in one format end to end: run it exactly as that eager
-        # model, so it is what it is compared with, not another copy of it
-        eager = uniform(g.UNIFORM[skipped[0]])
-        planned = dataclasses.replace(eager, nodes=node_choices(solution), label=None)
-    else:
-        planned = build(reference, steering_of(solution, options), options, outputs=outputs,
-                        input_label=entry, nodes=node_choices(solution),
-                        conversions=conversions_of(solution, options))
-    if not (options.guard and options.measure and solution.has_variables):
-        return GuardDecision(planned, None, entry)
-    if own_inputs:
-        inputs = inputs_in(inputs, entry, options.ranks)
-    names = [name for name in g.UNIFORM if name not in skipped]
-    if _outputs_mixed(captured, options):
-        names, skipped = [], []  # outputs in both formats: a one-format model cannot keep them
-    if not names:
-        return GuardDecision(planned, GuardRecord(g.PLANNED, options.guard_margin, "none", 0,
-                                                  skipped=tuple(skipped)), entry)
-
-    def candidate(name: str) -> Build:
-        return planned if name == g.PLANNED else uniform(g.UNIFORM[name])
-
-    def decided(kept: str, record: GuardRecord) -> GuardDecision:
-        label = g.UNIFORM.get(kept)  # an eager model won: its inputs arrive in its format
-        return GuardDecision(candidate(kept), record,
-                             label if own_inputs and label is not None else entry)
-
-    margin = options.guard_margin
-    key = g.cache_key(device_name(options.device), options.dtype, g.signature(
-        solution.graphs(), [options.signature_extra, names, skipped, "boundaries"]))
-    record = store.get(key, g.valid_record) if store is not None else None
-    if record is not None and not g.measured_busy(record):  # a busy machine's: measure again
-        kept = g.decide(record, margin=margin)
-        return decided(kept, g.describe(record, kept=kept, margin=margin, source="cache",
-                                        skipped=skipped))
-    builds = {name: candidate(name) for name in [g.PLANNED, *names]}
-    rounds = options.guard_rounds
-    steps = [0]
-
-    def on_step(_round: int, name: str) -> None:
-        steps[0] += 1
-        if options.progress is not None:
-            # a close call runs as many rounds again (memlayout.plan.check.guard.is_close)
-            total = rounds * len(builds) * (1 + (steps[0] > rounds * len(builds)))
-            options.progress(steps[0], total, f"whole model, {name}")
-
-    start = time.perf_counter()
-    inputs_of = ({name: inputs_in(inputs, g.UNIFORM[name], options.ranks) for name in names}
-                 if own_inputs else None)
-    record = g.time_candidates({name: b.module for name, b in builds.items()}, inputs,
-                               options.dtype, device=options.device, rounds=rounds,
-                               on_step=on_step, train=options.train, margin=margin,
-                               inputs_of=inputs_of)
-    if store is not None and not record["errors"]:
-        g.save(store, key, record)
-    kept = g.decide(record, margin=margin)
-    return decided(kept, g.describe(record, kept=kept, margin=margin, source="measured",
-                                    skipped=skipped, seconds=time.perf_counter() - start))
 
 
-def build_uniform(reference: nn.Module, captured: Captured, solution: Solution, label: int,
-                  options: PlanOptions, outputs: Formats, *, arrive: int | None) -> Build:
-    """The original model run entirely in ``label``, as eager NCHW / NHWC: a copy with its
-    weights in it, inputs converted on entry, results handed back as the plan hands them."""
-    model = reference.module if options.keywords else reference
-    steering = uniform_steering(solution, captured.calls, label, options, model)
-    return build(reference, steering, options, outputs=outputs, input_label=arrive,
-                 nodes=node_choices(solution, label), label=label,
-                 conversions=uniform_conversions(solution, captured.calls, label, options,
-                                                 arrive))
 
 
-def is_uniform(solution: Solution, label: int, root: str = "") -> bool:
-    """The plan runs the whole model in ``label`` as eager would: one region (the model),
-    every layout node in ``label`` (or pinned), and conversions only of the model's inputs
-    on entry or of its results on the way out (``root``: the model's call)."""
-    if len(solution.regions) != 1 or solution.regions[0].region.path != "":
-        return False
-    s = solution.regions[0]
-    if any(s.labels[n] != s.form.seconds.pins.get(n, label) for n in s.table.nodes):
-        return False
-    return all(c.call == root for c in s.form.crossings
-               if c.convertible and s.labels[c.outer] != s.labels[c.inner])
 
 
-def _outputs_mixed(captured: Captured, options: PlanOptions) -> bool:
-    """The kept outputs are in both formats (or in none): no one-format model keeps them."""
-    if options.output_label != "keep":
-        return False
-    return value_meta(captured.output, options.ranks).label == NONE and any(
-        True for _ in iter_tensors(captured.output))
 
 
-def suspect_costs(captured: Captured, solution: Solution, decision: GuardDecision) -> float | None:
-    """How far the predicted plan time exceeds the guard's measured one, when beyond
-    ``guard.SUSPECT`` (``None`` too when the guard did not time the plan, or parts of the model
-    run eager outside the plan's prediction)."""
-    if decision.record is None or any(r.path for r in captured.regions) or captured.uncaptured:
-        return None
-    return g.suspect(solution.predicted.get("planned"), decision.record.planned_seconds)
 
 
-def padding_step(reference: nn.Module, built: Build, inputs: tuple[Any, ...],
-                 options: PlanOptions, store: CostCache | None, signature: str,
-                 outputs: Formats) -> tuple[tuple[PadChoice, ...], Build]:
-    """Convolutions padded to the vector width where that measures faster (inference only:
-    a padded convolution's weights are copies made here, they would not train). Returns the
-    choices and the build that runs them."""
-    if not (options.padding and options.measure) or options.train:
-        return (), built
-
-    def padded(channels: dict[str, tuple[int, int]]) -> Build:
-        steering = built.steering.padded({user_path(p, options): c for p, c in channels.items()})
-        return dataclasses.replace(
-            build(reference, steering, options, outputs=outputs, input_label=_entry(built),
-                  label=built.label), nodes=built.nodes, conversions=built.conversions)
-
-    blocks = block_sizes(options.device, options.dtype)
-    choices = tuple(plan_padding(built.module, inputs, padded=lambda c: padded(c).module,
-                                 dtype=options.dtype, cache=store, rounds=options.rounds,
-                                 progress=options.progress, signature=signature,
-                                 device=options.device, blocks=blocks))
-    channels = padded_channels(built.module, list(choices), blocks)
-    return choices, padded(channels) if channels else built
 
 
-def _entry(built: Build) -> int | None:
-    """The format a build's inputs are converted to on entry (``None``: as they come)."""
-    return planned_state(built.model).input_label
 
 
 def memory_step(reference: nn.Module, captured: Captured, solution: Solution,
@@ -676,7 +438,7 @@ def memory_step(reference: nn.Module, captured: Captured, solution: Solution,
     if not options.memory and options.memory_budget is None:
         return MemoryDecision(decision.build, None)
     arrive = decision.input_label if options.auto_input else options.input_label
-    chosen, record = mem.memory_step(
+    chosen, record = peak_memory_step(
         reference, inputs, options.dtype, decision.build, solution=solution,
         budget=options.memory_budget, padding=padded,
         kept=decision.kept, predicted=solution.predicted,
@@ -698,112 +460,12 @@ def blocked_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
                            rounds=options.rounds, signature=signature, device=options.device)
 
 
-def changed_inputs(captured: Captured, options: PlanOptions) -> tuple[str, ...]:
-    """What the forward changes of its inputs in place: the graph's in-place ops on its inputs,
-    and the inputs the eager run changed (a graph may trace ``x += 1`` out of place)."""
-    graph = [f for r in captured.regions if r.path == "" for f in inplace_on_inputs(r.gm)]
-    call = captured.calls.get("module" if options.keywords else "")
-    eager = [f"input {p} in place" for p in (call.mutated if call is not None else ())]
-    return tuple(graph or eager)
 
 
-def verify(reference: nn.Module, built: Build, inputs: tuple[Any, ...], options: PlanOptions,
-           state: Any, inplace: tuple[str, ...]) -> Verification:
-    """The planned model against the original (``memlayout.plan.check.verification``).
-    Refused before it runs, whatever the format: a forward that changes its input in place
-    when inputs that arrive in another format are converted on entry (the change would land
-    on the copy)."""
-    if inplace and (options.input_label is not None or options.auto_input):
-        raise LayoutVerificationError(
-            f"the forward changes its input in place ({', '.join(inplace)}), and with "
-            "input_format the planned model converts inputs that arrive in another format on "
-            "entry: the change would land on that copy, not on the caller's tensor. Plan "
-            "without input_format (inputs taken as they come), or make the op out of place "
-            "(x = x * 2 instead of x.mul_(2))", cause="the forward changes its input in place",
-            fallback=False)
-    return verify_model(reference, built.module, inputs, dtype=options.dtype,
-                        device=options.device, train=options.train, state=state,
-                        inplace=inplace)
 
 
-def fall_back(reference: nn.Module, captured: Captured, solution: Solution,
-              decision: GuardDecision, inputs: tuple[Any, ...], example: tuple[Any, ...],
-              options: PlanOptions, state: Any, failure: LayoutVerificationError,
-              outputs: Formats, inplace: tuple[str, ...]
-              ) -> tuple[GuardDecision, Verification, str]:
-    """The plan failed verification: the model run entirely in one format, the faster first
-    (as the guard measured them; unmeasured: NHWC, then NCHW), the first that verifies, with
-    the note that says so. Raises ``failure`` when none does."""
-    timed = decision.record.candidates if decision.record is not None else {}
-    names = sorted((n for n in g.UNIFORM if n != decision.kept),
-                   key=lambda n: (-timed[n].median if n in timed else 0.0, -g.UNIFORM[n]))
-    own_inputs = options.auto_input and decision.input_label is not None
-    arrive = {n: g.UNIFORM[n] if own_inputs else options.input_label for n in names}
-    candidates = [(n, lambda n=n: build_uniform(reference, captured, solution, g.UNIFORM[n],
-                                                options, outputs, arrive=arrive[n]))
-                  for n in names]
-    kept, built, verification, tried = verified_fallback(
-        candidates, lambda b: verify(reference, b, example, options, state, inplace), failure)
-    label = g.UNIFORM[kept]
-    record = (dataclasses.replace(decision.record, kept=kept) if decision.record is not None
-              else GuardRecord(kept, options.guard_margin, "none", 0))
-    why = failure.cause or str(failure)
-    where = f" at {failure.node}" if failure.node else ""
-    note = (f"the {decision.kept} model failed verification ({why}{where}); kept {kept}, "
-            f"the model run entirely {'channels-last' if label else 'contiguous'}, verified"
-            + (f" (also failed: {'; '.join(tried)})" if tried else ""))
-    return (GuardDecision(built, record, label if own_inputs else decision.input_label),
-            verification, note)
 
 
-def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
-              memory: MemoryDecision, inputs: tuple[Any, ...], options: PlanOptions, *,
-              verification: Verification, padding: tuple[PadChoice, ...],
-              blocked: BlockedReport | None, seconds: float, notes: list[str],
-              training: bool, realized: list[str]) -> Plan:
-    """The plan as plain data (``training``: the model's train/eval mode)."""
-    entry = decision.input_label
-    output = options.output_label
-    built = memory.build
-    nodes = list(built.nodes)
-    notes = [*conv1d_notes(nodes), *notes]  # rank 3: planned, or why not
-    if options.contiguous_weights and decision.kept != "planned":
-        notes.append(f"weights='contiguous': every parameter contiguous; the guard kept "
-                     f"{decision.kept}, whose nodes read their weights as they are")
-    elif options.contiguous_weights:
-        counts = {"as_is": 0, "per_call": 0}
-        for s in solution.regions:
-            storage = {n: c.weights for n, c in s.table.nodes.items()}
-            for kind, k in storage_counts(s.labels, storage).items():
-                counts[kind] += k
-        notes.append(
-            f"weights='contiguous': every parameter contiguous; {counts['as_is']} channels-last "
-            f"nodes read their weights as they are, {counts['per_call']} convert them per call "
-            "(whichever measured faster)")
-    if options.auto_input:
-        notes.append(
-            f"input_format='auto': inputs should arrive {Label(entry).text} (converted "
-            "on entry otherwise)" if entry is not None else
-            "input_format='auto': no input in a definite format at the top level; inputs "
-            "are taken as they come")
-    return Plan(
-        model=options.name, device=device_name(options.device), torch_version=torch.__version__,
-        dtype=None if options.dtype is None else str(options.dtype).removeprefix("torch."),
-        input_format=None if entry is None else Label(entry).text,
-        output_format=output if output in (None, "keep") else Label(output).text,  # type: ignore[index]
-        nodes=nodes, conversions=list(built.conversions),
-        predicted=solution.predicted, regions=[r.path for r in captured.regions],
-        uncaptured=[[p, r] for p, r in captured.uncaptured],
-        measured=solution.measured, cached=solution.cached, measure=options.measure,
-        planning_seconds=seconds, verification=verification, guard=decision.record,
-        padding=padding, memory=memory.record, blocked=blocked, train=options.train,
-        input_shapes=[list(t.shape) for t in iter_tensors(inputs)],
-        weight_formats_kept=options.keep_weight_formats, coverage=captured.coverage,
-        costs_timed=sum(s.table.timed_costs for s in solution.regions),
-        costs_noisy=sum(s.table.noisy_costs for s in solution.regions),
-        model_signature=model_signature(captured), notes=notes,
-        weights=options.weights, mode="train" if training else "eval", realized=realized,
-    )
 
 
 # ---------------------------------------------------------------- other shapes

@@ -11,7 +11,7 @@ from torch import nn
 
 import memlayout
 from memlayout.plan.candidates import compiled as c
-from memlayout.plan.report.result import Plan
+from memlayout.plan.report.plan import Plan
 
 # Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
 # these tests in a pytest process of their own (see the Makefile).
@@ -99,7 +99,7 @@ def test_a_frozen_winner_follows_weights_loaded_after_the_compile(monkeypatch):
         return {"ratios": {n: [fast.get(n, 1.0)] * rounds for n in models if n != c.PLANNED},
                 "rounds": rounds, "repeat": 1, "errors": {}, "extended": False,
                 "conditions": None, "spread": None}
-    monkeypatch.setattr(c.g, "time_candidates", frozen_fastest)
+    monkeypatch.setattr(c, "time_candidates", frozen_fastest)
     fast = memlayout.compile(net, x, cache=False, rounds=2, guard=False, plan_kwargs=QUICK,
                              runtimes=())
     assert fast.plan.compiled.kept == c.FROZEN

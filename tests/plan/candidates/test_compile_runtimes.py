@@ -17,7 +17,7 @@ import memlayout
 from memlayout import runtimes
 from memlayout.errors import MemlayoutError
 from memlayout.plan.candidates import compiled as c
-from memlayout.plan.report.result import Plan
+from memlayout.plan.report.plan import Plan
 
 # Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
 # these tests in a pytest process of their own (see the Makefile).
@@ -77,7 +77,7 @@ def _fake_timer(seconds: dict[str, float], calls: list[dict[str, Any]]):
         calls.append(dict(models))
         base = seconds[c.PLANNED]  # the plan is the baseline, timed as the guard's PLANNED
         return {"ratios": {n: [base / seconds.get(n, seconds[c.INDUCTOR])] * rounds
-                           for n in models if n != c.g.PLANNED},
+                           for n in models if n != c.PLANNED},
                 "rounds": rounds, "repeat": 1, "errors": {}, "extended": False,
                 "conditions": None, "spread": None}
     return time_candidates
@@ -95,7 +95,7 @@ def test_a_faster_runtime_is_kept_verified_recorded_and_cached(runtime, tmp_path
                                                                 eager_inductor):
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+    monkeypatch.setattr(c, "time_candidates", _fake_timer(
         {c.PLANNED: 1.0, c.INDUCTOR: 1.0, runtime: 0.5}, calls))
     cache = tmp_path / "costs.sqlite"
     fast = memlayout.compile(net, x, cache=cache, rounds=3, guard=False, plan_kwargs=QUICK,
@@ -148,7 +148,7 @@ def test_a_faster_runtime_is_kept_verified_recorded_and_cached(runtime, tmp_path
 def test_a_runtime_in_bf16_is_its_own_bf16_verified_at_bf16_tolerance(monkeypatch,
                                                                       eager_inductor):
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
-    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+    monkeypatch.setattr(c, "time_candidates", _fake_timer(
         {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.5, "onnxruntime": 2.0}, []))
     fast = memlayout.compile(net, x, dtype="bf16", cache=False, rounds=3, guard=False, plan_kwargs=QUICK)
     record = fast.plan.compiled
@@ -172,7 +172,7 @@ def test_a_runtime_in_bf16_is_its_own_bf16_verified_at_bf16_tolerance(monkeypatc
 def test_runtimes_off_keeps_to_pytorch(monkeypatch, eager_inductor):
     net, x = _cnn(), torch.randn(1, 3, 12, 12)
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+    monkeypatch.setattr(c, "time_candidates", _fake_timer(
         {c.PLANNED: 1.0, c.INDUCTOR: 2.0}, calls))
     fast = memlayout.compile(net, x, cache=False, rounds=3, guard=False, plan_kwargs=QUICK, runtimes=())
     assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN}
@@ -189,7 +189,7 @@ def test_mkldnn_runs_a_model_of_mkldnn_ops_and_is_unavailable_for_one_without(mo
         torch.testing.assert_close(model(x), net(x), rtol=1e-4, atol=1e-5)
     # ReLU6 (every MobileNet) has no mkldnn kernel: not a candidate, and the op is named
     relu6 = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU6()).eval()
-    monkeypatch.setattr(c.g, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0}, []))
+    monkeypatch.setattr(c, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0}, []))
     fast = memlayout.compile(relu6, x, cache=False, rounds=3, guard=False, plan_kwargs=QUICK,
                              runtimes=("mkldnn",), freezing=False)
     assert "hardtanh" in fast.plan.compiled.unavailable["mkldnn"]
@@ -200,7 +200,7 @@ def test_a_training_plan_has_no_runtime_or_frozen_candidate_and_says_why(monkeyp
                                                                          eager_inductor):
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(c.g, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0},
+    monkeypatch.setattr(c, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0},
                                                             calls))
     fast = memlayout.compile(net, x, cache=False, rounds=3, guard=False,
                              plan_kwargs={**QUICK, "train": True})
@@ -218,7 +218,7 @@ def test_the_bench_mode_runs_the_kept_runtime_on_the_input_it_reads(monkeypatch,
     from memlayout.bench.modes import prepare_mode
 
     monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path))  # the cost cache: not the user's
-    monkeypatch.setattr(c.g, "time_candidates", _fake_timer(
+    monkeypatch.setattr(c, "time_candidates", _fake_timer(
         {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.25}, []))
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     prepared = prepare_mode("planned+compile", net, x.contiguous(memory_format=torch.channels_last),

@@ -193,7 +193,7 @@ def test_mkldnn_chains_are_measured_and_reported_with_their_values_checked() -> 
 def test_no_mkldnn_is_said_in_the_plan(monkeypatch) -> None:
     from memlayout.plan.candidates import blocked
     from memlayout.plan.report.describe import blocked_summary
-    from memlayout.plan.report.result import BlockedReport
+    from memlayout.plan.report.records import BlockedReport
 
     monkeypatch.setattr(blocked, "available", lambda: (False, "no mkldnn in this build"))
     record = blocked.measure_blocked(nn.Conv2d(3, 4, 1), (torch.randn(1, 3, 4, 4),))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memlayout
-from memlayout.plan.report.result import Plan
+from memlayout.plan.report.plan import Plan
 from tests.support.counting import conv_calls
 
 

@@ -12,10 +12,10 @@ import memlayout.plan.check.guard as guard
 import memlayout.plan.costs.measure as costs
 from memlayout import timing
 from memlayout.machine import Conditions
-from memlayout.plan import options as records
 from memlayout.plan.capture.regions import capture
 from memlayout.plan.graph import Label
-from memlayout.plan.report.result import RatioRange
+from memlayout.plan.report.records import RatioRange
+from memlayout.plan.solve import regions as solve_regions
 from memlayout.plan.solve.mincut import Solution
 from tests.support.models import Branchy, Features
 from tests.support.models import batch as _x
@@ -54,8 +54,8 @@ def _no_timing(*args, **kwargs):
 
 def _plan_all_contiguous(monkeypatch) -> None:
     """Make the solver label every unpinned node contiguous (so the guard has work to do)."""
-    real = records.solve_min_cut
-    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
+    real = solve_regions.solve_min_cut
+    monkeypatch.setattr(solve_regions, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 0) for k in real(problem).labels}, 0))
 
 
@@ -85,12 +85,12 @@ def test_an_eager_candidate_keeps_output_format_and_state_dict_keys(db, monkeypa
     # the kept candidate is the original run in channels-last: a feature map it returns comes
     # back in the format the original returns it in, and state dicts load both ways
     _fake_clock(monkeypatch, {"all_channels_last": 1.0})
-    real = records.solve_min_cut
+    real = solve_regions.solve_min_cut
 
     def all_contiguous(problem):  # a plan that is not channels-last, whatever was measured
         return Solution({k: problem.pins.get(k, 0) for k in real(problem).labels}, 0)
 
-    monkeypatch.setattr(records, "solve_min_cut", all_contiguous)
+    monkeypatch.setattr(solve_regions, "solve_min_cut", all_contiguous)
     model, x = Features().eval(), _x()
     opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
     assert opt.plan.guard.skipped == ("all_contiguous",)  # that is the plan already

@@ -14,7 +14,7 @@ from memlayout.errors import PlanError
 from memlayout.plan.candidates import padding as padding_mod
 from memlayout.plan.check.memory import budget_bytes, peak_memory
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.report.result import Plan
+from memlayout.plan.report.plan import Plan
 
 
 def _nbytes(*shape: int) -> int:
@@ -94,11 +94,11 @@ def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
 def _plan_all_channels_last(monkeypatch: pytest.MonkeyPatch) -> None:
     """The solver labels every unpinned node channels-last: the same plan whatever the noisy
     measurements say (which labels a plan gets decides where its peak falls)."""
-    from memlayout.plan import options as records
+    from memlayout.plan.solve import regions as solve_regions
     from memlayout.plan.solve.mincut import Solution
 
-    real = records.solve_min_cut
-    monkeypatch.setattr(records, "solve_min_cut", lambda problem: Solution(
+    real = solve_regions.solve_min_cut
+    monkeypatch.setattr(solve_regions, "solve_min_cut", lambda problem: Solution(
         {k: problem.pins.get(k, 1) for k in real(problem).labels}, 0))
 
 

@@ -10,7 +10,8 @@ import pytest
 from memlayout.machine import Conditions
 from memlayout.plan.report.compare import ModelComparison
 from memlayout.plan.report.describe import drop_lines, guard_summary, memory_summary
-from memlayout.plan.report.result import (
+from memlayout.plan.report.plan import Plan
+from memlayout.plan.report.records import (
     DTYPE_TOLERANCE,
     FLOAT64_RECHECK,
     BlockedChain,
@@ -21,7 +22,6 @@ from memlayout.plan.report.result import (
     MemoryReport,
     NodeChoice,
     PadChoice,
-    Plan,
     RatioRange,
     Verification,
 )

@@ -14,10 +14,11 @@ from torch import nn
 
 from memlayout.errors import PlanError
 from memlayout.layout import Format, strides_for
-from memlayout.plan import pipeline
 from memlayout.plan.pipeline import optimize
+from memlayout.plan.steer import build
 from memlayout.plan.steer.weights import PER_CALL, convert_per_call
 from memlayout.train.ddp import grad_layout_mismatches
+from tests.support.planted import replace_steering
 
 
 class Net(nn.Module):
@@ -108,14 +109,13 @@ def test_measured_storage_is_recorded_per_channels_last_convolution(tmp_path) ->
 def test_per_call_storage_against_eager(monkeypatch) -> None:
     """Every channels-last convolution made to convert its weight per call (as the measured
     choice would where that is faster): same training step, weights still contiguous."""
-    real = pipeline.steering_of
+    real = build.steering_of
 
     def per_call_everywhere(solution, options, storage=None):  # noqa: ANN001, ANN202
         return real(solution, options, {(s.region.path, n): PER_CALL
                                         for s in solution.regions for n in s.table.nodes})
 
-    monkeypatch.setattr(pipeline, "steering_of", per_call_everywhere)
-    monkeypatch.setattr(pipeline, "is_uniform", lambda solution, label, root="": False)
+    replace_steering(monkeypatch, per_call_everywhere)
     model, x = Net(), _x()
     opt = optimize(model, x, train=True, weights="contiguous", measure=False, cache=False)
     key = opt.memlayout.example

@@ -83,8 +83,8 @@ from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import CostTable, device_name, measure_costs
 from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, FREE, META_KEY, Label
-from memlayout.plan.options import solve_labels
 from memlayout.plan.solve.formulate import formulate
+from memlayout.plan.solve.regions import solve_labels
 from memlayout.plan.steer.rewrite import rewrite
 from memlayout.spatial import mark_spatial
 from memlayout.tensors import iter_tensors

@@ -22,7 +22,7 @@ from torch import nn
 
 from memlayout.plan.check.compare import worst_error
 from memlayout.plan.costs.measure import device_name
-from memlayout.plan.report.result import BlockedReport
+from memlayout.plan.report.records import BlockedReport
 from memlayout.tensors import device_of
 from memlayout.timing import interleaved
 

@@ -63,15 +63,17 @@ from memlayout.dtypes import autocast, dtype_name
 from memlayout.errors import LayoutVerificationError, MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
-from memlayout.plan.check import guard as g
 from memlayout.plan.check.compare import compare, tolerance
+from memlayout.plan.check.guard import save as save_guard_record
+from memlayout.plan.check.guard import time_candidates, valid_record
 from memlayout.plan.costs.measure import device_name
 from memlayout.plan.graph import Label
 from memlayout.plan.inputs import _add_prefix, _strip_prefix, example_inputs_of
 from memlayout.plan.options import Progress
 from memlayout.plan.pipeline import open_cache, optimize
 from memlayout.plan.report.compare import ModelComparison, busier
-from memlayout.plan.report.result import CompiledRecord, Plan
+from memlayout.plan.report.plan import Plan
+from memlayout.plan.report.records import CompiledRecord
 from memlayout.plan.steer.state import PlannedState
 from memlayout.plan.steer.steering import STATE, Steering, planned_state, steer
 from memlayout.tensors import convert_batch, convert_module, device_of
@@ -171,7 +173,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
                      {**compile_kwargs, "candidates": _versions(candidates)})
     compiled: dict[str, Any] = {}
     try:
-        cached = store.get(key, g.valid_record) if store is not None else None
+        cached = store.get(key, valid_record) if store is not None else None
         module = None
         if cached is not None:
             kept = _decide(cached, margin)
@@ -191,7 +193,7 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
                                         rounds=rounds, margin=margin, record=record,
                                         timed=measure)
             if store is not None and compiled.get("ratios") is not None:
-                g.save(store, key, {"ratios": compiled["ratios"], "rounds": compiled["rounds"],
+                save_guard_record(store, key, {"ratios": compiled["ratios"], "rounds": compiled["rounds"],
                                     "repeat": compiled.get("repeat", 1),
                                     "baseline": compiled["baseline"],
                                     "conditions": compiled.get("conditions"),
@@ -266,11 +268,11 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
         return built[kept], {**out, "kept": kept, "source": "none", "candidates": {},
                              "rounds": 0}
     # the guard's timer measures against its PLANNED entry: the baseline goes in under it
-    timed_as = {(g.PLANNED if n == baseline else n): m for n, m in built.items()}
-    own = {(g.PLANNED if n == baseline else n): _prepared(m, inputs) for n, m in built.items()}
-    times = g.time_candidates(timed_as, inputs, dtype, device=device_of(inputs, built[baseline]),
+    timed_as = {(PLANNED if n == baseline else n): m for n, m in built.items()}
+    own = {(PLANNED if n == baseline else n): _prepared(m, inputs) for n, m in built.items()}
+    times = time_candidates(timed_as, inputs, dtype, device=device_of(inputs, built[baseline]),
                               rounds=rounds, inputs_of=own)
-    errors.update({(baseline if n == g.PLANNED else n): e for n, e in times["errors"].items()})
+    errors.update({(baseline if n == PLANNED else n): e for n, e in times["errors"].items()})
     measured = {**times, "baseline": baseline}
     kept = _decide(measured, margin)
     return built[kept], {**out, **_describe(measured), "kept": kept, "source": "measured",

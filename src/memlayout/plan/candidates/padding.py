@@ -42,9 +42,14 @@ import torch
 from torch import nn
 
 from memlayout.dtypes import autocast
+from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import Progress, device_name
-from memlayout.plan.report.result import UNPADDED, PadChoice
-from memlayout.plan.steer.forward import padded_convolution, padded_weights
+from memlayout.plan.options import PlanOptions
+from memlayout.plan.report.records import UNPADDED, PadChoice
+from memlayout.plan.steer.boundary import padded_convolution, padded_weights
+from memlayout.plan.steer.build import Build, build, user_path
+from memlayout.plan.steer.state import Formats
+from memlayout.plan.steer.steering import planned_state
 from memlayout.tensors import device_of
 from memlayout.timing import device_sync, interleaved
 
@@ -346,3 +351,32 @@ def decide(seconds: dict[str, float | None], ratios: dict[str, float], margin: f
     best = min(timed, key=timed.__getitem__)
     faster = timed[best] < base * (1.0 - margin) and ratios.get(best, 0.0) > 1.0 + margin
     return best if faster else UNPADDED
+
+
+def padding_step(reference: nn.Module, built: Build, inputs: tuple[Any, ...],
+                 options: PlanOptions, store: CostCache | None, signature: str,
+                 outputs: Formats) -> tuple[tuple[PadChoice, ...], Build]:
+    """Convolutions padded to the vector width where that measures faster (inference only:
+    a padded convolution's weights are copies made here, they would not train). Returns the
+    choices and the build that runs them."""
+    if not (options.padding and options.measure) or options.train:
+        return (), built
+
+    def padded(channels: dict[str, tuple[int, int]]) -> Build:
+        steering = built.steering.padded({user_path(p, options): c for p, c in channels.items()})
+        return dataclasses.replace(
+            build(reference, steering, options, outputs=outputs, input_label=_entry(built),
+                  label=built.label), nodes=built.nodes, conversions=built.conversions)
+
+    blocks = block_sizes(options.device, options.dtype)
+    choices = tuple(plan_padding(built.module, inputs, padded=lambda c: padded(c).module,
+                                 dtype=options.dtype, cache=store, rounds=options.rounds,
+                                 progress=options.progress, signature=signature,
+                                 device=options.device, blocks=blocks))
+    channels = padded_channels(built.module, list(choices), blocks)
+    return choices, padded(channels) if channels else built
+
+
+def _entry(built: Build) -> int | None:
+    """The format a build's inputs are converted to on entry (``None``: as they come)."""
+    return planned_state(built.model).input_label

@@ -54,7 +54,7 @@ from memlayout.plan.graph import (
     planned_ranks,
     value_meta,
 )
-from memlayout.plan.report.result import Coverage
+from memlayout.plan.report.records import Coverage
 from memlayout.spatial import mark_spatial
 from memlayout.tensors import device_of
 

@@ -39,7 +39,9 @@ import dataclasses
 import hashlib
 import json
 import statistics
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,9 +49,25 @@ from torch import fx, nn
 
 from memlayout.dtypes import autocast
 from memlayout.machine import Conditions
-from memlayout.plan.graph import META_KEY
-from memlayout.plan.report.result import GuardRecord, RatioRange, decode
-from memlayout.tensors import mean_square_loss
+from memlayout.plan.capture.regions import Captured
+from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.measure import device_name
+from memlayout.plan.graph import META_KEY, NONE, value_meta
+from memlayout.plan.inputs import inputs_in
+from memlayout.plan.options import PlanOptions
+from memlayout.plan.report.records import GuardRecord, RatioRange, decode
+from memlayout.plan.solve.regions import Solution
+from memlayout.plan.steer.build import (
+    Build,
+    build,
+    conversions_of,
+    node_choices,
+    steering_of,
+    uniform_conversions,
+    uniform_steering,
+)
+from memlayout.plan.steer.state import Formats
+from memlayout.tensors import iter_tensors, mean_square_loss
 from memlayout.timing import ModeTiming, device_sync, interleaved
 
 PLANNED = "planned"
@@ -275,3 +293,139 @@ def describe(record: Mapping[str, Any], *, kept: str, margin: float, source: str
         extended=record.get("extended", False), repeat=record.get("repeat", 1),
         seconds=seconds, conditions=decode(Conditions, record.get("conditions")),
         planned_seconds=record.get("planned_seconds"), spread=record.get("spread"))
+
+
+def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
+                  inputs: tuple[Any, ...], options: PlanOptions, store: CostCache | None,
+                  outputs: Formats) -> GuardDecision:
+    """Build the min-cut plan; with the guard on (and measuring), time it as a whole model
+    against the original run entirely in one format (eager NCHW, eager NHWC: weights and
+    inputs converted, outputs as the plan hands them back), skipping a format the plan
+    already is end to end (or read that measurement from the cache), and keep the fastest
+    (``memlayout.plan.check.guard``). With ``input_format="auto"`` each candidate is timed with
+    its inputs already in its format, and the inputs then arrive in the kept one's."""
+    entry = solution.chosen_input() if options.auto_input else options.input_label
+    own_inputs = options.auto_input and entry is not None
+
+    def uniform(label: int) -> Build:
+        return build_uniform(reference, captured, solution, label, options, outputs,
+                             arrive=label if own_inputs else options.input_label)
+
+    root = "module" if options.keywords else ""
+    skipped = [name for name, label in UNIFORM.items() if is_uniform(solution, label, root)]
+    if skipped:
+        # the plan runs the model in one format end to end: run it exactly as that eager
+        # model, so it is what it is compared with, not another copy of it
+        eager = uniform(UNIFORM[skipped[0]])
+        planned = dataclasses.replace(eager, nodes=node_choices(solution), label=None)
+    else:
+        planned = build(reference, steering_of(solution, options), options, outputs=outputs,
+                        input_label=entry, nodes=node_choices(solution),
+                        conversions=conversions_of(solution, options))
+    if not (options.guard and options.measure and solution.has_variables):
+        return GuardDecision(planned, None, entry)
+    if own_inputs:
+        inputs = inputs_in(inputs, entry, options.ranks)
+    names = [name for name in UNIFORM if name not in skipped]
+    if _outputs_mixed(captured, options):
+        names, skipped = [], []  # outputs in both formats: a one-format model cannot keep them
+    if not names:
+        return GuardDecision(planned, GuardRecord(PLANNED, options.guard_margin, "none", 0,
+                                                  skipped=tuple(skipped)), entry)
+
+    def candidate(name: str) -> Build:
+        return planned if name == PLANNED else uniform(UNIFORM[name])
+
+    def decided(kept: str, record: GuardRecord) -> GuardDecision:
+        label = UNIFORM.get(kept)  # an eager model won: its inputs arrive in its format
+        return GuardDecision(candidate(kept), record,
+                             label if own_inputs and label is not None else entry)
+
+    margin = options.guard_margin
+    key = cache_key(device_name(options.device), options.dtype, signature(
+        solution.graphs(), [options.signature_extra, names, skipped, "boundaries"]))
+    record = store.get(key, valid_record) if store is not None else None
+    if record is not None and not measured_busy(record):  # a busy machine's: measure again
+        kept = decide(record, margin=margin)
+        return decided(kept, describe(record, kept=kept, margin=margin, source="cache",
+                                        skipped=skipped))
+    builds = {name: candidate(name) for name in [PLANNED, *names]}
+    rounds = options.guard_rounds
+    steps = [0]
+
+    def on_step(_round: int, name: str) -> None:
+        steps[0] += 1
+        if options.progress is not None:
+            # a close call runs as many rounds again (memlayout.plan.check.guard.is_close)
+            total = rounds * len(builds) * (1 + (steps[0] > rounds * len(builds)))
+            options.progress(steps[0], total, f"whole model, {name}")
+
+    start = time.perf_counter()
+    inputs_of = ({name: inputs_in(inputs, UNIFORM[name], options.ranks) for name in names}
+                 if own_inputs else None)
+    record = time_candidates({name: b.module for name, b in builds.items()}, inputs,
+                               options.dtype, device=options.device, rounds=rounds,
+                               on_step=on_step, train=options.train, margin=margin,
+                               inputs_of=inputs_of)
+    if store is not None and not record["errors"]:
+        save(store, key, record)
+    kept = decide(record, margin=margin)
+    return decided(kept, describe(record, kept=kept, margin=margin, source="measured",
+                                    skipped=skipped, seconds=time.perf_counter() - start))
+
+
+def build_uniform(reference: nn.Module, captured: Captured, solution: Solution, label: int,
+                  options: PlanOptions, outputs: Formats, *, arrive: int | None) -> Build:
+    """The original model run entirely in ``label``, as eager NCHW / NHWC: a copy with its
+    weights in it, inputs converted on entry, results handed back as the plan hands them."""
+    model = reference.module if options.keywords else reference
+    steering = uniform_steering(solution, captured.calls, label, options, model)
+    return build(reference, steering, options, outputs=outputs, input_label=arrive,
+                 nodes=node_choices(solution, label), label=label,
+                 conversions=uniform_conversions(solution, captured.calls, label, options,
+                                                 arrive))
+
+
+def is_uniform(solution: Solution, label: int, root: str = "") -> bool:
+    """The plan runs the whole model in ``label`` as eager would: one region (the model),
+    every layout node in ``label`` (or pinned), and conversions only of the model's inputs
+    on entry or of its results on the way out (``root``: the model's call)."""
+    if len(solution.regions) != 1 or solution.regions[0].region.path != "":
+        return False
+    s = solution.regions[0]
+    if any(s.labels[n] != s.form.seconds.pins.get(n, label) for n in s.table.nodes):
+        return False
+    return all(c.call == root for c in s.form.crossings
+               if c.convertible and s.labels[c.outer] != s.labels[c.inner])
+
+
+def _outputs_mixed(captured: Captured, options: PlanOptions) -> bool:
+    """The kept outputs are in both formats (or in none): no one-format model keeps them."""
+    if options.output_label != "keep":
+        return False
+    return value_meta(captured.output, options.ranks).label == NONE and any(
+        True for _ in iter_tensors(captured.output))
+
+
+def suspect_costs(captured: Captured, solution: Solution, decision: GuardDecision) -> float | None:
+    """How far the predicted plan time exceeds the guard's measured one, when beyond
+    ``guard.SUSPECT`` (``None`` too when the guard did not time the plan, or parts of the model
+    run eager outside the plan's prediction)."""
+    if decision.record is None or any(r.path for r in captured.regions) or captured.uncaptured:
+        return None
+    return suspect(solution.predicted.get("planned"), decision.record.planned_seconds)
+
+
+@dataclass(frozen=True)
+class GuardDecision:
+    """The build the guard kept, its record (``Plan.guard``; ``None``: the guard did not run)
+    and the format the inputs now arrive in."""
+
+    build: Build
+    record: GuardRecord | None
+    input_label: int | None
+
+    @property
+    def kept(self) -> str:
+        """``planned``, or the eager model that replaced the plan."""
+        return self.record.kept if self.record is not None else "planned"

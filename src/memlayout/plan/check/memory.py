@@ -43,9 +43,10 @@ from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
 from memlayout.plan.check.guard import signature as graph_signature
 from memlayout.plan.costs.measure import device_name
-from memlayout.plan.options import Build, Solution
-from memlayout.plan.report.result import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
+from memlayout.plan.report.records import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
 from memlayout.plan.solve.mincut import Problem, Tensor, objective, solve_min_cut
+from memlayout.plan.solve.regions import Solution
+from memlayout.plan.steer.build import Build
 from memlayout.tensors import device_of
 
 CUDA_ALLOCATOR = "cuda_allocator"
@@ -331,3 +332,11 @@ def _labels_weighing_bytes(form: Any, table: Any, penalty: float) -> dict[str, i
         return solve_min_cut(problem).labels
     except ValueError:
         return solve_min_cut(Problem(unary, heavier, form.integer.pins)).labels
+
+
+@dataclass(frozen=True)
+class MemoryDecision:
+    """The build the memory step kept and its record (``Plan.memory``; ``None``: not run)."""
+
+    build: Build
+    record: MemoryReport | None

@@ -22,8 +22,8 @@ from torch.utils import _pytree as pytree
 
 from memlayout.dtypes import autocast
 from memlayout.plan.graph import Label
-from memlayout.plan.options import Solution
 from memlayout.plan.solve.boundaries import OUT
+from memlayout.plan.solve.regions import Solution
 from memlayout.tensors import format_of, in_format
 
 

@@ -15,7 +15,7 @@ from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import strides_agree
 from memlayout.plan.check.compare import TOLERANCE, compare, detached, float64, tolerance
-from memlayout.plan.report.result import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
+from memlayout.plan.report.records import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
 from memlayout.tensors import device_of, iter_tensors
 
 SEED = 0  # the RNG state both models start a verified step from (masks: _LayoutFreeDropout)

@@ -22,10 +22,28 @@ import torch
 from torch import nn
 
 from memlayout.errors import LayoutVerificationError
+from memlayout.plan.capture.regions import Captured
+from memlayout.plan.check import guard
 from memlayout.plan.check.compare import compare, detached, float64_agreement, tolerance
-from memlayout.plan.check.semantics import ModuleState, call_twice, restore_state, verify_semantics
+from memlayout.plan.check.guard import GuardDecision, build_uniform
+from memlayout.plan.check.semantics import (
+    ModuleState,
+    call_twice,
+    inplace_on_inputs,
+    restore_state,
+    verify_semantics,
+)
 from memlayout.plan.check.training import verify_training
-from memlayout.plan.report.result import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
+from memlayout.plan.options import PlanOptions
+from memlayout.plan.report.records import (
+    DTYPE_TOLERANCE,
+    FLOAT64_RECHECK,
+    GuardRecord,
+    Verification,
+)
+from memlayout.plan.solve.regions import Solution
+from memlayout.plan.steer.build import Build
+from memlayout.plan.steer.state import Formats
 
 
 def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
@@ -150,3 +168,61 @@ def verified_fallback(candidates: list[tuple[str, Callable[[], nn.Module]]],
 
 
 __all__ = ["first_divergent_module", "verified_fallback", "verify_model"]
+
+
+def changed_inputs(captured: Captured, options: PlanOptions) -> tuple[str, ...]:
+    """What the forward changes of its inputs in place: the graph's in-place ops on its inputs,
+    and the inputs the eager run changed (a graph may trace ``x += 1`` out of place)."""
+    graph = [f for r in captured.regions if r.path == "" for f in inplace_on_inputs(r.gm)]
+    call = captured.calls.get("module" if options.keywords else "")
+    eager = [f"input {p} in place" for p in (call.mutated if call is not None else ())]
+    return tuple(graph or eager)
+
+
+def verify(reference: nn.Module, built: Build, inputs: tuple[Any, ...], options: PlanOptions,
+           state: Any, inplace: tuple[str, ...]) -> Verification:
+    """The planned model against the original (``memlayout.plan.check.verification``).
+    Refused before it runs, whatever the format: a forward that changes its input in place
+    when inputs that arrive in another format are converted on entry (the change would land
+    on the copy)."""
+    if inplace and (options.input_label is not None or options.auto_input):
+        raise LayoutVerificationError(
+            f"the forward changes its input in place ({', '.join(inplace)}), and with "
+            "input_format the planned model converts inputs that arrive in another format on "
+            "entry: the change would land on that copy, not on the caller's tensor. Plan "
+            "without input_format (inputs taken as they come), or make the op out of place "
+            "(x = x * 2 instead of x.mul_(2))", cause="the forward changes its input in place",
+            fallback=False)
+    return verify_model(reference, built.module, inputs, dtype=options.dtype,
+                        device=options.device, train=options.train, state=state,
+                        inplace=inplace)
+
+
+def fall_back(reference: nn.Module, captured: Captured, solution: Solution,
+              decision: GuardDecision, inputs: tuple[Any, ...], example: tuple[Any, ...],
+              options: PlanOptions, state: Any, failure: LayoutVerificationError,
+              outputs: Formats, inplace: tuple[str, ...]
+              ) -> tuple[GuardDecision, Verification, str]:
+    """The plan failed verification: the model run entirely in one format, the faster first
+    (as the guard measured them; unmeasured: NHWC, then NCHW), the first that verifies, with
+    the note that says so. Raises ``failure`` when none does."""
+    timed = decision.record.candidates if decision.record is not None else {}
+    names = sorted((n for n in guard.UNIFORM if n != decision.kept),
+                   key=lambda n: (-timed[n].median if n in timed else 0.0, -guard.UNIFORM[n]))
+    own_inputs = options.auto_input and decision.input_label is not None
+    arrive = {n: guard.UNIFORM[n] if own_inputs else options.input_label for n in names}
+    candidates = [(n, lambda n=n: build_uniform(reference, captured, solution, guard.UNIFORM[n],
+                                                options, outputs, arrive=arrive[n]))
+                  for n in names]
+    kept, built, verification, tried = verified_fallback(
+        candidates, lambda b: verify(reference, b, example, options, state, inplace), failure)
+    label = guard.UNIFORM[kept]
+    record = (dataclasses.replace(decision.record, kept=kept) if decision.record is not None
+              else GuardRecord(kept, options.guard_margin, "none", 0))
+    why = failure.cause or str(failure)
+    where = f" at {failure.node}" if failure.node else ""
+    note = (f"the {decision.kept} model failed verification ({why}{where}); kept {kept}, "
+            f"the model run entirely {'channels-last' if label else 'contiguous'}, verified"
+            + (f" (also failed: {'; '.join(tried)})" if tried else ""))
+    return (GuardDecision(built, record, label if own_inputs else decision.input_label),
+            verification, note)

@@ -639,3 +639,7 @@ def _analytical_conversion(name: str, meta: ValueMeta) -> ConversionCost:
     seconds = 2.0 * meta.nbytes / _BANDWIDTH
     return ConversionCost(name, seconds, seconds, meta.nbytes,
                           tuple(t.shape for t in meta.layout_tensors), timed=False)
+
+
+
+

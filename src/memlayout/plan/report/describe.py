@@ -1,5 +1,5 @@
 """What a plan says on screen (L2 plan): plain-text lines and rich tables, read from the plan's
-records (``memlayout.plan.report.result``) and nothing else.
+records (``memlayout.plan.report.records``) and nothing else.
 
 >>> memory_summary(MemoryReport("tensor_lifetime", 2_000_000, 3_000_000, 0, 0, 10, 10, None,
 ...                             "planned"))
@@ -12,10 +12,10 @@ records (``memlayout.plan.report.result``) and nothing else.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memlayout.machine import SPREAD_LIMIT
-from memlayout.plan.report.result import (
+from memlayout.plan.report.records import (
     UNPADDED,
     BlockedReport,
     CompiledRecord,
@@ -23,8 +23,10 @@ from memlayout.plan.report.result import (
     MemoryReport,
     NodeChoice,
     PadChoice,
-    Plan,
 )
+
+if TYPE_CHECKING:  # the plan is typed, not imported: it holds these renderings
+    from memlayout.plan.report.plan import Plan
 
 _METHODS = {"tensor_lifetime": "tensor-lifetime count", "cuda_allocator": "CUDA allocator"}
 

@@ -17,12 +17,15 @@ op every tracer records with its real strides (``torch.jit.trace``, ``torch.expo
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils import _pytree as pytree
+
+from memlayout.tensors import iter_tensors, map_tensors
 
 #: ``(leaf position, label, rank)``: convert that leaf to the label's format for its rank
 Leaf = tuple[int, int, int]
@@ -114,3 +117,90 @@ _MEMORY_FORMATS = {(0, 4): torch.contiguous_format, (0, 5): torch.contiguous_for
 # stride checks (which a Proxy cannot answer).
 fx.wrap("to_label")
 
+
+def restride(output: Any, formats: tuple[tuple[int, int, int], ...],
+             fallback: int | None = None, keep: set[int] | None = None,
+             ranks: tuple[int, ...] = (4, 5)) -> Any:
+    """``output`` with its tensors in the formats the original hands them back in.
+
+    ``formats``: ``(index, label, rank)`` of every tensor of the original's output on the
+    plan's example, in ``memlayout.tensors.iter_tensors`` order (label ``-1``: as it comes).
+    Where this output's tensors are not those (another structure: a flag read in forward
+    returns features instead of logits), every tensor of a layout rank goes to ``fallback``
+    (the format the call's input came in: what the original, fed it, returns), except those
+    whose memory is in ``keep`` (the inputs' storage: a view of an input stays one);
+    ``ranks``: the layout ranks planned."""
+    if not formats:
+        return output
+    tensors = list(iter_tensors(output))
+    if [r for _, _, r in formats] == [t.dim() for t in tensors]:
+        wanted = {i: label for i, label, _ in formats if label >= 0}
+    elif fallback is not None and keep is not None:
+        wanted = {i: fallback for i, t in enumerate(tensors)
+                  if t.dim() in ranks and not storage_addresses(t) & keep}
+    else:
+        return output
+    if all(i not in wanted or convert_leaf(t, wanted[i], t.dim()) is t
+           for i, t in enumerate(tensors)):
+        return output
+    count = iter(range(len(tensors)))
+
+    def fix(t: torch.Tensor) -> torch.Tensor:
+        i = next(count)
+        return convert_leaf(t, wanted[i], t.dim()) if i in wanted else t
+
+    return map_tensors(output, fix)
+
+
+def storage_addresses(value: Any) -> set[int]:
+    """The storage addresses of the tensors in ``value`` (eager only: a tracer cannot read them)."""
+    found = set()
+    for t in pytree.tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            with contextlib.suppress(RuntimeError, NotImplementedError):  # no storage: sparse
+                found.add(t.untyped_storage().data_ptr())
+    return found
+
+
+def padded_weights(conv: nn.Conv2d, pad_in: int, pad_out: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``conv``'s weight (in its format) and bias with zero channels added up to ``pad_in``
+    inputs and ``pad_out`` outputs."""
+    with torch.no_grad():
+        w = conv.weight.detach()
+        fmt = _memory_format(w)
+        padded = w.new_zeros((max(pad_out, conv.out_channels), max(pad_in, conv.in_channels),
+                              *w.shape[2:]))
+        padded[: w.shape[0], : w.shape[1]] = w
+        bias = None
+        if conv.bias is not None:
+            bias = conv.bias.detach().new_zeros(padded.shape[0])
+            bias[: conv.out_channels] = conv.bias.detach()
+    return padded.contiguous(memory_format=fmt), bias
+
+
+def padded_convolution(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None, pad_in: int, pad_out: int) -> torch.Tensor:
+    """``conv(x)`` computed with padded channels: ``x`` widened with zero channels to
+    ``pad_in``, the padded ``weight`` and ``bias`` (:func:`padded_weights`), the output cropped
+    back to ``conv.out_channels``, in ``x``'s format. Zeros add nothing: the values are
+    ``conv(x)``'s, up to summation order."""
+    fmt = _memory_format(x)
+    if pad_in > conv.in_channels:
+        n, c, h, w = x.shape
+        wide = x.new_zeros((n, pad_in, h, w)).contiguous(memory_format=fmt)
+        wide[:, :c] = x
+        x = wide
+    if weight.dtype != x.dtype and not torch.is_autocast_enabled():
+        weight = weight.to(x.dtype)
+    y = torch.nn.functional.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation,
+                                   conv.groups)
+    if pad_out > conv.out_channels:
+        y = y[:, : conv.out_channels].contiguous(memory_format=_memory_format(y))
+    return y
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format

@@ -19,15 +19,17 @@ import torch
 from torch import nn
 
 from memlayout.plan.capture.calls import RUN_KEY, ModuleCall, positions
+from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.drops import notes_of
 from memlayout.plan.costs.measure import input_kind, module_has_layout_params
 from memlayout.plan.graph import LABELS, META_KEY, Label
 from memlayout.plan.inputs import KeywordCall
-from memlayout.plan.options import PlanOptions, Solution
-from memlayout.plan.report.result import Conversion, NodeChoice
+from memlayout.plan.options import PlanOptions
+from memlayout.plan.report.records import Conversion, NodeChoice
 from memlayout.plan.solve.boundaries import IN, unsafe_values
+from memlayout.plan.solve.regions import Solution
 from memlayout.plan.steer.boundary import Boundary
-from memlayout.plan.steer.state import Formats
+from memlayout.plan.steer.state import Formats, output_formats
 from memlayout.plan.steer.steering import Steering, steer
 from memlayout.plan.steer.weights import PER_CALL, can_convert_per_call
 
@@ -218,3 +220,15 @@ def conversions_of(solution: Solution, options: PlanOptions) -> tuple[Conversion
                 [f"{c.side} {c.call or 'the model'}"], user_path(c.module, options), c.side,
                 [list(x) for x in c.leaves]))
     return tuple(found)
+
+
+def wanted_outputs(captured: Captured, inputs: tuple[Any, ...], options: PlanOptions) -> Formats:
+    """The formats the planned model hands its results back in: as the original does
+    (``output_format="keep"``), all in one format, or as they come (``None``)."""
+    label = options.output_label
+    if label is None:
+        return ()
+    kept = output_formats(captured.output, inputs, options.ranks)
+    if label == "keep":
+        return kept
+    return tuple((i, int(label) if rank in options.ranks else -1, rank) for i, _, rank in kept)

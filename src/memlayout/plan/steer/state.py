@@ -26,12 +26,11 @@ from torch import nn
 from memlayout.dtypes import autocast
 from memlayout.errors import MemlayoutError
 from memlayout.plan.graph import Label, label_of, value_meta
-from memlayout.plan.steer.boundary import convert_leaf
-from memlayout.plan.steer.forward import restride, storage_addresses
+from memlayout.plan.steer.boundary import convert_leaf, restride, storage_addresses
 from memlayout.tensors import device_of, iter_tensors
 
 if TYPE_CHECKING:
-    from memlayout.plan.report.result import Plan
+    from memlayout.plan.report.plan import Plan
 
 Signature = tuple[tuple[tuple[int, ...], str, str], ...]
 #: ``(position, label, rank)`` of each result leaf handed back in the original's format
