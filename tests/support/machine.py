@@ -17,3 +17,11 @@ AVX2 = CpuIsa("AVX2", frozenset({"avx2"}))
 def as_cpu(monkeypatch: pytest.MonkeyPatch, isa: CpuIsa) -> None:
     """The code under test sees ``isa`` as this machine's instruction set."""
     monkeypatch.setattr(machine, "cpu_isa", lambda: isa)
+
+
+def openvino_has_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin computes in bf16 on this CPU (AVX512-BF16 or AMX): its
+    own word, ``OPTIMIZATION_CAPABILITIES``; elsewhere it grants f32 where bf16 is asked."""
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
