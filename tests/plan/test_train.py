@@ -174,6 +174,7 @@ def test_a_rewrite_wrong_only_in_the_backward_is_named(db, monkeypatch) -> None:
     optimize(model, _x(), train=False, measure=False, cache=db)  # inference: values are right
 
 
+@pytest.mark.isa  # how far NHWC and NCHW kernels round apart differs per ISA
 def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> None:
     """Below rounding: with a float32 tolerance of 1e-9 every float32 comparison of a
     channels-last plan fails, yet the same models agree in float64 (a layout changes no
@@ -188,6 +189,7 @@ def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> No
     assert record.check == "float64 re-check" and "float64 re-check" in record.describe()
 
 
+@pytest.mark.isa  # how far NHWC and NCHW kernels round apart differs per ISA
 def test_an_inference_plan_passes_a_rounding_level_mismatch_through_float64_too(db, monkeypatch) -> None:
     """The same for one forward: a deep bf16 network's NHWC and NCHW kernels can round
     apart by more than bf16's tolerance; equal in float64, the plan is verified, and says so.
@@ -211,6 +213,7 @@ def _bad_value(value, label, ranks):  # noqa: ANN001, ANN202
     return out * 1.5 if isinstance(out, torch.Tensor) else out
 
 
+@pytest.mark.isa  # how far NHWC and NCHW kernels round apart differs per ISA
 def test_bf16_training_plan_is_verified_and_trains(db) -> None:
     model = Net()
     reference = copy.deepcopy(model).train()

@@ -17,6 +17,10 @@ from memlayout.plan.pipeline import optimize
 from memlayout.plan.report.result import Plan
 from tests.support.machine import AVX512, as_cpu
 
+# Padded plans are the largest, and which exist is the CPU's vector width: `make test` runs
+# these again under ATEN_CPU_CAPABILITY=avx2.
+pytestmark = pytest.mark.isa
+
 
 def _nbytes(*shape: int) -> int:
     n = 4  # float32
