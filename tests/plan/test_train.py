@@ -130,11 +130,14 @@ def test_guard_times_training_steps(db, monkeypatch) -> None:
     opt = optimize(Net(), _x(), train=True, measure=True, cache=db, rounds=1, guard_rounds=1)
     if opt.plan.guard.source == "none":
         pytest.skip("the plan is one format end to end here: nothing for the guard to time")
-    assert seen == [True]
+    # the guard runs once more where the cost table disagrees with it (one noisy round can)
+    assert seen and all(seen)
     assert opt.plan.guard.kept in ("planned", *g.UNIFORM)
     assert all(p.grad is None for p in opt.parameters())  # the timed steps left no gradients
+    trained = len(seen)
     optimize(Net(), _x(), train=False, measure=True, cache=db, rounds=1, guard_rounds=1)
-    assert seen == [True, False]  # an inference plan does not read the training measurement
+    # an inference plan does not read the training measurement: it times inference
+    assert len(seen) > trained and not any(seen[trained:])
 
 
 class _DoubleGrad(torch.autograd.Function):
