@@ -1,5 +1,6 @@
 """The conditions a measurement is taken under (L1): load against cores, threads, OpenMP's
-wait policy, and a fingerprint of the machine and software that a cached number belongs to.
+wait policy, the CPU's instruction sets, and a fingerprint of the machine and software that a
+cached number belongs to.
 
 A number measured while more jobs were runnable than there are cores is stretched and noisy;
 spinning OpenMP threads (the runtime's default wait policy) make it worse. Every verb that
@@ -154,6 +155,53 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or sys.platform
+
+
+@dataclass(frozen=True)
+class CpuIsa:
+    """The CPU's instruction sets as memlayout sees them.
+
+    ``capability``: what ATen's vectorized CPU kernels dispatch to
+    (``torch.backends.cpu.get_cpu_capability()``: ``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``, ...),
+    which ``ATEN_CPU_CAPABILITY=avx2`` lowers on an AVX-512 CPU. ``flags``: the CPU's feature
+    flags (``/proc/cpuinfo``), what oneDNN's AMX and AVX512-BF16 kernels depend on; no
+    environment variable hides them.
+
+    >>> isa = CpuIsa("AVX2", frozenset({"avx2", "fma"}))
+    >>> isa.vector_floats, "avx512f" in isa.flags
+    (8, False)
+    >>> CpuIsa("AVX512").vector_floats, CpuIsa("DEFAULT").vector_floats
+    (16, 4)
+    """
+
+    capability: str
+    flags: frozenset[str] = frozenset()
+
+    @property
+    def vector_floats(self) -> int:
+        """fp32 lanes of ATen's vector width: 16 (AVX-512), 8 (AVX2), else 4."""
+        if "AVX512" in self.capability:
+            return 16
+        return 8 if "AVX2" in self.capability else 4
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_isa() -> CpuIsa:
+    """This process's :class:`CpuIsa`: the one place memlayout reads the instruction set.
+    Code that depends on it takes a ``CpuIsa`` (``None``: this one), so tests state the CPU
+    they assume instead of inheriting the machine's."""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):  # a build without it
+        capability = "DEFAULT"
+    flags: frozenset[str] = frozenset()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("flags"):
+                flags = frozenset(line.split(":", 1)[1].split())
+                break
+    return CpuIsa(capability, flags)
 
 
 def fingerprint(device: str = "cpu") -> str:

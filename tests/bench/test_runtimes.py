@@ -19,6 +19,7 @@ from memlayout.bench import BenchConfig, run_bench
 from memlayout.bench.runner import GEMM, PEAK_EVENT_MODEL
 from memlayout.plan.check.compare import compare
 from memlayout.runtimes import INSTALL, RuntimeOptions, RuntimeUnavailable, build_runtime
+from tests.support.machine import openvino_has_bf16
 
 # Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
 # these tests in a pytest process of their own (see the Makefile).
@@ -75,7 +76,12 @@ def test_runtime_fp32_output_equals_torch(runtime, layout):
     assert rt(x + 1).sub(got).abs().max() > 0  # a second input gives a second answer, not a cache
 
 
+def _openvino_bf16() -> bool:
+    return HAVE["openvino"] and openvino_has_bf16()
+
+
 @needs["openvino"]
+@pytest.mark.skipif(not _openvino_bf16(), reason="OpenVINO has no bf16 on this CPU")
 def test_openvino_bf16_is_its_own_bf16_and_agrees_with_autocast():
     model, x = _convs(), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -88,6 +94,14 @@ def test_openvino_bf16_is_its_own_bf16_and_agrees_with_autocast():
     assert compare(autocast, got, torch.bfloat16)[0]
     # it really computed in bf16: not the fp32 answer to fp32 precision
     assert not compare(fp32, got, None)[0]
+
+
+@needs["openvino"]
+@pytest.mark.skipif(_openvino_bf16(), reason="OpenVINO computes in bf16 on this CPU")
+def test_openvino_bf16_on_a_cpu_without_it_is_unavailable_and_says_why():
+    with pytest.raises(RuntimeUnavailable, match="no bf16 support on this CPU"):
+        build_runtime(_convs(), torch.randn(1, 3, 32, 32),
+                      RuntimeOptions("openvino", dtype=torch.bfloat16))
 
 
 @needs["onnxruntime"]
@@ -126,14 +140,19 @@ def test_runtime_modes_are_timed_checked_and_recorded(tmp_path):
                                    tasks="infer,train", batch=2, image_size=32, rounds=2,
                                    gemm_size=32)
     got = {(r.dtype, r.task, r.mode): r for r in run_bench(cfg).records}
+    bf16 = openvino_has_bf16()
     for dtype in ("fp32", "bf16"):
         ov = got[(dtype, "infer", "openvino")]
-        assert ov.status == "ok", ov.error
-        assert ov.rounds == 2 and ov.speedup is not None and ov.compile_s > 0
-        assert "output vs eager NCHW" in ov.note and ov.peak_fraction is not None
+        if dtype == "bf16" and not bf16:  # this CPU has none: a record that says so
+            assert ov.status == "unavailable" and "no bf16 support" in ov.error
+        else:
+            assert ov.status == "ok", ov.error
+            assert ov.rounds == 2 and ov.speedup is not None and ov.compile_s > 0
+            assert "output vs eager NCHW" in ov.note and ov.peak_fraction is not None
         for runtime in runtimes.RUNTIMES:  # training is not what these runtimes do
             assert got[(dtype, "train", runtime)].status == "unavailable"
-    assert "bf16" in got[("bf16", "infer", "openvino")].note
+    if bf16:
+        assert "bf16" in got[("bf16", "infer", "openvino")].note
     assert got[("fp32", "infer", "onnxruntime")].status == "ok"
     ort_bf16 = got[("bf16", "infer", "onnxruntime")]
     assert ort_bf16.status == "unavailable" and "bf16" in ort_bf16.error

@@ -129,11 +129,14 @@ def test_guard_times_training_steps(db, monkeypatch) -> None:
     opt = optimize(Net(), _x(), train=True, measure=True, cache=db, rounds=1, guard_rounds=1)
     if opt.plan.guard.source == "none":
         pytest.skip("the plan is one format end to end here: nothing for the guard to time")
-    assert seen == [True]
+    # the guard runs once more where the cost table disagrees with it (one noisy round can)
+    assert seen and all(seen)
     assert opt.plan.guard.kept in ("planned", *g.UNIFORM)
     assert all(p.grad is None for p in opt.parameters())  # the timed steps left no gradients
+    trained = len(seen)
     optimize(Net(), _x(), train=False, measure=True, cache=db, rounds=1, guard_rounds=1)
-    assert seen == [True, False]  # an inference plan does not read the training measurement
+    # an inference plan does not read the training measurement: it times inference
+    assert len(seen) > trained and not any(seen[trained:])
 
 
 class _DoubleGrad(torch.autograd.Function):
@@ -163,6 +166,7 @@ def test_a_plan_wrong_only_in_the_backward_is_caught(db, monkeypatch) -> None:
     optimize(model, _x(), train=False, measure=False, cache=db)  # inference: values are right
 
 
+@pytest.mark.isa  # how far NHWC and NCHW kernels round apart differs per ISA
 def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> None:
     """Below rounding: with a float32 tolerance of 1e-9 every float32 comparison of a
     channels-last plan fails, yet the same models agree in float64 (a layout changes no
@@ -177,6 +181,7 @@ def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> No
     assert record.check == "float64 re-check" and "float64 re-check" in record.describe()
 
 
+@pytest.mark.isa  # how far NHWC and NCHW kernels round apart differs per ISA
 def test_an_inference_plan_passes_a_rounding_level_mismatch_through_float64_too(db, monkeypatch) -> None:
     """The same for one forward: a deep bf16 network's NHWC and NCHW kernels can round
     apart by more than bf16's tolerance; equal in float64, the plan is verified, and says so.
@@ -195,6 +200,7 @@ def test_an_inference_plan_passes_a_rounding_level_mismatch_through_float64_too(
         optimize(Net().eval(), _x(), measure=False, cache=db, output_format=None, fallback=False)
 
 
+@pytest.mark.isa  # how far NHWC and NCHW kernels round apart differs per ISA
 def test_bf16_training_plan_is_verified_and_trains(db) -> None:
     model = Net()
     reference = copy.deepcopy(model).train()

@@ -68,6 +68,7 @@ from memlayout.bench.config import BACKEND_MODE, CONTROL, DTYPES, RUNTIME_MODES,
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
+from memlayout.machine import CpuIsa
 from memlayout.plan.candidates.backend_report import BackendReport
 from memlayout.plan.candidates.backend_report import backend_report as report_backend
 from memlayout.plan.candidates.compiled import compile as plan_and_compile
@@ -379,20 +380,19 @@ class GemmPeak:
                 f"{self.rounds} timed calls, once per run; {self.isa}")
 
 
-def matmul_isa(dtype: str, device: str = "cpu") -> str:
-    """The matrix instructions behind a ``dtype`` matmul here, from the CPU's flags: AMX tiles
-    and AVX-512 BF16 are what make bf16 faster than fp32 on a Xeon (oneDNN picks the best).
+def matmul_isa(dtype: str, device: str = "cpu", isa: CpuIsa | None = None) -> str:
+    """The matrix instructions behind a ``dtype`` matmul here (``isa``, default this CPU's
+    flags): AMX tiles and AVX-512 BF16 are what make bf16 faster than fp32 on a Xeon (oneDNN
+    picks the best).
 
     >>> matmul_isa("fp32", "cuda")
     'device cuda'
+    >>> matmul_isa("bf16", isa=CpuIsa("AVX2", frozenset({"avx2"})))
+    'CPU bf16 instructions: none (bf16 emulated)'
     """
     if torch.device(device).type != "cpu":
         return f"device {device}"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = (isa or machine.cpu_isa()).flags
     found = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("amx_tile", "AMX tiles"),
                                       ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
                                       ("avx2", "AVX2")) if flag in flags]

@@ -41,7 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlayout import machine
 from memlayout.dtypes import autocast
+from memlayout.machine import CpuIsa
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import Progress, device_name
 from memlayout.plan.options import PlanOptions
@@ -54,21 +56,18 @@ from memlayout.tensors import device_of
 from memlayout.timing import device_sync, interleaved
 
 
-def block_sizes(device: torch.device | str, dtype: torch.dtype | None) -> tuple[int, ...]:
+def block_sizes(device: torch.device | str, dtype: torch.dtype | None,
+                isa: CpuIsa | None = None) -> tuple[int, ...]:
     """The channel multiples worth trying here: CUDA fp16/bf16 8 (tensor cores), CUDA fp32
-    4 and 8; CPU with AVX-512 16 and 8, with AVX2 8, else 4."""
-    kind = torch.device(device).type
-    if kind == "cuda":
+    4 and 8; a CPU (``isa``, default this one's) with AVX-512 16 and 8, with AVX2 8, else 4.
+
+    >>> block_sizes("cpu", None, CpuIsa("AVX512")), block_sizes("cpu", None, CpuIsa("AVX2"))
+    ((16, 8), (8,))
+    """
+    if torch.device(device).type == "cuda":
         return (8,) if dtype in (torch.float16, torch.bfloat16) else (4, 8)
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # very old builds
-        cap = "DEFAULT"
-    if "AVX512" in cap:
-        return (16, 8)
-    if "AVX2" in cap:
-        return (8,)
-    return (4,)
+    lanes = (isa or machine.cpu_isa()).vector_floats
+    return (16, 8) if lanes == 16 else (lanes,)
 
 
 def _round_up(c: int, k: int) -> int:

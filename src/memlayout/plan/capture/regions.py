@@ -13,8 +13,9 @@ counts the convolution calls planned against those that run.
 
 >>> from torch import nn
 >>> cap = capture(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), (torch.randn(2, 3, 8, 8),))
->>> [(r.path, [str(n.meta["memlayout"].label) for n in r.gm.graph.nodes]) for r in cap.regions]
-[('', ['0', '0', 'None', 'None'])]
+>>> [(r.path, [getattr(n.meta["memlayout"].label, "text", None) for n in r.gm.graph.nodes])
+...  for r in cap.regions]
+[('', ['contiguous', 'contiguous', None, None])]
 """
 
 from __future__ import annotations
