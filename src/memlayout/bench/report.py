@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import math
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,19 +25,8 @@ from typing import Any
 from memlayout.bench.config import BASELINE, CONTROL, RUNTIME_MODES
 from memlayout.bench.records import FLAT_FIELDS, BenchRecord, Environment
 from memlayout.bench.runner import BenchResult
+from memlayout.files import write_atomic
 from memlayout.timing import geomean
-
-
-def write_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``: a run
-    killed mid-write leaves the previous file whole, never half of the new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
 
 
 def write_csv(records: Sequence[BenchRecord], path: Path) -> Path:
