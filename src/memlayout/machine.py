@@ -156,6 +156,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or sys.platform
 
 
+def device_name(device: str | torch.device = "cpu") -> str:
+    """What runs the kernels: the GPU's name for a CUDA device (``NVIDIA H100 ...``), the
+    CPU's model name otherwise.
+
+    >>> device_name("cpu") == cpu_model()
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return cpu_model()
+
+
 def fingerprint(device: str = "cpu") -> str:
     """What a cached measurement is only valid for: device model, threads, torch version,
     OpenMP wait policy.
@@ -163,9 +176,5 @@ def fingerprint(device: str = "cpu") -> str:
     >>> fingerprint().count("|")
     3
     """
-    if device.startswith("cuda") and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(torch.device(device))
-    else:
-        name = cpu_model()
-    return (f"{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    return (f"{device_name(device)}|threads={torch.get_num_threads()}|torch={torch.__version__}"
             f"|omp={os.environ.get('OMP_WAIT_POLICY', '') or 'default'}")
