@@ -43,7 +43,7 @@ from torch.optim.optimizer import (
 from memlayout.audit.report import AuditReport, ModuleCall, OpRecord, TensorInfo
 from memlayout.coverage.store import explain
 from memlayout.dispatch import ObservingMode
-from memlayout.dtypes import autocast, parse_dtype
+from memlayout.dtypes import autocast, parse_dtype, torch_name
 from memlayout.errors import LayoutDropError, MemlayoutError
 from memlayout.layout import Format, formats_of
 from memlayout.spatial import PASS_NAMES, is_spatial_name
@@ -112,11 +112,6 @@ def _formats(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[frozense
 
 
 @cache
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@cache
 def _alias_kind(func: Any) -> str:
     """``view`` (a result aliases an input), ``inplace`` (writes an input), or ``new``."""
     returns = getattr(getattr(func, "_schema", None), "returns", ())
@@ -139,9 +134,9 @@ def _info(t: torch.Tensor) -> tuple[TensorInfo, frozenset[Format]]:
     try:
         strides = tuple(t.stride())
     except RuntimeError:  # sparse, nested: no strides, no format
-        return TensorInfo(shape, (), _dtype_name(t.dtype), "non-strided", 0), frozenset()
+        return TensorInfo(shape, (), torch_name(t.dtype), "non-strided", 0), frozenset()
     found, name = _formats(shape, strides)
-    return TensorInfo(shape, strides, _dtype_name(t.dtype), name, t.numel() * t.element_size()), found
+    return TensorInfo(shape, strides, torch_name(t.dtype), name, t.numel() * t.element_size()), found
 
 
 def _significant(info: TensorInfo) -> tuple[tuple[int, int], ...]:
@@ -562,7 +557,7 @@ def audit(model: nn.Module, inputs: Any, *, train: bool = False,
     autocast_dtype = parse_dtype(dtype)
     run_model, run_inputs, run_kwargs = prepare(model, inputs, fmt, kwargs)
     meta = {"model": type(model).__name__, "train": train,
-            "dtype": _dtype_name(autocast_dtype) if autocast_dtype else "float32",
+            "dtype": torch_name(autocast_dtype or torch.float32),
             "inputs": [list(t.shape) for t in iter_tensors((run_inputs, run_kwargs))],
             "device": str(device_of(run_inputs, run_model))}
     with AuditMode(run_model, fmt, meta=meta) as rec:

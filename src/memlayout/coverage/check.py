@@ -31,20 +31,9 @@ import torch
 from memlayout.coverage.opinfo import Sample, describe, map_tensors, op_name, samples_for
 from memlayout.coverage.records import Disagreement, OpRecord, Values, Verdict
 from memlayout.dispatch import ObservingMode
+from memlayout.dtypes import Compared, tolerance, torch_name
 from memlayout.layout import Format
 from memlayout.tensors import format_name, format_of, in_format, iter_tensors, to_format
-
-#: (rtol, atol) per dtype: torch.testing.assert_close's defaults. Channels-last kernels sum in
-#: another order than contiguous ones, which these tolerances are made to absorb.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float64: (1e-7, 1e-7),
-    torch.complex32: (1e-3, 1e-5),
-    torch.complex64: (1.3e-6, 1e-5),
-    torch.complex128: (1e-7, 1e-7),
-}
 
 #: OpInfo ops whose values depend on the memory layout by definition: they address storage
 #: directly (as_strided, resize_) or return uninitialized memory (empty_like). Their values are
@@ -148,11 +137,6 @@ class _Run:
     nondeterministic: bool = False  # an aten op tagged nondeterministic_bitwise ran
 
 
-def dtype_label(dtype: torch.dtype) -> str:
-    """``"float64"`` for ``torch.float64``."""
-    return str(dtype).removeprefix("torch.")
-
-
 def _message(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}"
@@ -189,7 +173,7 @@ def _run(op: Any, sample: Sample, how: _How, counts: dict[str, Counter[str]] | N
     """One run of ``sample``, every tensor a fresh copy (in-place ops cannot leak); aten ops
     recorded into ``counts`` when given (see ``Watch``); ``step("contiguous forward")`` called
     before each half."""
-    label = how.fmt.value + (f" {dtype_label(how.cast)}" if how.cast else "")
+    label = how.fmt.value + (f" {torch_name(how.cast)}" if how.cast else "")
     run = _Run()
     grad_leaves: list[torch.Tensor] = []
 
@@ -287,7 +271,7 @@ def _compare(a: Any, b: Any) -> tuple[float, float, int, int] | None:
             return (math.inf, math.inf, n, n)
         a, b = _dense(a), _dense(b)
         if a.is_floating_point() or a.is_complex():
-            rtol, atol = TOLERANCES.get(a.dtype, (1e-5, 1e-8))
+            rtol, atol = tolerance(a.dtype, Compared.OP)
             close = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
         else:
             close = a == b
@@ -349,7 +333,7 @@ def _as_accurate(cl: _Run, ref: _Run, r64: _Run, labels: list[str]) -> bool:
             return False
         wide = torch.complex128 if z.is_complex() else torch.float64
         z = _dense(z).to(wide)
-        rtol, atol = TOLERANCES.get(x.dtype, (1e-5, 1e-5))
+        rtol, atol = tolerance(x.dtype, Compared.OP)
         finite = z[torch.isfinite(z)]
         scale = float(finite.abs().max()) if finite.numel() else 0.0
         if _error_vs(x, z) > 4 * _error_vs(y, z) + atol + rtol * scale:
@@ -477,7 +461,7 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
 
     na = Verdict.NOT_APPLICABLE
     if dtype not in op.supported_dtypes(device_type):
-        return record(na, na, (f"{str(dtype).removeprefix('torch.')} not supported on {device_type}",))
+        return record(na, na, (f"{torch_name(dtype)} not supported on {device_type}",))
     backward = bool(op.supports_autograd) and dtype in op.supported_backward_dtypes(device_type)
     rank = fmt.rank or 4
     float64 = dtype != torch.float64 and torch.float64 in op.supported_dtypes(device_type)
@@ -526,7 +510,7 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
                      "memory): differences not comparable")
     if not backward:
         notes.append("no autograd" if not op.supports_autograd
-                     else f"no backward in {str(dtype).removeprefix('torch.')}")
+                     else f"no backward in {torch_name(dtype)}")
     forward_v = Verdict.combine(tally.forward)
     if forward_v is na and tally.error_samples and not tally.forward:
         forward_v = Verdict.ERROR

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from memlayout.coverage.records import AtenRecord, CoverageReport, OpRecord, Verdict
+from memlayout.dtypes import torch_name
 from memlayout.files import cache_dir, write_atomic
 
 _FORMAT_VERSION = 1
@@ -91,7 +92,7 @@ def _path_for(device: str, dtype: Any, fmt: Any, torch_version: str | None) -> P
         torch_version = torch.__version__
     fmt_value = getattr(fmt, "value", str(fmt))
     return cache_path(torch_version, str(device).split(":")[0],
-                      str(dtype).removeprefix("torch."), fmt_value)
+                      torch_name(dtype), fmt_value)
 
 
 def _aten_name(op: Any) -> str | None:
@@ -146,7 +147,7 @@ def explain(op: Any, device: str = "cpu", dtype: Any = "float32", fmt: Any = "ch
     if torch_version is None:
         torch_version = torch.__version__
     fmt_value = getattr(fmt, "value", str(fmt))
-    where = f"on {device} {str(dtype).removeprefix('torch.')} in torch {torch_version}"
+    where = f"on {device} {torch_name(dtype)} in torch {torch_version}"
     if isinstance(rec, AtenRecord):
         v = rec.verdict
         if v is Verdict.NOT_APPLICABLE:
