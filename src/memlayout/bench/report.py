@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from memlayout.bench.config import BASELINE, CONTROL, RUNTIME_MODES
 from memlayout.bench.records import FLAT_FIELDS, BenchRecord, Environment
 from memlayout.bench.runner import BenchResult
 from memlayout.files import write_atomic
-from memlayout.timing import geomean
+from memlayout.timing import Ratio, geomean
 
 
 def write_csv(records: Sequence[BenchRecord], path: Path) -> Path:
@@ -255,8 +254,9 @@ def control_line(records: Sequence[BenchRecord]) -> str:
     medians = []
     for (model, dtype, task, mode), again in times.items():
         nhwc = times.get((model, dtype, task, "nhwc"))
-        if mode == CONTROL and nhwc:
-            medians.append(statistics.median(a / b for a, b in zip(nhwc, again, strict=False)))
+        ratio = Ratio.of_times("nhwc", CONTROL, nhwc, again) if mode == CONTROL and nhwc else None
+        if ratio is not None:
+            medians.append(ratio.median)
     if not medians:
         return ""
     return (f"eager NHWC vs a second copy of it ({CONTROL}), median of per-round time ratios: "
