@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 #: ``memlayout train`` flags -> the setting each gives (those a resumed run may take from its
-#: checkpoint when they are not on the command line: ``memlayout.train.loop.RESUMED``)
+#: checkpoint when they are not on the command line: ``memlayout.train.config.RESUMED``)
 _FLAG_SETTINGS = {"lr": "lr", "batch": "batch", "epochs": "epochs", "dtype": "dtype",
                   "layout": "layout", "image_size": "image_size", "seed": "seed",
                   "sync_bn": "sync_batchnorm", "plan_costs": "plan_measure"}
@@ -75,8 +75,10 @@ def train(
         init_distributed,
         make_synthetic,
     )
+    from memlayout.train.compare import check_compare, layout_of
+    from memlayout.train.config import resumed_config
     from memlayout.train.ddp import barrier, collectives, shutdown
-    from memlayout.train.loop import IntervalLog, check_compare, layout_of, resumed_config
+    from memlayout.train.loop import IntervalLog
     from memlayout.train.render import interval_line, render_comparison, render_run
 
     layouts = [s.strip() for s in compare.split(",") if s.strip()] if compare else []

@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from memlayout.machine import SPREAD_LIMIT, noisy
-from memlayout.train.loop import IntervalLog, LayoutComparison, TrainResult, layout_of
+from memlayout.train.compare import LayoutComparison, layout_of
+from memlayout.train.loop import IntervalLog, TrainResult
 
 
 def interval_line(event: IntervalLog) -> str:
