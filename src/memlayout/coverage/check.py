@@ -463,7 +463,6 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
     if dtype not in op.supported_dtypes(device_type):
         return record(na, na, (f"{torch_name(dtype)} not supported on {device_type}",))
     backward = bool(op.supports_autograd) and dtype in op.supported_backward_dtypes(device_type)
-    rank = fmt.rank or 4
     float64 = dtype != torch.float64 and torch.float64 in op.supported_dtypes(device_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -488,13 +487,33 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
                     _judge(op, idx, sample, fmt, dtype, backward, float64, counts, tally, step)
             except SampleTimeout as exc:
                 tally.error(str(exc))
+    notes = _notes(op, tally, samples=len(samples), lifted=lifted, stopped=stopped,
+                   op_budget=op_budget, fmt=fmt, dtype=dtype, backward=backward)
+    forward_v, backward_v = _verdicts(tally, backward)
+    return record(
+        forward_v, backward_v, notes, tuple(tally.errors),
+        values=_values_verdict(tally.values), grads=_values_verdict(tally.grads),
+        samples=len(samples), lifted=lifted,
+        forward_counts=dict(Counter(tally.forward)), backward_counts=dict(Counter(tally.backward)),
+        output_formats=dict(tally.out_formats), grad_formats=dict(tally.grad_formats),
+        disagreements=tuple(tally.disagreements[:10]), error_samples=tally.error_samples,
+        rejected_samples=tally.rejected,
+    )
+
+
+def _notes(op: Any, tally: _Tally, *, samples: int, lifted: bool, stopped: int | None,
+           op_budget: float | None, fmt: Format, dtype: torch.dtype,
+           backward: bool) -> tuple[str, ...]:
+    """What a record says beside its verdicts: samples missing, lifted, cut short, rejected,
+    failing; values that differ only in accuracy, or by definition; no backward."""
+    rank = fmt.rank or 4
     notes = []
     if not samples:
         notes.append(f"no sample with a rank-{rank} tensor")
     elif lifted:
         notes.append(f"samples lifted to rank {rank} by memlayout (OpInfo has none)")
     if stopped is not None:
-        notes.append(f"stopped after {stopped} of {len(samples)} samples (time budget {op_budget:g} s)")
+        notes.append(f"stopped after {stopped} of {samples} samples (time budget {op_budget:g} s)")
     if tally.rejected:
         notes.append(f"{tally.rejected} lifted samples rejected by the op: {tally.rejected_msg[:120]}")
     if tally.accuracy_only:
@@ -504,25 +523,24 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
         notes.append(f"{tally.cl_only_errors} samples fail only in {fmt.value} "
                      f"(forward or backward)")
     if tally.error_samples:
-        notes.append(f"{tally.error_samples} of {len(samples)} samples raised")
+        notes.append(f"{tally.error_samples} of {samples} samples raised")
     if op.name in LAYOUT_DEFINED:
         notes.append("values depend on the layout by definition (raw storage or uninitialized "
                      "memory): differences not comparable")
     if not backward:
         notes.append("no autograd" if not op.supports_autograd
                      else f"no backward in {torch_name(dtype)}")
+    return tuple(notes)
+
+
+def _verdicts(tally: _Tally, backward: bool) -> tuple[Verdict, Verdict]:
+    """The forward and backward verdicts of the samples judged: an error where every sample
+    that ran raised."""
+    na = Verdict.NOT_APPLICABLE
     forward_v = Verdict.combine(tally.forward)
     if forward_v is na and tally.error_samples and not tally.forward:
         forward_v = Verdict.ERROR
     backward_v = Verdict.combine(tally.backward) if backward else na
     if backward and backward_v is na and tally.backward_errors:
         backward_v = Verdict.ERROR
-    return record(
-        forward_v, backward_v, tuple(notes), tuple(tally.errors),
-        values=_values_verdict(tally.values), grads=_values_verdict(tally.grads),
-        samples=len(samples), lifted=lifted,
-        forward_counts=dict(Counter(tally.forward)), backward_counts=dict(Counter(tally.backward)),
-        output_formats=dict(tally.out_formats), grad_formats=dict(tally.grad_formats),
-        disagreements=tuple(tally.disagreements[:10]), error_samples=tally.error_samples,
-        rejected_samples=tally.rejected,
-    )
+    return forward_v, backward_v
