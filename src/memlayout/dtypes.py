@@ -1,12 +1,12 @@
-"""One dtype parser and one autocast helper for every verb (L1).
+"""One dtype parser, one autocast helper and one tolerance table for every verb (L1).
 
 A model runs in fp32 as given, or under ``torch.autocast`` in bf16 / fp16. The autocast dtype
 is ``None`` for fp32 (nothing to enter), a ``torch.dtype`` otherwise.
 
 >>> parse_dtype("bf16"), parse_dtype("fp32"), parse_dtype(torch.float16)
 (torch.bfloat16, None, torch.float16)
->>> dtype_name(parse_dtype("bfloat16")), dtype_name(None)
-('bf16', 'fp32')
+>>> dtype_name(parse_dtype("bfloat16")), dtype_name(None), torch_name(torch.bfloat16)
+('bf16', 'fp32', 'bfloat16')
 >>> parse_dtype("fp8")
 Traceback (most recent call last):
 ...
@@ -16,6 +16,8 @@ memlayout.errors.DtypeError: dtype 'fp8' is not supported; use fp32, bf16 or fp1
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ def parse_dtype(dtype: str | torch.dtype | None, *,
         found = dtype in _SHORT or dtype is torch.float32
         parsed = None if dtype is torch.float32 else dtype
     else:
-        text = str(dtype).strip().lower().removeprefix("torch.")
+        text = torch_name(str(dtype).strip().lower())
         found = text in _NAMES
         parsed = _NAMES.get(text)
     if not found or _SHORT.get(parsed) not in allowed:
@@ -53,8 +55,64 @@ def parse_dtype(dtype: str | torch.dtype | None, *,
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:
-    """The short name of an autocast dtype: ``fp32`` for ``None``."""
-    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+    """The short name of an autocast dtype (``bf16``): ``fp32`` for ``None``, torch's name for
+    a dtype that has no short one."""
+    return _SHORT.get(dtype) or torch_name(dtype)
+
+
+@functools.cache
+def torch_name(dtype: torch.dtype | str) -> str:
+    """torch's name of a tensor dtype, without the module: ``float32``, ``bfloat16``,
+    ``int64`` (a name, with or without ``torch.``, comes back as torch spells it).
+
+    >>> torch_name(torch.float32), torch_name("torch.complex64")
+    ('float32', 'complex64')
+    """
+    return str(dtype).removeprefix("torch.")
+
+
+class Compared(enum.Enum):
+    """What two results are: it decides how close they must be (:func:`tolerance`)."""
+
+    #: one operator run in two layouts, element by element (``torch.isclose``)
+    OP = "op"
+    #: a whole model's outputs and gradients against the original's, relative to the
+    #: reference's largest magnitude
+    MODEL = "model"
+
+
+#: (rtol, atol) per dtype. ``OP``: ``torch.testing.assert_close``'s defaults, what the coverage
+#: matrix calls "values agree" (a channels-last kernel may sum in another order). ``MODEL``: what the planner's verification allows: kernels that
+#: block and accumulate differently (channels-last convolutions) round differently, and the
+#: differences grow through a network; bf16 keeps 8 mantissa bits.
+TOLERANCES: dict[Compared, dict[torch.dtype, tuple[float, float]]] = {
+    Compared.OP: {
+        torch.float16: (1e-3, 1e-5),
+        torch.bfloat16: (1.6e-2, 1e-5),
+        torch.float32: (1.3e-6, 1e-5),
+        torch.float64: (1e-7, 1e-7),
+        torch.complex32: (1e-3, 1e-5),
+        torch.complex64: (1.3e-6, 1e-5),
+        torch.complex128: (1e-7, 1e-7),
+    },
+    Compared.MODEL: {
+        torch.float64: (1e-7, 1e-9),
+        torch.float32: (1e-3, 1e-5),
+        torch.float16: (1e-2, 1e-3),
+        torch.bfloat16: (5e-2, 1e-2),
+    },
+}
+
+
+def tolerance(dtype: torch.dtype, compared: Compared) -> tuple[float, float]:
+    """(rtol, atol) for results in ``dtype`` compared as ``compared`` says; a dtype the table
+    does not list gets float32's.
+
+    >>> tolerance(torch.bfloat16, Compared.MODEL), tolerance(torch.float32, Compared.OP)
+    ((0.05, 0.01), (1.3e-06, 1e-05))
+    """
+    table = TOLERANCES[compared]
+    return table.get(dtype, table[torch.float32])
 
 
 def autocast(device: torch.device | str, dtype: torch.dtype | None

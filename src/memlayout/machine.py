@@ -204,16 +204,27 @@ def cpu_isa() -> CpuIsa:
     return CpuIsa(capability, flags)
 
 
+def device_name(device: str | torch.device = "cpu") -> str:
+    """What runs the kernels: the GPU's name for a CUDA device (``NVIDIA H100 ...``), the
+    CPU's model name otherwise.
+
+    >>> device_name("cpu") == cpu_model()
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return cpu_model()
+
+
 def fingerprint(device: str = "cpu") -> str:
     """What a cached measurement is only valid for: device model, threads, torch version,
-    OpenMP wait policy.
+    OpenMP wait policy, and on a CPU the instruction set ATen's kernels dispatch to (a timing
+    taken with AVX-512 kernels says nothing of AVX2's).
 
     >>> fingerprint().count("|")
-    3
+    4
     """
-    if device.startswith("cuda") and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(torch.device(device))
-    else:
-        name = cpu_model()
-    return (f"{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-            f"|omp={os.environ.get('OMP_WAIT_POLICY', '') or 'default'}")
+    kernels = "cuda" if torch.device(device).type == "cuda" else cpu_isa().capability
+    return (f"{device_name(device)}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|omp={os.environ.get('OMP_WAIT_POLICY', '') or 'default'}|isa={kernels}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -213,6 +213,21 @@ def iter_tensors(obj: Any):
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, field.name))
+
+
+def clone_inputs(inputs: Sequence[Any], *, requires_grad_only: bool = False) -> tuple[Any, ...]:
+    """``inputs`` with every tensor among them cloned (a dense one keeps its strides; autograd
+    flows through) and the rest as given, so that a call changing an input in place leaves the
+    caller's unchanged. ``requires_grad_only``: clone only the tensors that require grad (a
+    fresh graph per call; the others are shared).
+
+    >>> x = torch.zeros(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    >>> y, n = clone_inputs((x, 3))
+    >>> y is x, y.stride() == x.stride(), n
+    (False, True, 3)
+    """
+    return tuple(x.clone() if isinstance(x, torch.Tensor)
+                 and (x.requires_grad or not requires_grad_only) else x for x in inputs)
 
 
 def mean_square_loss(out: Any) -> torch.Tensor | None:

@@ -87,8 +87,7 @@ class Comparison:
 
     def per_round(self, numerator: str, denominator: str) -> tuple[float, ...]:
         """Per-round time ratios ``numerator / denominator``, over the rounds both ran."""
-        top, bottom = self.modes[numerator], self.modes[denominator]
-        return tuple(t / b for t, b in zip(top.times, bottom.times, strict=False) if b > 0)
+        return round_ratios(self.modes[numerator].times, self.modes[denominator].times)
 
     def ratio(self, numerator: str, denominator: str) -> Ratio | None:
         """``numerator``'s time over ``denominator``'s (> 1: ``denominator`` is faster), as
@@ -101,11 +100,8 @@ class Comparison:
         >>> r.of_medians, r.per_round, r.median
         (2.0, (2.0, 2.0), 2.0)
         """
-        top, bottom = self.modes[numerator], self.modes[denominator]
-        rounds = self.per_round(numerator, denominator)
-        if not (top.times and bottom.times and rounds) or bottom.median <= 0:
-            return None
-        return Ratio(numerator, denominator, top.median / bottom.median, rounds)
+        return Ratio.of_times(numerator, denominator, self.modes[numerator].times,
+                              self.modes[denominator].times)
 
     def speedup(self, name: str) -> float | None:
         """Median of the per-round speedups (> 1: faster than the baseline); ``None`` if the
@@ -130,6 +126,22 @@ class Ratio:
     denominator: str
     of_medians: float
     per_round: tuple[float, ...]
+
+    @classmethod
+    def of_times(cls, numerator: str, denominator: str, top: Sequence[float],
+                 bottom: Sequence[float]) -> Ratio | None:
+        """The ratio of ``numerator``'s per-round times ``top`` over ``denominator``'s
+        ``bottom`` (rounds paired in order); ``None`` when either has no round.
+
+        >>> r = Ratio.of_times("b", "a", [2.0, 4.0, 2.2], [1.0, 1.0, 1.1])
+        >>> r.of_medians, r.per_round, r.median, r.max
+        (2.2, (2.0, 4.0, 2.0), 2.0, 4.0)
+        """
+        rounds = round_ratios(top, bottom)
+        if not (top and bottom and rounds) or statistics.median(bottom) <= 0:
+            return None
+        return cls(numerator, denominator, statistics.median(top) / statistics.median(bottom),
+                   rounds)
 
     @property
     def median(self) -> float:
@@ -215,6 +227,31 @@ def interleaved(
                 times[name].append(t)
     modes = {n: ModeTiming(n, tuple(times[n]), errors.get(n), error_types.get(n)) for n in names}
     return Comparison(modes, baseline, rounds, repeat, warmup, tuple(order_log))
+
+
+def round_ratios(top: Sequence[float], bottom: Sequence[float]) -> tuple[float, ...]:
+    """Per-round ratios ``top / bottom`` of two modes' times, rounds paired in order, over the
+    rounds both ran."""
+    return tuple(t / b for t, b in zip(top, bottom, strict=False) if b > 0)
+
+
+def fastest(speeds: Mapping[str, float], default: str, margin: float = 0.0) -> str:
+    """The candidate to keep: the one with the highest speed (a median of per-round ratios
+    baseline time / its time: > 1 is faster than the baseline) when it beats ``default``'s by
+    more than ``margin`` (relative), else ``default``. ``default`` counts 1.0 when it is not
+    in ``speeds`` (it is the baseline itself); ties go to the first listed.
+
+    >>> fastest({"nhwc": 1.10, "planned": 1.30}, "nchw", margin=0.02)
+    'planned'
+    >>> fastest({"planned": 1.01}, "nchw", margin=0.02), fastest({}, "nchw")
+    ('nchw', 'nchw')
+    >>> fastest({"inductor": 1.0, "planned": 0.96}, "inductor")
+    'inductor'
+    """
+    if not speeds:
+        return default
+    best = max(speeds, key=speeds.__getitem__)
+    return best if speeds[best] > speeds.get(default, 1.0) * (1.0 + margin) else default
 
 
 def round_order(names: Sequence[str], r: int) -> list[str]:

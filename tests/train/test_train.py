@@ -282,7 +282,7 @@ def test_the_plan_timed_together_keeps_the_faster_and_leaves_both_models_as_they
         check = check_together(planned, original, x.contiguous(memory_format=torch.channels_last),
                                x, world_size=1, clock=lambda: now[0])
         # per round: original time / planned time (the same number of steps each)
-        assert check.ratios == (1.0 / planned_cost,) * ROUNDS and check.kept == kept
+        assert check.ratio.per_round == (1.0 / planned_cost,) * ROUNDS and check.kept == kept
         for m in (planned, original):  # BatchNorm ran in train mode: its statistics restored
             for k, v in before[id(m)].items():
                 assert torch.equal(m.state_dict()[k], v), k
@@ -291,14 +291,16 @@ def test_the_plan_timed_together_keeps_the_faster_and_leaves_both_models_as_they
 
 def test_a_plan_slower_together_gives_way_to_the_original_model_and_the_nchw_pipeline(
         work, monkeypatch):
+    from memlayout.timing import Ratio
     from memlayout.train import loop
-    from memlayout.train.together import TogetherCheck
+    from memlayout.train.together import ORIGINAL, PLANNED, TogetherCheck
 
     trainer = Trainer(config(work, layout="planned", model=f"{work / 'tiny_models.py'}:plain"))
     assert trainer.data_layout == "planned"
     original = load_factory(work / "tiny_models.py", "plain")
     monkeypatch.setattr(loop, "check_together",
-                        lambda *a, **k: TogetherCheck((0.8, 0.9, 0.85), world_size=2))
+                        lambda *a, **k: TogetherCheck(Ratio(ORIGINAL, PLANNED, 0.85, (0.8, 0.9, 0.85)),
+                                                      world_size=2))
     events: list[str] = []
     trainer.on_event = events.append
     kept = trainer._check_together(trainer.model, original, torch.randn(4, 3, IMAGE, IMAGE),

@@ -1,12 +1,7 @@
 """The recorder (L2): a thin ``TorchDispatchMode`` that records every aten call, owned by a
-plain context manager (``AuditMode``) that knows which module each call ran under.
-
-Attribution. Forward: global module pre/post hooks keep a stack of module calls; a call's ops
-belong to the innermost module. Backward: while recording the forward, the autograd node each
-op created (the ``grad_fn`` of its results, read right after the op) is labelled with the
-module call that made it; in backward ``torch._C._current_autograd_node()`` names the node
-the engine is running, so its ops go to that module. ``AccumulateGrad`` ops go to the module
-owning the parameter. No monkey-patching, nothing changes what the ops compute.
+plain context manager (``AuditMode``) that knows which module each call ran under
+(:mod:`memlayout.audit.attribution`, forward and backward) and what each call did to the
+format (``_Ops``: drops, layout conversions). Nothing changes what the ops compute.
 
 >>> import torch
 >>> from torch import nn
@@ -31,19 +26,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
+from memlayout.audit.attribution import Attribution, Label
 from memlayout.audit.report import AuditReport, ModuleCall, OpRecord, TensorInfo
 from memlayout.coverage.store import explain
 from memlayout.dispatch import ObservingMode
-from memlayout.dtypes import autocast, parse_dtype
+from memlayout.dtypes import autocast, parse_dtype, torch_name
 from memlayout.errors import LayoutDropError, MemlayoutError
 from memlayout.layout import Format, formats_of
 from memlayout.spatial import PASS_NAMES, is_spatial_name
@@ -112,11 +100,6 @@ def _formats(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[frozense
 
 
 @cache
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@cache
 def _alias_kind(func: Any) -> str:
     """``view`` (a result aliases an input), ``inplace`` (writes an input), or ``new``."""
     returns = getattr(getattr(func, "_schema", None), "returns", ())
@@ -139,9 +122,9 @@ def _info(t: torch.Tensor) -> tuple[TensorInfo, frozenset[Format]]:
     try:
         strides = tuple(t.stride())
     except RuntimeError:  # sparse, nested: no strides, no format
-        return TensorInfo(shape, (), _dtype_name(t.dtype), "non-strided", 0), frozenset()
+        return TensorInfo(shape, (), torch_name(t.dtype), "non-strided", 0), frozenset()
     found, name = _formats(shape, strides)
-    return TensorInfo(shape, strides, _dtype_name(t.dtype), name, t.numel() * t.element_size()), found
+    return TensorInfo(shape, strides, torch_name(t.dtype), name, t.numel() * t.element_size()), found
 
 
 def _significant(info: TensorInfo) -> tuple[tuple[int, int], ...]:
@@ -167,15 +150,6 @@ class _Recorder(ObservingMode):
                 self.owner._unrecorded(func, exc)
 
 
-# Private torch hooks into the autograd engine, guarded: without them every op reads as
-# forward (no task id) or backward ops fall back to the module stack (no current node).
-_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
-
-_Label = tuple[int, str | None, str | None]  # (call index, module path, module type)
-_NO_MODULE: _Label = (-1, None, None)
-
-
 class AuditMode:
     """Record every aten call run inside the block, with module, phase and formats.
 
@@ -198,33 +172,15 @@ class AuditMode:
         self.fmt = Format.parse(fmt)
         self.raise_on_drop = raise_on_drop
         self.meta = dict(meta or {})
-        self._ranks = _ranks(self.fmt)
-        self._model = model
         self._records: list[OpRecord] = []
-        self._calls: list[list[Any]] = []  # [path, type, depth, output formats, output ranks]
-        self._stack: list[tuple[nn.Module, int]] = []
-        self._names: dict[nn.Module, str] = {}
-        self._roots = 0
-        self._last_call: dict[nn.Module, int] = {}
-        self._param_owner: dict[int, nn.Module] = {}
-        self._node_labels: dict[Any, _Label] = {}
-        self._pending: list[tuple[list[torch.Tensor], _Label]] = []
-        self._optimizer_depth = 0
-        self._handles: list[Any] = []
+        self._where = Attribution(model, lambda t: _info(t)[0].format, self._unrecorded)
+        self._ops = _Ops(self.fmt)
         self._mode: _Recorder | None = None
         self._report: AuditReport | None = None
-        # tensors made inside the block: id -> (weak reference, spatial?); see _is_spatial
-        self._made: dict[int, tuple[Any, bool]] = {}
-        if model is not None:
-            self._register(model, "")
 
-    # -- context manager ------------------------------------------------------------------
     def __enter__(self) -> AuditMode:
         self._report = None
-        self._handles = [register_module_forward_pre_hook(self._pre_hook),
-                         register_module_forward_hook(self._post_hook),
-                         register_optimizer_step_pre_hook(self._optimizer_pre),
-                         register_optimizer_step_post_hook(self._optimizer_post)]
+        self._where.start()
         self._mode = _Recorder(self)
         self._mode.__enter__()
         return self
@@ -233,14 +189,8 @@ class AuditMode:
         assert self._mode is not None
         self._mode.__exit__(*exc)
         self._mode = None
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._pending.clear()
-        self._made.clear()
-        self._node_labels.clear()  # autograd nodes keep the graph alive: let it go
-        self._stack.clear()
-        self._optimizer_depth = 0
+        self._where.stop()
+        self._ops.clear()
         self._report = self._build()
 
     @property
@@ -253,96 +203,39 @@ class AuditMode:
         self.meta.setdefault("first_unrecorded", f"{func}: {type(exc).__name__}: {exc}")
 
     def _build(self) -> AuditReport:
-        calls = [ModuleCall(i, *call) for i, call in enumerate(self._calls)]
+        calls = [ModuleCall(i, *call) for i, call in enumerate(self._where.modules.calls)]
         meta = {"torch": torch.__version__, **self.meta}
         notes = coverage_notes(self._records, self.fmt, meta)
         if notes:
             meta["coverage"] = notes
         return AuditReport.from_records(self.fmt.value, self._records, calls, meta)
 
-    # -- module and optimizer tracking ----------------------------------------------------
-    def _register(self, module: nn.Module, prefix: str) -> None:
-        for name, sub in module.named_modules(remove_duplicate=False):
-            if sub not in self._names:
-                self._names[sub] = f"{prefix}.{name}" if prefix and name else (prefix or name)
-                for p in sub.parameters(recurse=False):
-                    self._param_owner.setdefault(id(p), sub)
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        phase, label = self._where.now()
+        outs = _tensors(out, [])
+        if phase == "forward" and outs:  # grad mode may be off: custom Function.forward
+            self._where.created(outs, label)
+        record = self._ops.record(len(self._records), phase, label, func, args, kwargs, outs)
+        self._records.append(record)
+        if record.dropped and self.raise_on_drop:
+            raise LayoutDropError(_drop_message(record, self.fmt))
 
-    def _name(self, module: nn.Module) -> str:
-        name = self._names.get(module)
-        if name is not None:
-            return name
-        if self._stack:
-            parent, _ = self._stack[-1]
-            parent_path = self._names[parent]
-            child = next((n for n, c in parent.named_children() if c is module),
-                         type(module).__name__)
-            prefix = f"{parent_path}.{child}" if parent_path else child
-        else:
-            self._roots += 1
-            prefix = "" if self._roots == 1 and self._model is None else type(module).__name__
-            taken = set(self._names.values())
-            base, n = prefix, 1
-            while prefix in taken and prefix:
-                n += 1
-                prefix = f"{base}#{n}"
-        self._register(module, prefix)
-        return self._names[module]
 
-    def _pre_hook(self, module: nn.Module, _args: Any) -> None:
-        self._flush()
-        index = len(self._calls)
-        self._calls.append([self._name(module), type(module).__name__, len(self._stack), (), ()])
-        self._stack.append((module, index))
-        self._last_call[module] = index
+class _Ops:
+    """What aten calls do to the format ``fmt``: each call's record (its tensors' formats,
+    whether it dropped the format, whether it was a layout conversion), and which tensors made
+    in the block are image-like (spatial), the values a drop is about."""
 
-    def _post_hook(self, module: nn.Module, _args: Any, output: Any) -> None:
-        self._flush()
-        while self._stack:  # unwind past calls that raised (their post hook never ran)
-            top, index = self._stack.pop()
-            if top is module:
-                outs = [t for t in iter_tensors(output) if isinstance(t, torch.Tensor)]
-                try:
-                    self._calls[index][3] = tuple(_info(t)[0].format for t in outs)
-                    self._calls[index][4] = tuple(t.dim() for t in outs)
-                except Exception as exc:  # as in _Recorder: never break the run
-                    self._unrecorded(f"output of {self._calls[index][0]}", exc)
-                break
+    def __init__(self, fmt: Format) -> None:
+        self.fmt = fmt
+        self._ranks = _ranks(fmt)
+        # tensors made inside the block: id -> (weak reference, spatial?); see is_spatial
+        self._made: dict[int, tuple[Any, bool]] = {}
 
-    def _optimizer_pre(self, *_: Any) -> None:
-        self._optimizer_depth += 1
+    def clear(self) -> None:
+        self._made.clear()
 
-    def _optimizer_post(self, *_: Any) -> None:
-        self._optimizer_depth = max(0, self._optimizer_depth - 1)
-
-    def _label_now(self) -> _Label:
-        if not self._stack:
-            return _NO_MODULE
-        module, index = self._stack[-1]
-        return (index, self._names[module], type(module).__name__)
-
-    def _flush(self) -> None:
-        """Label the autograd nodes the last forward op created with its module call."""
-        for outs, label in self._pending:
-            for t in outs:
-                node = t.grad_fn
-                if node is not None and node not in self._node_labels:
-                    self._node_labels[node] = label
-        self._pending.clear()
-
-    def _backward_label(self) -> _Label:
-        node = _current_node()
-        if node is not None:
-            label = self._node_labels.get(node)
-            if label is not None:
-                return label
-            variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter's module
-            owner = self._param_owner.get(id(variable)) if variable is not None else None
-            if owner is not None:
-                return (self._last_call.get(owner, -1), self._names[owner], type(owner).__name__)
-        return self._label_now()  # e.g. activation checkpointing re-running a forward
-
-    def _is_spatial(self, t: torch.Tensor) -> bool:
+    def is_spatial(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is an image-like value: made in the block by a spatial op or passed
         on from one by element-wise ops and views; a tensor from outside the block (the
         model's input, a parameter, a node run alone) is taken as one."""
@@ -351,26 +244,18 @@ class AuditMode:
             return True
         return made[1]
 
-    # -- the record -----------------------------------------------------------------------
-    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        self._flush()
-        if _graph_task_id() != -1:
-            phase, label = "backward", self._backward_label()
-        else:
-            phase = "optimizer" if self._optimizer_depth else "forward"
-            label = self._label_now()
+    def record(self, index: int, phase: str, label: Label, func: Any, args: tuple[Any, ...],
+               kwargs: dict[str, Any], outs: list[torch.Tensor]) -> OpRecord:
+        """The record of one call of ``func`` that returned ``outs``."""
         ins = _tensors(args, [])
         if kwargs:
             _tensors(tuple(kwargs.values()), ins)
-        outs = _tensors(out, [])
-        if phase == "forward" and outs:  # grad mode may be off: custom Function.forward
-            self._pending.append((outs, label))
         in_pairs = [_info(t) for t in ins]
         out_pairs = [_info(t) for t in outs]
         kind = _alias_kind(func)
         target = frozenset({self.fmt})
         spatial_op = _spatial_op(func)
-        spatial_in = [self._is_spatial(t) for t in ins]
+        spatial_in = [self.is_spatial(t) for t in ins]
         # A drop loses the format of an image-like (spatial) value: attention scores and
         # token tensors of rank 4 are not images, whatever their strides. A spatial op fed
         # inputs that are in the format only ambiguously (C == 1: a 3-d network's first
@@ -384,23 +269,28 @@ class AuditMode:
             s and t.dim() in self._ranks for t, s in zip(ins, spatial_in, strict=True)))
         for t in outs:
             self._made[id(t)] = (_weak(t), spatial_out)
-        conversion = False
-        source_of = COPY_SOURCES.get(func.overloadpacket)
-        if source_of is not None and outs:
-            src = source_of(args, kwargs)
-            dst = args[0] if kind == "inplace" and args else outs[0]
-            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
-                si, di = _info(src)[0], _info(dst)[0]
-                conversion = (si.shape == di.shape and si.dtype == di.dtype
-                              and src.device == dst.device and _significant(si) != _significant(di))
-        record = OpRecord(
-            index=len(self._records), phase=phase, module=label[1], module_type=label[2],
+        return OpRecord(
+            index=index, phase=phase, module=label[1], module_type=label[2],
             call=label[0], op=str(func), inputs=tuple(i for i, _ in in_pairs),
-            outputs=tuple(o for o, _ in out_pairs), dropped=dropped, conversion=conversion,
+            outputs=tuple(o for o, _ in out_pairs), dropped=dropped,
+            conversion=_is_conversion(func, kind, args, kwargs, outs),
             view=kind == "view", bytes=0 if kind == "view" else sum(o.nbytes for o, _ in out_pairs))
-        self._records.append(record)
-        if dropped and self.raise_on_drop:
-            raise LayoutDropError(_drop_message(record, self.fmt))
+
+
+def _is_conversion(func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   outs: list[torch.Tensor]) -> bool:
+    """A copy op (``COPY_SOURCES``) whose result has its source's shape, dtype and device but
+    other strides: a pure layout conversion."""
+    source_of = COPY_SOURCES.get(func.overloadpacket)
+    if source_of is None or not outs:
+        return False
+    src = source_of(args, kwargs)
+    dst = args[0] if kind == "inplace" and args else outs[0]
+    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
+        return False
+    si, di = _info(src)[0], _info(dst)[0]
+    return (si.shape == di.shape and si.dtype == di.dtype
+            and src.device == dst.device and _significant(si) != _significant(di))
 
 
 def _weak(t: torch.Tensor) -> Any:
@@ -562,7 +452,7 @@ def audit(model: nn.Module, inputs: Any, *, train: bool = False,
     autocast_dtype = parse_dtype(dtype)
     run_model, run_inputs, run_kwargs = prepare(model, inputs, fmt, kwargs)
     meta = {"model": type(model).__name__, "train": train,
-            "dtype": _dtype_name(autocast_dtype) if autocast_dtype else "float32",
+            "dtype": torch_name(autocast_dtype or torch.float32),
             "inputs": [list(t.shape) for t in iter_tensors((run_inputs, run_kwargs))],
             "device": str(device_of(run_inputs, run_model))}
     with AuditMode(run_model, fmt, meta=meta) as rec:

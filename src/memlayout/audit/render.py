@@ -261,17 +261,40 @@ def render_html(report: AuditReport, title: str = "memlayout audit") -> str:
     """One self-contained page: summary cards, an op strip per phase, the modules in
     execution order (coloured by their output layout) with forward and backward ops side by
     side, drops and conversions marked, and the offender tables."""
-    fmt = report.fmt
+    fmt, esc = report.fmt, html.escape
     ranks = {4} if fmt == "channels_last" else {5} if fmt == "channels_last_3d" else \
         {3} if fmt == "channels_last_1d" else {4, 5}
-    s = report.summary
     by_phase: dict[str, list[OpRecord]] = defaultdict(list)
-    by_call: dict[tuple[int, str], list[OpRecord]] = defaultdict(list)
     for r in report.records:
         by_phase[r.phase].append(r)
-        by_call[(r.call, r.phase)].append(r)
-    esc = html.escape
+    strips = "".join(
+        f'<div class="striplabel">{p}: {len(by_phase[p])} ops in execution order</div>'
+        + _strip(by_phase[p], fmt, ranks) for p in PHASES if by_phase[p])
+    meta = " · ".join(f"{esc(str(k))}: {esc(str(v))}" for k, v in report.meta.items()
+                      if k in ("model", "train", "dtype", "device", "inputs", "torch"))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>{_CSS}</style></head>
+<body>
+<header><h1>{esc(title)}</h1><div class="sub">requested format: {esc(fmt)} · {meta}</div></header>
+<main>
+<div class="cards">{_cards(report)}</div>
+<div class="legend">{_legend(fmt, ranks)}</div>
+<section><h2>Every op, in execution order, coloured by the layout of its result</h2>{strips}</section>
+{_detail(report)}
+<section><h2>Modules in execution order</h2>
+<p class="striplabel">Each op is a chip coloured by its result's layout (hover for shapes and
+strides); backward ops sit on the row of the module whose forward created them.</p>
+{_module_table(report, ranks)}</section>
+</main></body></html>
+"""
 
+
+def _cards(report: AuditReport) -> str:
+    """The summary cards: aten calls, drops, conversions, the share of activation bytes in
+    the format."""
+    fmt, s, esc = report.fmt, report.summary, html.escape
     share = "n/a" if s.activation_share is None else f"{100 * s.activation_share:.1f}%"
     cards = [
         ("aten calls", str(sum(s.ops.values())),
@@ -284,22 +307,32 @@ def render_html(report: AuditReport, title: str = "memlayout audit") -> str:
         (f"activation bytes in {fmt}", share, "of " + human_bytes(s.activation_bytes) + " written",
          "good" if s.activation_share is None or s.activation_share >= 0.999 else "bad"),
     ]
-    card_html = "".join(
+    return "".join(
         f'<div class="card"><div class="l">{esc(label)}</div><div class="v {cls}">{esc(value)}</div>'
         f'<div class="d">{esc(detail)}</div></div>' for label, value, detail, cls in cards)
+
+
+def _legend(fmt: str, ranks: set[int]) -> str:
+    """What each colour and mark means."""
+    esc = html.escape
     legend = "".join(
         f'<span><i class="sw k-{k}"></i>{esc(text)}</span>'
         for k, text in (("in", fmt), ("ambiguous", f"ambiguous (also {fmt})"),
                         ("contiguous", "contiguous"), ("none", "no format (views, broadcasts)"),
                         ("other", "other format"),
                         ("rank", f"result not {'/'.join(f'{n}-D' for n in sorted(ranks))} (format n/a)")))
-    legend += ('<span><i class="sw" style="background:#fff;outline:2px solid #c8362d"></i>'
-               f'dropped {esc(fmt)}</span><span><i class="sw k-in conv chip" style="padding:0">'
-               '</i>layout conversion (copy)</span>')
-    strips = "".join(
-        f'<div class="striplabel">{p}: {len(by_phase[p])} ops in execution order</div>'
-        + _strip(by_phase[p], fmt, ranks) for p in PHASES if by_phase[p])
+    return legend + ('<span><i class="sw" style="background:#fff;outline:2px solid #c8362d"></i>'
+                     f'dropped {esc(fmt)}</span><span><i class="sw k-in conv chip" style="padding:0">'
+                     '</i>layout conversion (copy)</span>')
 
+
+def _module_table(report: AuditReport, ranks: set[int]) -> str:
+    """A row per module call in execution order: its output layout, its forward ops and the
+    backward ops its forward created; ops outside every module in a last row."""
+    fmt, esc = report.fmt, html.escape
+    by_call: dict[tuple[int, str], list[OpRecord]] = defaultdict(list)
+    for r in report.records:
+        by_call[(r.call, r.phase)].append(r)
     rows = []
     for c in sorted(report.calls, key=lambda c: c.index):
         fw, bw = by_call.get((c.index, "forward"), []), by_call.get((c.index, "backward"), [])
@@ -323,56 +356,41 @@ def render_html(report: AuditReport, title: str = "memlayout audit") -> str:
             f'<tr><td class="num">–</td><td class="mod">{esc(OUTSIDE)}</td><td class="type"></td>'
             f'<td></td><td class="fw">{_chips(fw, fmt, ranks)}{_badges(fw)}</td>'
             f'<td class="bw">{_chips(bw, fmt, ranks)}{_badges(bw)}</td></tr>')
-    module_table = (
-        '<table><thead><tr><th>#</th><th>module, in execution order</th><th>type</th>'
-        '<th>output layout</th><th>forward ops</th><th>backward / optimizer ops</th></tr></thead>'
-        f'<tbody>{"".join(rows)}</tbody></table>') if rows else "<p>No module ran.</p>"
+    if not rows:
+        return "<p>No module ran.</p>"
+    return ('<table><thead><tr><th>#</th><th>module, in execution order</th><th>type</th>'
+            '<th>output layout</th><th>forward ops</th><th>backward / optimizer ops</th></tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table>')
 
-    if s.groups:
-        group_rows = "".join(
-            f'<tr><td>{esc(g.module_type or OUTSIDE)}</td><td class="mod">{esc(g.op)}</td>'
-            + "".join(f'<td class="num">{g.drops.get(p, 0)}</td>' for p in PHASES)
-            + f'<td class="num">{g.conversions}</td><td class="num">{human_bytes(g.conversion_bytes)}</td>'
-            f'<td class="num">{human_bytes(g.dropped_bytes)}</td></tr>' for g in s.groups)
-        groups = ('<table><thead><tr><th>module type</th><th>op</th><th>drops fwd</th>'
-                  '<th>drops bwd</th><th>drops opt</th><th>conversions</th><th>bytes converted</th>'
-                  f'<th>bytes out of format</th></tr></thead><tbody>{group_rows}</tbody></table>')
-        off_rows = "".join(
-            f'<tr><td>{o.phase}</td><td class="mod">{esc(_where(o.module, o.module_type))}</td>'
-            f'<td class="mod">{esc(o.op)}</td><td class="num">{o.drops}</td>'
-            f'<td class="num">{o.conversions}</td><td class="num">{human_bytes(o.bytes)}</td></tr>'
-            for o in s.top_offenders)
-        offenders = ('<table><thead><tr><th>phase</th><th>module</th><th>op</th><th>drops</th>'
-                     f'<th>conversions</th><th>bytes</th></tr></thead><tbody>{off_rows}</tbody></table>')
-        notes = report.meta.get("coverage") or {}
-        explained = ("<section><h2>What the coverage matrix says about the dropping ops</h2><ul>"
-                     + "".join(f"<li>{esc(n)}</li>" for n in notes.values())
-                     + "</ul></section>") if notes else ""
-        detail = (f'<section><h2>Drops and conversions by module type and op</h2>{groups}</section>'
-                  f'<section><h2>Top offenders</h2>{offenders}</section>{explained}')
-    else:
-        detail = (f'<section><h2>Drops and conversions</h2><p class="ok">No op dropped {esc(fmt)} '
-                  'and no layout conversion ran.</p></section>')
 
-    meta = " · ".join(f"{esc(str(k))}: {esc(str(v))}" for k, v in report.meta.items()
-                      if k in ("model", "train", "dtype", "device", "inputs", "torch"))
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<style>{_CSS}</style></head>
-<body>
-<header><h1>{esc(title)}</h1><div class="sub">requested format: {esc(fmt)} · {meta}</div></header>
-<main>
-<div class="cards">{card_html}</div>
-<div class="legend">{legend}</div>
-<section><h2>Every op, in execution order, coloured by the layout of its result</h2>{strips}</section>
-{detail}
-<section><h2>Modules in execution order</h2>
-<p class="striplabel">Each op is a chip coloured by its result's layout (hover for shapes and
-strides); backward ops sit on the row of the module whose forward created them.</p>
-{module_table}</section>
-</main></body></html>
-"""
+def _detail(report: AuditReport) -> str:
+    """Drops and conversions by module type and op, the top offenders, and what the coverage
+    matrix says about the dropping ops; one line when nothing dropped or converted."""
+    s, esc = report.summary, html.escape
+    if not s.groups:
+        return (f'<section><h2>Drops and conversions</h2><p class="ok">No op dropped '
+                f'{esc(report.fmt)} and no layout conversion ran.</p></section>')
+    group_rows = "".join(
+        f'<tr><td>{esc(g.module_type or OUTSIDE)}</td><td class="mod">{esc(g.op)}</td>'
+        + "".join(f'<td class="num">{g.drops.get(p, 0)}</td>' for p in PHASES)
+        + f'<td class="num">{g.conversions}</td><td class="num">{human_bytes(g.conversion_bytes)}</td>'
+        f'<td class="num">{human_bytes(g.dropped_bytes)}</td></tr>' for g in s.groups)
+    groups = ('<table><thead><tr><th>module type</th><th>op</th><th>drops fwd</th>'
+              '<th>drops bwd</th><th>drops opt</th><th>conversions</th><th>bytes converted</th>'
+              f'<th>bytes out of format</th></tr></thead><tbody>{group_rows}</tbody></table>')
+    off_rows = "".join(
+        f'<tr><td>{o.phase}</td><td class="mod">{esc(_where(o.module, o.module_type))}</td>'
+        f'<td class="mod">{esc(o.op)}</td><td class="num">{o.drops}</td>'
+        f'<td class="num">{o.conversions}</td><td class="num">{human_bytes(o.bytes)}</td></tr>'
+        for o in s.top_offenders)
+    offenders = ('<table><thead><tr><th>phase</th><th>module</th><th>op</th><th>drops</th>'
+                 f'<th>conversions</th><th>bytes</th></tr></thead><tbody>{off_rows}</tbody></table>')
+    notes = report.meta.get("coverage") or {}
+    explained = ("<section><h2>What the coverage matrix says about the dropping ops</h2><ul>"
+                 + "".join(f"<li>{esc(n)}</li>" for n in notes.values())
+                 + "</ul></section>") if notes else ""
+    return (f'<section><h2>Drops and conversions by module type and op</h2>{groups}</section>'
+            f'<section><h2>Top offenders</h2>{offenders}</section>{explained}')
 
 
 def write_html(report: AuditReport, path: str | Path, title: str = "memlayout audit") -> None:

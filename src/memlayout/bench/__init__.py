@@ -22,9 +22,10 @@ from memlayout.bench.config import (
     ModeUnavailable,
 )
 from memlayout.bench.records import FLAT_FIELDS, BenchRecord, Environment
-from memlayout.bench.report import read_json, write_atomic, write_csv, write_json, write_markdown
+from memlayout.bench.report import read_json, write_csv, write_json, write_markdown
 from memlayout.bench.runner import BenchEvent, BenchResult, run_bench
 from memlayout.bench.zoo import ZOO_NAMES, ZooEntry, zoo
+from memlayout.files import write_atomic
 
 #: what a resumed run must share with the run it continues (models, dtypes, tasks may grow)
 RESUME_FIELDS = ("modes", "batch", "image_size", "rounds", "warmup", "threads", "device",

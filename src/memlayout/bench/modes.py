@@ -65,7 +65,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memlayout import machine, runtimes
 from memlayout.bench.config import BACKEND_MODE, CONTROL, DTYPES, RUNTIME_MODES, ModeUnavailable
-from memlayout.dtypes import autocast, parse_dtype
+from memlayout.dtypes import Compared, autocast, parse_dtype, tolerance
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import CpuIsa
@@ -73,7 +73,6 @@ from memlayout.plan.candidates.backend_report import BackendReport
 from memlayout.plan.candidates.backend_report import backend_report as report_backend
 from memlayout.plan.candidates.compiled import compile as plan_and_compile
 from memlayout.plan.check.compare import compare as compare_outputs
-from memlayout.plan.check.compare import tolerance
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.steer.steering import prepare_inputs
@@ -319,7 +318,7 @@ def _prepare_runtime(mode: str, module: nn.Module, args: tuple[Any, ...], *, dty
         want = reference(x)
     ok, worst, _ = compare_outputs(want, got, run_dtype)
     if not ok:
-        rtol = tolerance(run_dtype)[0]
+        rtol = tolerance(run_dtype or torch.float32, Compared.MODEL)[0]
         raise OutputMismatch(f"{mode} output differs from eager NCHW by {worst:.3g} (relative to "
                              f"its largest magnitude; tolerance {rtol:g} for {dtype}): not timed")
     note = f"{model.describe()}; output vs eager NCHW: {worst:.2g} relative"

@@ -8,7 +8,6 @@ is marked ``x`` on the 1.0 line, an unavailable one is left out.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from matplotlib.ticker import FuncFormatter
 
 from memlayout.bench.config import BASELINE, MODES
 from memlayout.bench.records import BenchRecord
+from memlayout.files import atomic_file
 
 _COLORS = {"nhwc": "#1f77b4", "planned": "#2ca02c", "compile": "#ff7f0e",
            "planned+compile": "#9467bd", "compile-memlayout": "#e377c2", "nhwc-again": "#aec7e8", "openvino": "#d62728",
@@ -73,7 +73,6 @@ def plot_speedups(records: Sequence[BenchRecord], path: Path, *, title: str = ""
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
         fig.suptitle(title, fontsize=9)
-    tmp = path.with_name(f".{path.name}.tmp")  # renamed over ``path``: never half a picture
-    fig.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, path)
+    with atomic_file(path) as f:  # never half a picture
+        fig.savefig(f, dpi=110, format="png")
     return path

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memlayout import malloc
-from memlayout.machine import Conditions, cpu_model
+from memlayout.machine import Conditions, device_name
 
 STATUSES = ("ok", "error", "unavailable")
 
@@ -134,13 +134,6 @@ FLAT_FIELDS: tuple[str, ...] = tuple(
     [f.name for f in dataclasses.fields(BenchRecord) if f.name != "env"]
     + [f.name for f in dataclasses.fields(Environment)]
 )
-
-
-def device_name(device: str) -> str:
-    """``NVIDIA H100 ...`` for CUDA; the CPU model name (``/proc/cpuinfo``) for CPU."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
-    return cpu_model()
 
 
 def _version(dist: str) -> str:

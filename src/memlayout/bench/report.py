@@ -16,8 +16,6 @@ import dataclasses
 import io
 import json
 import math
-import os
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +24,8 @@ from typing import Any
 from memlayout.bench.config import BASELINE, CONTROL, RUNTIME_MODES
 from memlayout.bench.records import FLAT_FIELDS, BenchRecord, Environment
 from memlayout.bench.runner import BenchResult
-from memlayout.timing import geomean
-
-
-def write_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``: a run
-    killed mid-write leaves the previous file whole, never half of the new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
+from memlayout.files import write_atomic
+from memlayout.timing import Ratio, geomean
 
 
 def write_csv(records: Sequence[BenchRecord], path: Path) -> Path:
@@ -267,8 +254,9 @@ def control_line(records: Sequence[BenchRecord]) -> str:
     medians = []
     for (model, dtype, task, mode), again in times.items():
         nhwc = times.get((model, dtype, task, "nhwc"))
-        if mode == CONTROL and nhwc:
-            medians.append(statistics.median(a / b for a, b in zip(nhwc, again, strict=False)))
+        ratio = Ratio.of_times("nhwc", CONTROL, nhwc, again) if mode == CONTROL and nhwc else None
+        if ratio is not None:
+            medians.append(ratio.median)
     if not medians:
         return ""
     return (f"eager NHWC vs a second copy of it ({CONTROL}), median of per-round time ratios: "

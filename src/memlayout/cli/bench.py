@@ -27,7 +27,7 @@ from memlayout.errors import MemlayoutError
 from memlayout.machine import Conditions
 
 if TYPE_CHECKING:
-    pass
+    from memlayout.bench import BenchConfig, BenchRecord, BenchResult
 
 
 def _bench_command(models: list[str] | None, flags: tuple[tuple[str, Any, Any], ...],
@@ -62,38 +62,25 @@ def bench(
 ) -> None:
     """Time every layout strategy on each model, interleaved round by round in one process, and
     report speedups over eager NCHW (median of per-round ratios), FLOP/s and compile times."""
-    from memlayout.bench import (
-        BenchConfig,
-        BenchEvent,
-        BenchResult,
-        resume_records,
-        run_bench,
-        write_outputs,
-    )
-    from memlayout.bench import zoo as zoo_entries
-    from memlayout.bench.render import render_header, render_results
+    from memlayout.bench import BenchConfig, resume_records, write_outputs
+    from memlayout.bench.render import render_results
 
-    specs = list(models or [])
-    sizes: list[tuple[str, int]] = []
     try:
         choice("--plan-costs", plan_costs, PLAN_COSTS)
         dtypes = check_dtypes(dtype, BENCH_DTYPES) or dtype
         device = check_device(device)
-        for entry in zoo_entries(zoo) if zoo else ():
-            specs.append(entry.spec)
-            if entry.image_size:
-                sizes.append((entry.spec, entry.image_size))
+        specs, sizes = _zoo_specs(models, zoo)
         cfg = BenchConfig.from_strings(
-            list(dict.fromkeys(specs)), modes=modes, dtypes=dtypes, tasks=task, batch=batch,
+            specs, modes=modes, dtypes=dtypes, tasks=task, batch=batch,
             image_size=image_size, rounds=rounds, warmup=warmup, threads=threads, device=device,
-            compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=tuple(sizes),
+            compile_backend=compile_backend, gemm_size=gemm_size, zoo_sizes=sizes,
             plan_measure=plan_costs == "measured", steady_heap=steady_heap)
         previous = resume_records(Path(out), cfg) if resume else []
     except MemlayoutError as exc:
         fail(exc)
-    done = {(r.model, r.dtype, r.task) for r in previous}
     if previous:
-        console.print(f"--resume: {len(done)} model x dtype x task cases already in {out}, kept")
+        cases = {(r.model, r.dtype, r.task) for r in previous}
+        console.print(f"--resume: {len(cases)} model x dtype x task cases already in {out}, kept")
     command = _bench_command(models, (
         ("--zoo", zoo, None), ("--modes", modes, None), ("--dtype", dtype, None),
         ("--task", task, None), ("--batch", batch, None), ("--image-size", image_size, None),
@@ -101,6 +88,31 @@ def bench(
         ("--device", device, "cpu"), ("--compile-backend", compile_backend, "inductor"),
         ("--gemm-size", gemm_size, None), ("--plan-costs", plan_costs, "measured"),
         ("--out", out, None)), steady_heap)
+    _print_header(cfg, threads)
+    result = _run(cfg, previous, Path(out), command)
+    render_results(result.records, console)
+    paths = write_outputs(result, Path(out), command=command)
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def _zoo_specs(models: list[str] | None, zoo: str | None
+               ) -> tuple[list[str], tuple[tuple[str, int], ...]]:
+    """The model specs given and those of ``--zoo`` (each once), and the zoo's image sizes."""
+    from memlayout.bench import zoo as zoo_entries
+
+    specs = list(models or [])
+    sizes: list[tuple[str, int]] = []
+    for entry in zoo_entries(zoo) if zoo else ():
+        specs.append(entry.spec)
+        if entry.image_size:
+            sizes.append((entry.spec, entry.image_size))
+    return list(dict.fromkeys(specs)), tuple(sizes)
+
+
+def _print_header(cfg: BenchConfig, threads: int | None) -> None:
+    """What runs, bf16's speed here where asked for, and the machine's conditions."""
+    from memlayout.bench.render import render_header
+
     render_header(cfg, console)
     bf16_notice(tuple(cfg.dtypes), cfg.device,
                 "the compile modes (compile, planned+compile) are not built in bf16 (recorded "
@@ -110,6 +122,13 @@ def bench(
         conditions = dataclasses.replace(conditions, threads=threads)
     print_conditions(conditions)
 
+
+def _run(cfg: BenchConfig, previous: list[BenchRecord], out: Path, command: str) -> BenchResult:
+    """Every case not in ``previous``, with a progress bar; the outputs rewritten after every
+    case, so that a stopped run keeps what it measured. All the records, old and new."""
+    from memlayout.bench import BenchEvent, BenchResult, run_bench, write_outputs
+
+    done = {(r.model, r.dtype, r.task) for r in previous}
     per_case = len(cfg.modes) * cfg.rounds
     todo = [(m, d, t) for m in cfg.models for d in cfg.dtypes for t in cfg.tasks if (m, d, t) not in done]
     total = len(todo) * per_case
@@ -117,7 +136,7 @@ def bench(
 
     def save(case: list) -> None:  # after every case: a stopped run keeps what it measured
         records.extend(case)
-        write_outputs(BenchResult(cfg, case[0].env, tuple(records)), Path(out), command=command)
+        write_outputs(BenchResult(cfg, case[0].env, tuple(records)), out, command=command)
     with progress_bar(console) as progress:
         bar = progress.add_task("starting", total=total)
 
@@ -133,7 +152,4 @@ def bench(
 
         result = run_bench(cfg, on_event=on_event, skip=done, on_case=save)
         progress.update(bar, completed=total, description="done")
-    result = BenchResult(cfg, result.env, tuple(records))
-    render_results(result.records, console)
-    paths = write_outputs(result, Path(out), command=command)
-    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return BenchResult(cfg, result.env, tuple(records))

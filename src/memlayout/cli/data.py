@@ -26,7 +26,7 @@ def bench_data(
     batch: Annotated[int, typer.Option(help="Batch size. Default: 64.")] = 64,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds. Default: 7.")] = 7,
     threads: Annotated[int | None, typer.Option(help="torch.set_num_threads in the main process. Default: torch's own.")] = None,
-    cache_dir: Annotated[str | None, typer.Option(help="Folder for the JPEGs, made once and reused. Default: $XDG_CACHE_HOME/memlayout/bench-data.")] = None,
+    cache_dir: Annotated[str | None, typer.Option(help="Folder for the JPEGs, made once and reused. Default: $MEMLAYOUT_CACHE_DIR/bench-data, else $XDG_CACHE_HOME/memlayout/bench-data.")] = None,
     json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here. Default: none.")] = None,
     device: Annotated[str, typer.Option(help="Where the normalized batch goes (cpu, cuda, cuda:N). Default: cpu.")] = "cpu",
 ) -> None:

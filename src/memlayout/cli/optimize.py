@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 import typer
 from rich.progress import Progress
+from torch import nn
 
 from memlayout import machine
 from memlayout.cli.app import app
@@ -30,6 +32,7 @@ from memlayout.tensors import format_name, format_of, iter_tensors
 
 if TYPE_CHECKING:
     from memlayout.plan.report.compare import ModelComparison
+    from memlayout.plan.report.plan import Plan
 
 
 @app.command()
@@ -58,112 +61,180 @@ def optimize(
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC (with
     --compile: against torch.compile's default and eager NCHW)."""
-    from memlayout.plan.apply import apply as apply_plan
-    from memlayout.plan.apply import read_plan
-    from memlayout.plan.inputs import example_inputs_of, format_label, keyword_call
-    from memlayout.plan.pipeline import optimize as plan_model
-    from memlayout.plan.report.compare import compare_with_eager
-
     debug_log(ctx, debug)
+    flags = _Flags(model=model, dtype=dtype, batch=batch, image_size=image_size, device=device,
+                   save=save, measure=measure, explain=explain, rounds=rounds, cache=cache,
+                   guard=guard, refresh=refresh, memory_budget=memory_budget, padding=padding,
+                   compile=compile, train=train, input_format=input_format, debug=debug,
+                   plan_file=plan_file)
     try:  # the options first: a bad one is reported before any model is built
-        run_dtype = parse_dtype(dtype)
-        if input_format is not None and input_format.strip().lower() != "auto":
-            format_label(input_format, "input_format")
-        run_device = check_device(device)
-        at_least(1, batch=batch, image_size=image_size)
-        at_least(0, rounds=rounds)
-        if save:
-            writable_file("--save", Path(save))
-        saved = None
-        if plan_file is not None:
-            if compile:
-                raise UsageError("--plan applies a saved layout plan; --compile plans and "
-                                 "compiles here: use one of them")
-            saved = read_plan(Path(plan_file))
-            if len(saved.input_shapes) != 1 or len(saved.input_shapes[0]) < 3:
-                raise UsageError(f"--plan {plan_file}: made for inputs {saved.input_shapes}; "
-                                 "the command builds one image-like input")
-            # the plan's example: its shape, dtype, format and task
-            shape = saved.input_shapes[0]
-            batch, image_size, train = shape[0], shape[-1], saved.train
-            dtype = saved.dtype or "fp32"
-            run_dtype = parse_dtype(dtype)
-            input_format = saved.input_format
-        if saved is None and run_dtype is torch.bfloat16:
-            padding = _bounded_for_bf16(ctx, run_device, measure=measure, compile=compile,
-                                        padding=padding)
+        flags = _checked(ctx, flags)
     except MemlayoutError as exc:
         fail(exc)
     try:
-        spec = load_model(model, batch=batch, image_size=image_size)
-        # keyword inputs become trailing positional ones: every step and timer below passes
-        # one tuple (memlayout.plan.inputs.KeywordCall)
-        module, example = keyword_call(
-            spec.module.to(run_device), on_device(example_inputs_of(spec.example_input),
-                                                   run_device),
-            on_device(spec.example_kwargs, run_device))
-        first = next(iter_tensors(example))
-        task_name = "training step" if train else "inference"
-        shapes = ", ".join(str(tuple(t.shape)) for t in iter_tensors(example))
-        console.print(f"{model}: input {shapes} ({format_name(format_of(first))}"
-                      f" as built), {dtype_name(run_dtype)}, {task_name}, device {run_device}, "
-                      f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
-        if spec.note:
-            console.print(f"note: {spec.note}", markup=False, highlight=False)
-        print_measuring_conditions(measure)
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("measuring", total=None)
-
-            def progress(done: int, total: int, what: str) -> None:
-                bar.update(task, completed=done, total=total, description=f"measuring {what}")
-
-            if saved is not None:
-                opt = apply_plan(module, saved, example)
-            elif compile:
-                from memlayout.plan.candidates.compiled import compile as plan_and_compile
-
-                opt = plan_and_compile(module, example, dtype=dtype,
-                                       measure=measure, cache=cache, progress=progress,
-                                       name=model, guard=guard, input_format=input_format,
-                                       plan_kwargs={"refresh": refresh})
-            else:
-                opt = plan_model(module, example, dtype=dtype, measure=measure,
-                                 cache=cache, progress=progress, name=model, guard=guard,
-                                 memory_budget=memory_budget, padding=padding, train=train,
-                                 refresh=refresh, input_format=input_format)
+        module, example = _model(flags)
+        opt = _plan(module, example, flags)
     except MemlayoutError as exc:
         fail(exc, debug=debug)
-    plan = opt.plan
-    if explain:
-        plan.explain(console, full=debug)  # ends with the summary
+    _report(opt.plan, example, flags)
+    if flags.rounds > 0 and flags.compile:
+        from memlayout.plan.candidates.compiled import compare_compiled
+
+        _print_comparison(compare_compiled(module, opt, example, rounds=flags.rounds), "batch")
+    elif flags.rounds > 0:
+        from memlayout.plan.report.compare import compare_with_eager
+
+        result = compare_with_eager(module, opt, example, rounds=flags.rounds, train=flags.train)
+        unit = "training step (forward, backward, SGD)" if flags.train else "batch"
+        _print_comparison(result, unit)
+
+
+@dataclass(frozen=True)
+class _Flags:
+    """``optimize``'s flags. :func:`_checked` adds ``run_dtype`` (the autocast dtype) and,
+    with ``--plan``, the ``saved`` plan, whose example (shape, dtype, input format, task)
+    replaces the flags'."""
+
+    model: str
+    dtype: str
+    batch: int
+    image_size: int | None
+    device: str
+    save: str | None
+    measure: bool
+    explain: bool
+    rounds: int
+    cache: bool
+    guard: bool
+    refresh: bool
+    memory_budget: str | None
+    padding: bool
+    compile: bool
+    train: bool
+    input_format: str | None
+    debug: bool
+    plan_file: str | None
+    run_dtype: torch.dtype | None = None
+    saved: Plan | None = None
+
+
+def _checked(ctx: typer.Context, flags: _Flags) -> _Flags:
+    """``flags`` checked (a ``UsageError`` or ``MemlayoutError`` names the bad one), the
+    dtype parsed, the saved plan read; bf16 bounded where it is emulated."""
+    from memlayout.plan.inputs import format_label
+
+    run_dtype = parse_dtype(flags.dtype)
+    if flags.input_format is not None and flags.input_format.strip().lower() != "auto":
+        format_label(flags.input_format, "input_format")
+    device = check_device(flags.device)
+    at_least(1, batch=flags.batch, image_size=flags.image_size)
+    at_least(0, rounds=flags.rounds)
+    if flags.save:
+        writable_file("--save", Path(flags.save))
+    flags = replace(flags, run_dtype=run_dtype, device=device)
+    if flags.plan_file is not None:
+        return _from_saved(flags)
+    if run_dtype is torch.bfloat16:
+        return replace(flags, padding=_bounded_for_bf16(ctx, device, measure=flags.measure,
+                                                        compile=flags.compile,
+                                                        padding=flags.padding))
+    return flags
+
+
+def _from_saved(flags: _Flags) -> _Flags:
+    """``--plan FILE``: the saved plan, and its example's shape, dtype, input format and task
+    in place of the flags'."""
+    from memlayout.plan.apply import read_plan
+
+    if flags.compile:
+        raise UsageError("--plan applies a saved layout plan; --compile plans and "
+                         "compiles here: use one of them")
+    saved = read_plan(Path(flags.plan_file))  # type: ignore[arg-type]
+    if len(saved.input_shapes) != 1 or len(saved.input_shapes[0]) < 3:
+        raise UsageError(f"--plan {flags.plan_file}: made for inputs {saved.input_shapes}; "
+                         "the command builds one image-like input")
+    shape = saved.input_shapes[0]
+    dtype = saved.dtype or "fp32"
+    return replace(flags, saved=saved, batch=shape[0], image_size=shape[-1], train=saved.train,
+                   dtype=dtype, run_dtype=parse_dtype(dtype), input_format=saved.input_format)
+
+
+def _model(flags: _Flags) -> tuple[nn.Module, tuple[Any, ...]]:
+    """The model and its example inputs on the device, after a line saying what runs."""
+    from memlayout.plan.inputs import example_inputs_of, keyword_call
+
+    spec = load_model(flags.model, batch=flags.batch, image_size=flags.image_size)
+    # keyword inputs become trailing positional ones: every step and timer below passes
+    # one tuple (memlayout.plan.inputs.KeywordCall)
+    module, example = keyword_call(
+        spec.module.to(flags.device), on_device(example_inputs_of(spec.example_input),
+                                                flags.device),
+        on_device(spec.example_kwargs, flags.device))
+    first = next(iter_tensors(example))
+    task_name = "training step" if flags.train else "inference"
+    shapes = ", ".join(str(tuple(t.shape)) for t in iter_tensors(example))
+    console.print(f"{flags.model}: input {shapes} ({format_name(format_of(first))}"
+                  f" as built), {dtype_name(flags.run_dtype)}, {task_name}, device {flags.device}, "
+                  f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+    if spec.note:
+        console.print(f"note: {spec.note}", markup=False, highlight=False)
+    return module, example
+
+
+def _plan(module: nn.Module, example: tuple[Any, ...], flags: _Flags) -> nn.Module:
+    """The planned model: the saved plan applied, memlayout.compile's choice (``--compile``),
+    or a plan made here; a progress bar while costs are measured."""
+    from memlayout.plan.apply import apply as apply_plan
+    from memlayout.plan.pipeline import optimize as plan_model
+
+    print_measuring_conditions(flags.measure)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("measuring", total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"measuring {what}")
+
+        if flags.saved is not None:
+            return apply_plan(module, flags.saved, example)
+        if flags.compile:
+            from memlayout.plan.candidates.compiled import compile as plan_and_compile
+
+            return plan_and_compile(module, example, dtype=flags.dtype, measure=flags.measure,
+                                    cache=flags.cache, progress=progress, name=flags.model,
+                                    guard=flags.guard, input_format=flags.input_format,
+                                    plan_kwargs={"refresh": flags.refresh})
+        return plan_model(module, example, dtype=flags.dtype, measure=flags.measure,
+                          cache=flags.cache, progress=progress, name=flags.model,
+                          guard=flags.guard, memory_budget=flags.memory_budget,
+                          padding=flags.padding, train=flags.train, refresh=flags.refresh,
+                          input_format=flags.input_format)
+
+
+def _report(plan: Plan, example: tuple[Any, ...], flags: _Flags) -> None:
+    """The plan (``--explain``: every node's choice), the format inputs arrive in, the
+    verification; the plan written to ``--save``."""
+    if flags.explain:
+        plan.explain(console, full=flags.debug)  # ends with the summary
     else:
-        console.print(plan.summary(full=debug), markup=False, highlight=False)
+        console.print(plan.summary(full=flags.debug), markup=False, highlight=False)
     if plan.input_format is None:
-        arrives = f"{format_name(format_of(first))}, as built"
+        arrives = f"{format_name(format_of(next(iter_tensors(example))))}, as built"
     else:
-        how = ("chosen by the plan (--input-format auto)" if input_format.strip().lower() == "auto"
-               else f"--input-format {input_format}")
+        how = ("chosen by the plan (--input-format auto)"
+               if flags.input_format.strip().lower() == "auto"  # type: ignore[union-attr]
+               else f"--input-format {flags.input_format}")
         arrives = (f"{plan.input_format} ({how}; the speed comparison hands every model its "
                    "input so, and the planned model converts an input that arrives otherwise)")
     console.print(f"input arrives {arrives}", markup=False, highlight=False)
     if plan.verification is not None:
         console.print(plan.verification.describe(), markup=False, highlight=False)
-    if save:
+    if flags.save:
         try:
-            Path(save).write_text(plan.to_json())
+            Path(flags.save).write_text(plan.to_json())
         except OSError as exc:
-            fail(UsageError(f"--save {save}: the plan could not be written ({exc.strerror}); "
-                             "it is printed above"))
-        console.print(f"plan written to {save}")
-    if rounds > 0 and compile:
-        from memlayout.plan.candidates.compiled import compare_compiled
-
-        result = compare_compiled(module, opt, example, rounds=rounds)
-        _print_comparison(result, "batch")
-    elif rounds > 0:
-        result = compare_with_eager(module, opt, example, rounds=rounds, train=train)
-        unit = "training step (forward, backward, SGD)" if train else "batch"
-        _print_comparison(result, unit)
+            fail(UsageError(f"--save {flags.save}: the plan could not be written "
+                            f"({exc.strerror}); it is printed above"))
+        console.print(f"plan written to {flags.save}")
 
 
 def _bounded_for_bf16(ctx: typer.Context, device: str, *, measure: bool, compile: bool,  # noqa: A002

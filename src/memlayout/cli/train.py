@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 import typer
 from rich.console import Console
+from rich.progress import Progress, TaskID
 
 from memlayout.cli.app import app
 from memlayout.cli.common import (
@@ -27,11 +28,12 @@ from memlayout.errors import MemlayoutError
 from memlayout.machine import Conditions
 
 if TYPE_CHECKING:
-    pass
+    from memlayout.train import LayoutComparison, TrainConfig, TrainResult
+    from memlayout.train.ddp import DistInfo
 
 
 #: ``memlayout train`` flags -> the setting each gives (those a resumed run may take from its
-#: checkpoint when they are not on the command line: ``memlayout.train.loop.RESUMED``)
+#: checkpoint when they are not on the command line: ``memlayout.train.config.RESUMED``)
 _FLAG_SETTINGS = {"lr": "lr", "batch": "batch", "epochs": "epochs", "dtype": "dtype",
                   "layout": "layout", "image_size": "image_size", "seed": "seed",
                   "sync_bn": "sync_batchnorm", "plan_costs": "plan_measure"}
@@ -67,17 +69,9 @@ def train(
 ) -> None:
     """Train an image classifier (reference loop) in one layout, on one process or under
     torchrun (DDP or FSDP); print images/s, loss and accuracy per interval."""
-
-    from memlayout.train import (
-        TrainConfig,
-        Trainer,
-        compare_layouts,
-        init_distributed,
-        make_synthetic,
-    )
-    from memlayout.train.ddp import barrier, collectives, shutdown
-    from memlayout.train.loop import IntervalLog, check_compare, layout_of, resumed_config
-    from memlayout.train.render import interval_line, render_comparison, render_run
+    from memlayout.train import TrainConfig, init_distributed
+    from memlayout.train.ddp import shutdown
+    from memlayout.train.render import render_comparison, render_run
 
     layouts = [s.strip() for s in compare.split(",") if s.strip()] if compare else []
     try:
@@ -89,15 +83,7 @@ def train(
                           max_steps=max_steps, device=check_device(device),
                           plan_measure=plan_costs == "measured", sync_batchnorm=sync_bn,
                           timeout=timeout, strategy=strategy)
-        cfg.check()
-        given = {setting for flag, setting in _FLAG_SETTINGS.items()
-                 if ctx.get_parameter_source(flag).name not in ("DEFAULT", "DEFAULT_MAP")}
-        cfg, taken = resumed_config(cfg, given)
-        epochs, batch, image_size, layout = cfg.epochs, cfg.batch, cfg.image_size, cfg.layout
-        for name in layouts or [layout]:
-            dataclasses.replace(cfg, layout=layout_of(name)).check()
-        if layouts:
-            check_compare(layouts)
+        cfg, taken = _checked(ctx, cfg, layouts)
     except MemlayoutError as exc:
         fail(exc)
     out = console
@@ -108,62 +94,121 @@ def train(
         if not info.is_main:
             out = Console(quiet=True)
         if synthetic is not None:
-            with collectives(info, cfg.timeout, "rank 0 wrote the --synthetic data"):
-                if info.is_main:
-                    make_synthetic(data, synthetic, size=image_size, seed=seed)
-                barrier(info)
-        where = (f"{info.world_size} processes (torchrun, {cfg.strategy.upper()} {'nccl' if cfg.device.startswith('cuda') else 'gloo'})"
-                 if info.distributed else "1 process")
-        with contextlib.ExitStack() as stack, progress_bar(out) as progress:
-            bar = progress.add_task("building", total=None)
-
-            def on_event(event: object) -> None:
-                if isinstance(event, IntervalLog):
-                    progress.console.print(interval_line(event), markup=False, highlight=False)
-                    progress.update(bar, completed=event.step, total=event.total_steps,
-                                    description=f"{event.layout} epoch {event.epoch}")
-                else:
-                    progress.console.print(str(event), markup=False, highlight=False)
-
+            _write_synthetic(cfg, info, synthetic, seed)
+        with progress_bar(out) as progress:
             if layouts:
-                progress.update(bar, total=rounds * len(layouts), completed=0)
-                out.print(f"memlayout train {model} --compare {','.join(layouts)}: {cfg.dtype}, batch {batch} per process x {where}, "
-                          f"{image_size} px, {log_every} steps per interval, 1 warm-up + {rounds} interleaved rounds, "
-                          f"device {cfg.device}, torch threads {torch.get_num_threads()}", markup=False, highlight=False)
-                if info.is_main:
-                    print_conditions(Conditions.now())
-                steps = [0]
-
-                def on_step(r: int, name: str) -> None:
-                    steps[0] += 1
-                    progress.update(bar, completed=steps[0] - 1, description=f"round {r + 1}/{rounds} {name}")
-
-                result = compare_layouts(cfg, layouts, rounds=rounds, dist_info=info,
-                                         on_event=on_event, on_step=on_step)
-                progress.update(bar, completed=rounds * len(layouts), description="done")
+                result = _compare(cfg, layouts, info, rounds, out, progress)
             else:
-                trainer = stack.enter_context(Trainer(cfg, info, on_event))
-                out.print(f"memlayout train {model}: layout {layout}, {cfg.dtype}, batch {batch} per process x {where}, "
-                          f"{image_size} px, {len(trainer.dataset)} images in {len(trainer.dataset.classes)} classes, "
-                          f"{trainer.steps_per_epoch} steps/epoch, {epochs} epochs, device {trainer.device}, "
-                          f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
-                if info.is_main:
-                    bf16_notice(cfg.dtype, str(trainer.device),
-                                "bf16 training runs slower than fp32 here; its speed says "
-                                "nothing of a CPU with bf16 instructions")
-                if trainer.plan_summary:
-                    out.print(trainer.plan_summary, markup=False, highlight=False)
-                if resume:
-                    kept = (" with its settings " + ", ".join(f"{k} {v}" for k, v in taken.items())
-                            + " (not given on the command line)" if taken else "")
-                    out.print(f"resumed at step {trainer.step} from {checkpoint}{kept}",
-                              markup=False, highlight=False)
-                progress.update(bar, total=trainer.total_steps, completed=trainer.step, description=layout)
-                run = trainer.run()
+                run = _train_one(cfg, info, taken, out, progress)
     except MemlayoutError as exc:
         fail(exc)
     if layouts:
-        render_comparison(result, layouts, out, batch=batch, world_size=info.world_size, rounds=rounds)
+        render_comparison(result, layouts, out, batch=cfg.batch, world_size=info.world_size,
+                          rounds=rounds)
     else:
         render_run(run, out)
     shutdown(info)
+
+
+def _checked(ctx: typer.Context, cfg: TrainConfig,
+             layouts: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
+    """``cfg`` checked, with the settings a resumed run takes from its checkpoint (those not
+    on the command line), and what it took; every ``--compare`` layout checked too."""
+    from memlayout.train.compare import check_compare, layout_of
+    from memlayout.train.config import resumed_config
+
+    cfg.check()
+    given = {setting for flag, setting in _FLAG_SETTINGS.items()
+             if ctx.get_parameter_source(flag).name not in ("DEFAULT", "DEFAULT_MAP")}
+    cfg, taken = resumed_config(cfg, given)
+    for name in layouts or [cfg.layout]:
+        dataclasses.replace(cfg, layout=layout_of(name)).check()
+    if layouts:
+        check_compare(layouts)
+    return cfg, taken
+
+
+def _write_synthetic(cfg: TrainConfig, info: DistInfo, images: int, seed: int) -> None:
+    """Rank 0 writes ``--synthetic`` images (``--seed``) into ``--data``; the other ranks
+    wait for it."""
+    from memlayout.train import make_synthetic
+    from memlayout.train.ddp import barrier, collectives
+
+    with collectives(info, cfg.timeout, "rank 0 wrote the --synthetic data"):
+        if info.is_main:
+            make_synthetic(cfg.data, images, size=cfg.image_size, seed=seed)
+        barrier(info)
+
+
+def _where(cfg: TrainConfig, info: DistInfo) -> str:
+    """``1 process``, or the torchrun job: ``2 processes (torchrun, DDP gloo)``."""
+    if not info.distributed:
+        return "1 process"
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    return f"{info.world_size} processes (torchrun, {cfg.strategy.upper()} {backend})"
+
+
+def _printer(progress: Progress, bar: TaskID) -> Callable[[object], None]:
+    """What a Trainer's events become: log lines above the bar (which follows the steps)."""
+    from memlayout.train.loop import IntervalLog
+    from memlayout.train.render import interval_line
+
+    def on_event(event: object) -> None:
+        if isinstance(event, IntervalLog):
+            progress.console.print(interval_line(event), markup=False, highlight=False)
+            progress.update(bar, completed=event.step, total=event.total_steps,
+                            description=f"{event.layout} epoch {event.epoch}")
+        else:
+            progress.console.print(str(event), markup=False, highlight=False)
+
+    return on_event
+
+
+def _compare(cfg: TrainConfig, layouts: list[str], info: DistInfo, rounds: int, out: Console,
+             progress: Progress) -> LayoutComparison:
+    """``--compare``: the layouts trained side by side, a bar step per timed interval."""
+    from memlayout.train import compare_layouts
+
+    bar = progress.add_task("building", total=rounds * len(layouts), completed=0)
+    out.print(f"memlayout train {cfg.model} --compare {','.join(layouts)}: {cfg.dtype}, batch {cfg.batch} per process x {_where(cfg, info)}, "
+              f"{cfg.image_size} px, {cfg.log_every} steps per interval, 1 warm-up + {rounds} interleaved rounds, "
+              f"device {cfg.device}, torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+    if info.is_main:
+        print_conditions(Conditions.now())
+    steps = [0]
+
+    def on_step(r: int, name: str) -> None:
+        steps[0] += 1
+        progress.update(bar, completed=steps[0] - 1, description=f"round {r + 1}/{rounds} {name}")
+
+    result = compare_layouts(cfg, layouts, rounds=rounds, dist_info=info,
+                             on_event=_printer(progress, bar), on_step=on_step)
+    progress.update(bar, completed=rounds * len(layouts), description="done")
+    return result
+
+
+def _train_one(cfg: TrainConfig, info: DistInfo, taken: dict[str, Any], out: Console,
+               progress: Progress) -> TrainResult:
+    """One layout trained to the end, the bar following its steps."""
+    from memlayout.train import Trainer
+
+    bar = progress.add_task("building", total=None)
+    with Trainer(cfg, info, _printer(progress, bar)) as trainer:
+        out.print(f"memlayout train {cfg.model}: layout {cfg.layout}, {cfg.dtype}, batch {cfg.batch} per process x {_where(cfg, info)}, "
+                  f"{cfg.image_size} px, {len(trainer.dataset)} images in {len(trainer.dataset.classes)} classes, "
+                  f"{trainer.steps_per_epoch} steps/epoch, {cfg.epochs} epochs, device {trainer.device}, "
+                  f"torch threads {torch.get_num_threads()}", markup=False, highlight=False)
+        if info.is_main:
+            bf16_notice(cfg.dtype, str(trainer.device),
+                        "bf16 training runs slower than fp32 here; its speed says "
+                        "nothing of a CPU with bf16 instructions")
+        if trainer.plan_summary:
+            out.print(trainer.plan_summary, markup=False, highlight=False)
+        if cfg.resume:
+            kept = (" with its settings " + ", ".join(f"{k} {v}" for k, v in taken.items())
+                    + " (not given on the command line)" if taken else "")
+            out.print(f"resumed at step {trainer.step} from {cfg.checkpoint}{kept}",
+                      markup=False, highlight=False)
+        progress.update(bar, total=trainer.total_steps, completed=trainer.step,
+                        description=cfg.layout)
+        return trainer.run()

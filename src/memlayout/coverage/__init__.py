@@ -26,7 +26,6 @@ from memlayout.coverage.records import (
 from memlayout.coverage.render import document, to_markdown
 from memlayout.coverage.runner import CoverageConfig, run_coverage
 from memlayout.coverage.store import (
-    cache_dir,
     cache_path,
     cached_report,
     explain,
@@ -44,7 +43,6 @@ __all__ = [
     "OpRecord",
     "Values",
     "Verdict",
-    "cache_dir",
     "cache_path",
     "cached_report",
     "document",

@@ -31,20 +31,9 @@ import torch
 from memlayout.coverage.opinfo import Sample, describe, map_tensors, op_name, samples_for
 from memlayout.coverage.records import Disagreement, OpRecord, Values, Verdict
 from memlayout.dispatch import ObservingMode
+from memlayout.dtypes import Compared, tolerance, torch_name
 from memlayout.layout import Format
 from memlayout.tensors import format_name, format_of, in_format, iter_tensors, to_format
-
-#: (rtol, atol) per dtype: torch.testing.assert_close's defaults. Channels-last kernels sum in
-#: another order than contiguous ones, which these tolerances are made to absorb.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float64: (1e-7, 1e-7),
-    torch.complex32: (1e-3, 1e-5),
-    torch.complex64: (1.3e-6, 1e-5),
-    torch.complex128: (1e-7, 1e-7),
-}
 
 #: OpInfo ops whose values depend on the memory layout by definition: they address storage
 #: directly (as_strided, resize_) or return uninitialized memory (empty_like). Their values are
@@ -148,11 +137,6 @@ class _Run:
     nondeterministic: bool = False  # an aten op tagged nondeterministic_bitwise ran
 
 
-def dtype_label(dtype: torch.dtype) -> str:
-    """``"float64"`` for ``torch.float64``."""
-    return str(dtype).removeprefix("torch.")
-
-
 def _message(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}"
@@ -189,7 +173,7 @@ def _run(op: Any, sample: Sample, how: _How, counts: dict[str, Counter[str]] | N
     """One run of ``sample``, every tensor a fresh copy (in-place ops cannot leak); aten ops
     recorded into ``counts`` when given (see ``Watch``); ``step("contiguous forward")`` called
     before each half."""
-    label = how.fmt.value + (f" {dtype_label(how.cast)}" if how.cast else "")
+    label = how.fmt.value + (f" {torch_name(how.cast)}" if how.cast else "")
     run = _Run()
     grad_leaves: list[torch.Tensor] = []
 
@@ -287,7 +271,7 @@ def _compare(a: Any, b: Any) -> tuple[float, float, int, int] | None:
             return (math.inf, math.inf, n, n)
         a, b = _dense(a), _dense(b)
         if a.is_floating_point() or a.is_complex():
-            rtol, atol = TOLERANCES.get(a.dtype, (1e-5, 1e-8))
+            rtol, atol = tolerance(a.dtype, Compared.OP)
             close = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
         else:
             close = a == b
@@ -349,7 +333,7 @@ def _as_accurate(cl: _Run, ref: _Run, r64: _Run, labels: list[str]) -> bool:
             return False
         wide = torch.complex128 if z.is_complex() else torch.float64
         z = _dense(z).to(wide)
-        rtol, atol = TOLERANCES.get(x.dtype, (1e-5, 1e-5))
+        rtol, atol = tolerance(x.dtype, Compared.OP)
         finite = z[torch.isfinite(z)]
         scale = float(finite.abs().max()) if finite.numel() else 0.0
         if _error_vs(x, z) > 4 * _error_vs(y, z) + atol + rtol * scale:
@@ -477,9 +461,8 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
 
     na = Verdict.NOT_APPLICABLE
     if dtype not in op.supported_dtypes(device_type):
-        return record(na, na, (f"{str(dtype).removeprefix('torch.')} not supported on {device_type}",))
+        return record(na, na, (f"{torch_name(dtype)} not supported on {device_type}",))
     backward = bool(op.supports_autograd) and dtype in op.supported_backward_dtypes(device_type)
-    rank = fmt.rank or 4
     float64 = dtype != torch.float64 and torch.float64 in op.supported_dtypes(device_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -504,13 +487,33 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
                     _judge(op, idx, sample, fmt, dtype, backward, float64, counts, tally, step)
             except SampleTimeout as exc:
                 tally.error(str(exc))
+    notes = _notes(op, tally, samples=len(samples), lifted=lifted, stopped=stopped,
+                   op_budget=op_budget, fmt=fmt, dtype=dtype, backward=backward)
+    forward_v, backward_v = _verdicts(tally, backward)
+    return record(
+        forward_v, backward_v, notes, tuple(tally.errors),
+        values=_values_verdict(tally.values), grads=_values_verdict(tally.grads),
+        samples=len(samples), lifted=lifted,
+        forward_counts=dict(Counter(tally.forward)), backward_counts=dict(Counter(tally.backward)),
+        output_formats=dict(tally.out_formats), grad_formats=dict(tally.grad_formats),
+        disagreements=tuple(tally.disagreements[:10]), error_samples=tally.error_samples,
+        rejected_samples=tally.rejected,
+    )
+
+
+def _notes(op: Any, tally: _Tally, *, samples: int, lifted: bool, stopped: int | None,
+           op_budget: float | None, fmt: Format, dtype: torch.dtype,
+           backward: bool) -> tuple[str, ...]:
+    """What a record says beside its verdicts: samples missing, lifted, cut short, rejected,
+    failing; values that differ only in accuracy, or by definition; no backward."""
+    rank = fmt.rank or 4
     notes = []
     if not samples:
         notes.append(f"no sample with a rank-{rank} tensor")
     elif lifted:
         notes.append(f"samples lifted to rank {rank} by memlayout (OpInfo has none)")
     if stopped is not None:
-        notes.append(f"stopped after {stopped} of {len(samples)} samples (time budget {op_budget:g} s)")
+        notes.append(f"stopped after {stopped} of {samples} samples (time budget {op_budget:g} s)")
     if tally.rejected:
         notes.append(f"{tally.rejected} lifted samples rejected by the op: {tally.rejected_msg[:120]}")
     if tally.accuracy_only:
@@ -520,25 +523,24 @@ def check_op(op: Any, *, device: str = "cpu", dtype: torch.dtype = torch.float32
         notes.append(f"{tally.cl_only_errors} samples fail only in {fmt.value} "
                      f"(forward or backward)")
     if tally.error_samples:
-        notes.append(f"{tally.error_samples} of {len(samples)} samples raised")
+        notes.append(f"{tally.error_samples} of {samples} samples raised")
     if op.name in LAYOUT_DEFINED:
         notes.append("values depend on the layout by definition (raw storage or uninitialized "
                      "memory): differences not comparable")
     if not backward:
         notes.append("no autograd" if not op.supports_autograd
-                     else f"no backward in {str(dtype).removeprefix('torch.')}")
+                     else f"no backward in {torch_name(dtype)}")
+    return tuple(notes)
+
+
+def _verdicts(tally: _Tally, backward: bool) -> tuple[Verdict, Verdict]:
+    """The forward and backward verdicts of the samples judged: an error where every sample
+    that ran raised."""
+    na = Verdict.NOT_APPLICABLE
     forward_v = Verdict.combine(tally.forward)
     if forward_v is na and tally.error_samples and not tally.forward:
         forward_v = Verdict.ERROR
     backward_v = Verdict.combine(tally.backward) if backward else na
     if backward and backward_v is na and tally.backward_errors:
         backward_v = Verdict.ERROR
-    return record(
-        forward_v, backward_v, tuple(notes), tuple(tally.errors),
-        values=_values_verdict(tally.values), grads=_values_verdict(tally.grads),
-        samples=len(samples), lifted=lifted,
-        forward_counts=dict(Counter(tally.forward)), backward_counts=dict(Counter(tally.backward)),
-        output_formats=dict(tally.out_formats), grad_formats=dict(tally.grad_formats),
-        disagreements=tuple(tally.disagreements[:10]), error_samples=tally.error_samples,
-        rejected_samples=tally.rejected,
-    )
+    return forward_v, backward_v

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.testing import make_tensor
 
+from memlayout.dtypes import torch_name
 from memlayout.errors import CoverageUnavailableError
 from memlayout.layout import Format, formats_of, strides_for
 from memlayout.tensors import iter_tensors
@@ -215,7 +216,7 @@ def describe(sample: Sample, limit: int = 160) -> str:
 
     def one(v: Any) -> str:
         if isinstance(v, torch.Tensor):
-            return f"[{','.join(map(str, v.shape))}] {str(v.dtype).removeprefix('torch.')}"
+            return f"[{','.join(map(str, v.shape))}] {torch_name(v.dtype)}"
         if isinstance(v, (list, tuple)):
             return "(" + ", ".join(one(x) for x in v) + ")"
         return repr(v)

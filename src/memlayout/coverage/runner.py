@@ -25,6 +25,7 @@ import torch
 from memlayout.coverage.check import check_op
 from memlayout.coverage.opinfo import describe, load_op_db, op_name, select_ops
 from memlayout.coverage.records import CoverageReport, OpRecord, Values, Verdict
+from memlayout.dtypes import torch_name
 from memlayout.errors import CoverageUnavailableError, LayoutError
 from memlayout.layout import Format
 
@@ -40,7 +41,7 @@ def opinfo_dtype(name: str) -> torch.dtype:
     >>> opinfo_dtype("bfloat16"), opinfo_dtype("torch.complex64")
     (torch.bfloat16, torch.complex64)
     """
-    key = str(name).strip().removeprefix("torch.")
+    key = torch_name(str(name).strip())
     if key not in _OPINFO_DTYPES:
         raise LayoutError(f"unknown dtype {name!r} for the coverage matrix; "
                           f"known: {', '.join(sorted(_OPINFO_DTYPES))}")

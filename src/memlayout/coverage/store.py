@@ -1,9 +1,8 @@
 """Coverage reports on disk: JSON files, and the per-user cache the audit and planner read.
 
-The cache holds one file per torch version, device, dtype and format under
-``$XDG_CACHE_HOME/memlayout/coverage`` (``~/.cache`` when unset; ``MEMLAYOUT_CACHE_DIR``
-overrides the whole ``memlayout`` directory). A run over some ops (``--ops``) merges into it,
-so a partial rerun never loses the rest.
+The cache holds one file per torch version, device, dtype and format under ``coverage/`` in
+memlayout's cache folder (:func:`memlayout.files.cache_dir`). A run over some ops (``--ops``)
+merges into it, so a partial rerun never loses the rest.
 """
 
 from __future__ import annotations
@@ -11,28 +10,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from memlayout.coverage.records import AtenRecord, CoverageReport, OpRecord, Verdict
+from memlayout.dtypes import torch_name
+from memlayout.files import cache_dir, write_atomic
 
 _FORMAT_VERSION = 1
-
-
-def cache_dir() -> Path:
-    """Where coverage reports are cached.
-
-    >>> cache_dir().name
-    'coverage'
-    """
-    root = os.environ.get("MEMLAYOUT_CACHE_DIR")
-    if root:
-        return Path(root) / "coverage"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "memlayout" / "coverage"
 
 
 def cache_path(torch_version: str, device: str, dtype: str, fmt: str = "channels_last") -> Path:
@@ -42,16 +29,13 @@ def cache_path(torch_version: str, device: str, dtype: str, fmt: str = "channels
     'cpu-float32-channels_last.json'
     """
     safe = torch_version.replace("/", "_")
-    return cache_dir() / f"torch-{safe}" / f"{device}-{dtype}-{fmt}.json"
+    return cache_dir() / "coverage" / f"torch-{safe}" / f"{device}-{dtype}-{fmt}.json"
 
 
 def write_json(reports: list[CoverageReport], path: Path) -> None:
     """Write ``reports`` as one JSON document (``{"format": 1, "reports": [...]}``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"format": _FORMAT_VERSION, "reports": [r.to_dict() for r in reports]}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, separators=(",", ":"), allow_nan=True) + "\n")
-    tmp.replace(path)  # readers never see half a file
+    write_atomic(path, json.dumps(doc, separators=(",", ":"), allow_nan=True) + "\n")
 
 
 def read_json(path: Path) -> list[CoverageReport]:
@@ -108,7 +92,7 @@ def _path_for(device: str, dtype: Any, fmt: Any, torch_version: str | None) -> P
         torch_version = torch.__version__
     fmt_value = getattr(fmt, "value", str(fmt))
     return cache_path(torch_version, str(device).split(":")[0],
-                      str(dtype).removeprefix("torch."), fmt_value)
+                      torch_name(dtype), fmt_value)
 
 
 def _aten_name(op: Any) -> str | None:
@@ -163,7 +147,7 @@ def explain(op: Any, device: str = "cpu", dtype: Any = "float32", fmt: Any = "ch
     if torch_version is None:
         torch_version = torch.__version__
     fmt_value = getattr(fmt, "value", str(fmt))
-    where = f"on {device} {str(dtype).removeprefix('torch.')} in torch {torch_version}"
+    where = f"on {device} {torch_name(dtype)} in torch {torch_version}"
     if isinstance(rec, AtenRecord):
         v = rec.verdict
         if v is Verdict.NOT_APPLICABLE:

@@ -15,8 +15,6 @@ counted with :class:`~memlayout.data.CopyCounter` on one batch with ``num_worker
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from torchvision.datasets.folder import pil_loader
 from memlayout.data.collate import channels_last_loader
 from memlayout.data.copies import CopyCounter
 from memlayout.data.normalize import IMAGENET_MEAN, IMAGENET_STD, to_model_input
+from memlayout.files import atomic_file, cache_dir
 from memlayout.timing import Comparison, device_sync, interleaved
 
 PIPELINES: tuple[str, str] = ("torchvision", "memlayout")
@@ -96,12 +95,6 @@ class DataBenchResult:
         return self.comparison.speedup_range("memlayout")
 
 
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/memlayout/bench-data`` (``~/.cache/...`` when unset)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "memlayout" / "bench-data"
-
-
 def _synthetic_image(index: int, size: int) -> np.ndarray:
     """A deterministic photo-like RGB image: smooth gradients, a few edges, mild noise (so the
     JPEG decodes at the cost of a real photo, not of flat colour or of pure noise)."""
@@ -119,7 +112,8 @@ def _synthetic_image(index: int, size: int) -> np.ndarray:
 
 def synthetic_jpeg_folder(n: int, size: int, root: Path | None = None, quality: int = 90) -> list[Path]:
     """Paths of ``n`` synthetic ``size`` x ``size`` RGB JPEGs under ``root`` (default
-    :func:`default_cache_dir`), writing only the files that are not there yet.
+    ``bench-data/`` in memlayout's cache folder, :func:`memlayout.files.cache_dir`), writing
+    only the files that are not there yet.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as d:
@@ -127,16 +121,14 @@ def synthetic_jpeg_folder(n: int, size: int, root: Path | None = None, quality: 
     ...     [p.name for p in paths], Image.open(paths[0]).size
     (['img_00000.jpg', 'img_00001.jpg'], (16, 16))
     """
-    folder = (root or default_cache_dir()) / f"{size}px-q{quality}"
+    folder = (root or cache_dir() / "bench-data") / f"{size}px-q{quality}"
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"img_{i:05d}.jpg" for i in range(n)]
     for i, path in enumerate(paths):
         if path.exists():
             continue
-        fd, tmp = tempfile.mkstemp(suffix=".jpg", dir=folder)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(path) as f:  # a concurrent run never reads half a file
             Image.fromarray(_synthetic_image(i, size)).save(f, "JPEG", quality=quality)
-        os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
     return paths
 
 

@@ -17,6 +17,8 @@ from memlayout.train.checkpoint import (
     neutral_optimizer_state,
     neutral_state_dict,
 )
+from memlayout.train.compare import LayoutComparison, compare_layouts
+from memlayout.train.config import TrainConfig
 from memlayout.train.ddp import (
     DistInfo,
     convert_sync_batchnorm,
@@ -26,15 +28,7 @@ from memlayout.train.ddp import (
 )
 from memlayout.train.export import export_model
 from memlayout.train.fsdp import shard_groups, wrap_fsdp
-from memlayout.train.loop import (
-    IntervalLog,
-    LayoutComparison,
-    TrainConfig,
-    Trainer,
-    TrainResult,
-    compare_layouts,
-    train,
-)
+from memlayout.train.loop import IntervalLog, Trainer, TrainResult, train
 from memlayout.train.synthetic import make_synthetic
 
 __all__ = [

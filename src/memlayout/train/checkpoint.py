@@ -41,7 +41,6 @@ import pickle
 import random
 import secrets
 import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -53,6 +52,7 @@ import torch
 from torch import nn
 
 from memlayout.errors import CheckpointError
+from memlayout.files import atomic_file, fsync_dir, write_atomic
 from memlayout.layout import Format
 from memlayout.tensors import to_format
 from memlayout.train.ddp import unwrap
@@ -135,22 +135,13 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _pause(tmp: str) -> None:
+def _pause() -> None:
     spec = os.environ.get(PAUSE_ENV)
     if not spec:
         return
     nth, _, seconds = spec.partition(":")
     if int(nth) == _writes:
         time.sleep(float(seconds or 60))
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # not every file system lets a directory be opened
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _os_problem(exc: OSError, path: Path, doing: str) -> str:
@@ -169,45 +160,32 @@ def _os_problem(exc: OSError, path: Path, doing: str) -> str:
 
 
 def _write_all(fd: int, data: memoryview) -> None:
+    # straight to the descriptor, no copy of a checkpoint's bytes into a file buffer
     while data:
         data = data[os.write(fd, data):]
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
     """``torch.save(obj)`` to ``path`` so that ``path`` is always either the old file or the
-    complete new one: temporary file in the same folder (named with this process's pid),
-    fsync, ``os.replace``, fsync of the folder. Returns ``path``. A file system error
-    (full disk, permissions) is a ``CheckpointError`` naming the path; the old file stays."""
+    complete new one (:func:`memlayout.files.atomic_file`: a temporary file named with this
+    process's pid, fsync, ``os.replace``). Returns ``path``. A file system error (full disk,
+    permissions) is a ``CheckpointError`` naming the path; the old file stays."""
     global _writes
     path = Path(path)
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getbuffer()
     _writes += 1
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
-                                   dir=path.parent)
-        try:
+        with atomic_file(path) as f:
             half = len(data) // 2
-            _write_all(fd, data[:half])
-            _pause(tmp)
-            _write_all(fd, data[half:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        tmp = None
+            _write_all(f.fileno(), data[:half])
+            _pause()
+            _write_all(f.fileno(), data[half:])
     except OSError as exc:
         kept = f"; the previous {path.name} is kept" if path.is_file() else ""
         raise CheckpointError(_os_problem(exc, path, f"write {len(data) / 2**20:.1f} MiB to")
                               + kept) from exc
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    _fsync_dir(path.parent)
     return path
 
 
@@ -458,18 +436,12 @@ def save_sharded(state: dict[str, Any], meta: dict[str, Any], folder: str | Path
     try:
         buf = io.BytesIO()
         torch.save(meta, buf)
-        fd = os.open(tmp / SHARDED_META, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _write_all(fd, buf.getbuffer())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _fsync_dir(tmp)
+        write_atomic(tmp / SHARDED_META, buf.getvalue())
         os.rename(tmp, version)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         os.symlink(version.name, staged)
         os.replace(staged, link)  # the switch: latest.dcp is the old version or the new one
-        _fsync_dir(folder)
+        fsync_dir(folder)
     except OSError as exc:
         for leftover in (staged,):
             with contextlib.suppress(OSError):

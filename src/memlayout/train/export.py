@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlayout.dtypes import torch_name
 from memlayout.errors import ExportError
 from memlayout.train.ddp import unwrap
 
 
 def _describe(args: tuple[Any, ...]) -> str:
-    return ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}"
+    return ", ".join(f"{tuple(a.shape)} {torch_name(a.dtype)}"
                      if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
 
 

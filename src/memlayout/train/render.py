@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from memlayout.machine import SPREAD_LIMIT, noisy
-from memlayout.train.loop import IntervalLog, LayoutComparison, TrainResult, layout_of
+from memlayout.train.compare import LayoutComparison, layout_of
+from memlayout.train.loop import IntervalLog, TrainResult
 
 
 def interval_line(event: IntervalLog) -> str:
@@ -50,10 +51,10 @@ def render_comparison(result: LayoutComparison, layouts: list[str], console: Con
     for name in layouts:
         first = layout_of(name)
         if name != first and c[name].ok and c[first].ok:
-            r = c.per_round(first, name)
-            if r:
-                console.print(f"A/A control: {name}/{first} images/s {statistics.median(r):.3f}x "
-                              f"(range {min(r):.3f}-{max(r):.3f}): two copies of one layout, the "
+            r = c.ratio(first, name)
+            if r is not None:
+                console.print(f"A/A control: {name}/{first} images/s {r.median:.3f}x "
+                              f"(range {r.min:.3f}-{r.max:.3f}): two copies of one layout, the "
                               "noise of every ratio above", markup=False, highlight=False)
     loose = [name for name in layouts if c[name].ok and noisy(c[name].spread)]
     if loose:

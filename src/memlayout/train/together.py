@@ -2,28 +2,25 @@
 
 The planner times its candidates in one process: under torchrun, rank 0 plans alone while
 the other ranks wait. In training every rank computes at the same time, on cores, caches
-and memory they share, and what one process measured alone does not always carry over. On
-this project's 2-vCPU machine (resnet18, 64 px, a training step per rank on one thread
-each), a plan the guard measured 5-8 % faster than eager NCHW alone ran 26 % slower than it
-with both ranks computing together, and 8 % slower under FSDP (``docs/training.md``).
+and memory they share, and what one process measured alone does not always carry over: a
+plan measured faster alone can run slower with every rank computing (figures and commands:
+``docs/training.md``, "Timed with every rank computing").
 
 So before a distributed run trains a plan made with measured costs, every rank times the
 planned model and the original (eager NCHW, the model as built) on the example batch:
 forward and backward, interleaved (``memlayout.timing.interleaved``), each call started
 together after a barrier and ended by one, so that every timed call shares the machine as
-training will. Rank 0 decides
-from its rounds and every rank keeps the same model. Both models are left in the state
-they had (buffers, gradients, the RNG).
+training will. Rank 0 decides from its rounds and every rank keeps the same model. Both
+models are left in the state they had (buffers, gradients, the RNG).
 
->>> check = TogetherCheck(ratios=(1.2, 1.1, 1.3), world_size=2)
->>> check.kept, round(check.median, 2)
+>>> check = TogetherCheck(Ratio(ORIGINAL, PLANNED, 1.2, (1.2, 1.1, 1.3)), world_size=2)
+>>> check.kept, round(check.ratio.median, 2)
 ('planned', 1.2)
 """
 
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +33,7 @@ from torch import nn
 from memlayout.dtypes import autocast
 from memlayout.errors import TrainError
 from memlayout.tensors import mean_square_loss
-from memlayout.timing import device_sync, interleaved
+from memlayout.timing import Ratio, device_sync, fastest, interleaved
 
 #: timed rounds (each model once per round) and training steps per timed call
 ROUNDS = 5
@@ -46,29 +43,26 @@ PLANNED, ORIGINAL = "planned", "original"
 
 @dataclass(frozen=True)
 class TogetherCheck:
-    """Per-round ratios ``original time / planned time`` (> 1: the plan is faster) measured
-    with ``world_size`` ranks computing at once, and the model kept: the plan when it was
-    faster in the median, else the original."""
+    """The ratio ``original time / planned time`` (> 1: the plan is faster) measured with
+    ``world_size`` ranks computing at once, and the model kept: the plan when it was faster
+    in the median of the per-round ratios, else the original."""
 
-    ratios: tuple[float, ...]
+    ratio: Ratio
     world_size: int
 
     @property
-    def median(self) -> float:
-        return statistics.median(self.ratios)
-
-    @property
     def kept(self) -> str:
-        return PLANNED if self.ratios and self.median > 1.0 else ORIGINAL
+        return fastest({PLANNED: self.ratio.median}, ORIGINAL)
 
     def describe(self) -> str:
         """One line for the log: the ratio, its range, and what is trained."""
         what = ("the plan is trained" if self.kept == PLANNED else
                 "the original model is trained instead, in NCHW (layout nchw): the plan, "
                 "faster in one process alone, is not when every rank computes")
+        r = self.ratio
         return (f"planned vs the original model with all {self.world_size} ranks computing at "
-                f"once: {self.median:.3f}x (range {min(self.ratios):.3f}-{max(self.ratios):.3f}, "
-                f"{len(self.ratios)} interleaved rounds of {STEPS} training steps); {what}")
+                f"once: {r.median:.3f}x (range {r.min:.3f}-{r.max:.3f}, "
+                f"{len(r.per_round)} interleaved rounds of {STEPS} training steps); {what}")
 
 
 def check_together(planned: nn.Module, original: nn.Module, planned_input: torch.Tensor,
@@ -113,9 +107,11 @@ def check_together(planned: nn.Module, original: nn.Module, planned_input: torch
     failed = [f"{name}: {c[name].error}" for name in (PLANNED, ORIGINAL) if not c[name].ok]
     if failed:
         raise TrainError(f"timing the plan with every rank computing failed ({'; '.join(failed)})")
-    box: list[Any] = [list(c.per_round(ORIGINAL, PLANNED))]
+    box: list[Any] = [c.ratio(ORIGINAL, PLANNED)]
     dist.broadcast_object_list(box, src=0)  # rank 0 decides for everyone
-    return TogetherCheck(tuple(box[0]), world_size)
+    if box[0] is None:
+        raise TrainError("timing the plan with every rank computing gave no round to compare")
+    return TogetherCheck(box[0], world_size)
 
 
 __all__ = ["ORIGINAL", "PLANNED", "ROUNDS", "STEPS", "TogetherCheck", "check_together"]

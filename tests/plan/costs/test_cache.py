@@ -22,6 +22,7 @@ from memlayout.plan.capture.regions import capture
 from memlayout.plan.costs import cache as cache_module
 from memlayout.plan.costs.cache import CacheWarning, CostCache
 from memlayout.plan.costs.measure import measure_costs
+from tests.support.machine import AVX2, AVX512, as_cpu
 from tests.support.models import Branchy, Features
 from tests.support.models import batch as _x
 
@@ -183,6 +184,20 @@ def test_another_machine_fingerprint_is_never_read(db, monkeypatch) -> None:
     groups = other.summary().groups
     assert len(groups) == 2 and "another CPU|threads=1|torch=x|omp=default" in {
         g.fingerprint for g in groups}  # both kept, each for its own machine
+
+
+def test_timings_under_one_instruction_set_are_never_read_under_another(db, monkeypatch) -> None:
+    # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU runs other kernels: its costs are its own
+    as_cpu(monkeypatch, AVX512)
+    wide = CostCache(db, conditions=lambda: QUIET)
+    wide.put('["node", "conv"]', {"s": 1.0, "out": 0})
+    wide.close()
+    as_cpu(monkeypatch, AVX2)
+    narrow = CostCache(db, conditions=lambda: QUIET)
+    assert narrow.fingerprint != wide.fingerprint
+    assert narrow.get('["node", "conv"]') is None
+    as_cpu(monkeypatch, AVX512)
+    assert CostCache(db, conditions=lambda: QUIET).get('["node", "conv"]') == {"s": 1.0, "out": 0}
 
 
 def test_each_entry_records_its_conditions_and_noise(db) -> None:

@@ -81,7 +81,7 @@ from memlayout.plan.check.semantics import mutates_in_place
 from memlayout.plan.check.training import Step, agree, training_loss
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import CostTable, device_name, measure_costs
+from memlayout.plan.costs.measure import CostTable, measure_costs, measured_on
 from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, FREE, META_KEY, Label
 from memlayout.plan.solve.formulate import formulate
 from memlayout.plan.solve.regions import solve_labels
@@ -630,7 +630,7 @@ def _guard(fn: Callable[..., Any], planned: fx.GraphModule, inputs: list[Any],
            device: torch.device) -> float:
     """The median per-round ratio of the compiled graph's time to the planned graph's run
     eagerly (above 1: eager is faster), from the cache or timed here."""
-    key = json.dumps(["backend-guard", device_name(device), torch.__version__, str(dtype),
+    key = json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
                       "train" if train else "infer", _signature(planned, inputs)])
     store = _open_cache(options.cache)
     try:

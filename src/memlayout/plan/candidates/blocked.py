@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memlayout.plan.check.compare import worst_error
-from memlayout.plan.costs.measure import device_name
+from memlayout.plan.costs.measure import measured_on
 from memlayout.plan.report.records import BlockedReport
 from memlayout.tensors import device_of
 from memlayout.timing import interleaved
@@ -95,7 +95,7 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
         return BlockedReport(True, _NO_CHAIN)
     whole_key = None
     if cache is not None and signature is not None:
-        whole_key = json.dumps(["mkldnn-plan", device_name(device), torch.__version__,
+        whole_key = json.dumps(["mkldnn-plan", measured_on(device), torch.__version__,
                                 signature, rounds])
         cached = cache.get(whole_key, lambda r: isinstance(r, dict)
                            and isinstance(r.get("chains"), list)
@@ -112,7 +112,7 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
         if x is None or x.dtype != torch.float32 or x.dim() != 4:
             continue
         mods = [seq.get_submodule(n) for n in names]
-        key = json.dumps(["mkldnn", device_name(device), torch.__version__,
+        key = json.dumps(["mkldnn", measured_on(device), torch.__version__,
                           [repr(m) for m in mods], list(x.shape), list(x.stride()), rounds])
         if key in done:
             continue

@@ -66,7 +66,7 @@ from memlayout.machine import Conditions
 from memlayout.plan.check.compare import compare, tolerance
 from memlayout.plan.check.guard import save as save_guard_record
 from memlayout.plan.check.guard import time_candidates, valid_record
-from memlayout.plan.costs.measure import device_name
+from memlayout.plan.costs.measure import measured_on
 from memlayout.plan.graph import Label
 from memlayout.plan.inputs import _add_prefix, _strip_prefix, example_inputs_of
 from memlayout.plan.options import Progress
@@ -574,7 +574,7 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
     h.update(json.dumps([kept, plan.input_format, plan.output_format]).encode())
     h.update(json.dumps(compile_kwargs, sort_keys=True, default=repr).encode())
     device = device_of(inputs, model)
-    return json.dumps(["compile", device_name(device), torch.__version__, str(dtype),
+    return json.dumps(["compile", measured_on(device), torch.__version__, str(dtype),
                        h.hexdigest()])
 
 

@@ -45,7 +45,7 @@ from memlayout import machine
 from memlayout.dtypes import autocast
 from memlayout.machine import CpuIsa
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import Progress, device_name
+from memlayout.plan.costs.measure import Progress, measured_on
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.report.records import UNPADDED, PadChoice
 from memlayout.plan.steer.boundary import padded_convolution, padded_weights
@@ -177,7 +177,7 @@ def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *,
              if path and variants(m, blocks)}
     if not convs:
         return []
-    context = [device_name(device), torch.__version__, str(dtype)]
+    context = [measured_on(device), torch.__version__, str(dtype)]
     whole_key = None
     if cache is not None and signature is not None and force is None:
         whole_key = json.dumps(["pad-plan", *context, signature, blocks, rounds, margin])

@@ -47,6 +47,7 @@ from memlayout.plan.capture.trace import (
     export_graph,
     faithful_trace,
     flat_inputs,
+    throwaway,
 )
 from memlayout.plan.graph import (
     BASE_RANKS,
@@ -205,14 +206,16 @@ def graphs(module: nn.Module, args: tuple[Any, ...],
     """Graphs of ``module`` called with ``args``/``kwargs``, each made when asked for:
     ``symbolic_trace``'s where it records the forward faithfully (positional inputs, no
     grad-mode or autocast change), then non-strict ``torch.export``'s; ``(None, why)`` for
-    one that could not be made. The caller takes the first that runs as forward does."""
+    one that could not be made. The caller takes the first that runs as forward does.
+    Each traces a :func:`~memlayout.plan.capture.trace.throwaway` copy: ``module`` itself is
+    left as it was, to run eagerly."""
     if not kwargs:
         try:
-            yield faithful_trace(module), ""
+            yield faithful_trace(throwaway(module)), ""
         except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
             yield None, reason_text([(FX, exc)])
     try:
-        yield export_graph(module, args, kwargs), ""
+        yield export_graph(throwaway(module), args, kwargs), ""
     except Exception as exc:  # export raises many types (UserError, GuardOnDataDependent...)
         yield None, reason_text([(EXPORT, exc)])
 

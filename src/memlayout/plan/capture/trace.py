@@ -22,9 +22,11 @@ different regions never share a cost-cache entry.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,6 +55,22 @@ _CONV_ATEN = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convoluti
 
 
 # ---------------------------------------------------------------- capture
+
+
+def throwaway(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` to trace: its parameters shared (a trace only reads them), its
+    buffers and attributes its own. Tracing runs ``forward`` as Python on Proxies or fake
+    tensors, and what ``forward`` assigns stays on the module it ran on (an ultralytics
+    ``Detect`` head stores the anchors it makes for a new input shape: fake tensors after
+    ``torch.export``); nothing that traced a module is run eagerly again.
+
+    >>> net = nn.BatchNorm2d(3)
+    >>> copied = throwaway(net)
+    >>> copied.weight is net.weight, copied.running_mean is net.running_mean
+    (True, False)
+    """
+    return copy.deepcopy(module, {id(p): p for p in module.parameters()})
+
 
 
 class _ModeTracer(fx.Tracer):
@@ -155,18 +173,24 @@ def _export_output(name: str) -> Iterator[None]:
     """What ``torch.export`` writes while it runs goes to the debug log (``--debug``), not the
     terminal: on a failure it prints the partial graph's whole code to stderr (thousands of
     lines for a detection model) and logs warnings and the exportdb case; the failure itself
-    is the exception, which capture states in one line."""
+    is the exception, which capture states in one line. Its warnings too: that a tensor
+    attribute was assigned during export (an ultralytics head's anchors) is about the
+    throwaway copy it traced (:func:`throwaway`), nothing the user's model keeps."""
     printed = io.StringIO()
     quiet = _ToDebugLog()
     handlers = _torch_handlers()
     for handler in handlers:
         handler.addFilter(quiet)
     try:
-        with contextlib.redirect_stderr(printed):
+        with contextlib.redirect_stderr(printed), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
             yield
     finally:
         for handler in handlers:
             handler.removeFilter(quiet)
+        for w in warned:
+            log.debug("torch.export warned while exporting %s: %s: %s", name,
+                      w.category.__name__, w.message)
         if printed.getvalue().strip():
             log.debug("torch.export printed while exporting %s:\n%s", name, printed.getvalue())
 

@@ -16,16 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlayout import dtypes
+from memlayout.dtypes import TOLERANCES, Compared
 from memlayout.tensors import iter_tensors
 
-# (rtol, atol) relative to the reference's largest magnitude. Different kernels (channels-last
-# convolutions block and accumulate differently) round differently; bf16 keeps 8 mantissa bits.
-TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-9),
-    torch.float32: (1e-3, 1e-5),
-    torch.float16: (1e-2, 1e-3),
-    torch.bfloat16: (5e-2, 1e-2),
-}
+#: (rtol, atol) per dtype, relative to the reference's largest magnitude: ``memlayout.dtypes``'
+#: model rows
+TOLERANCE = TOLERANCES[Compared.MODEL]
 
 
 def worst_error(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype | None) -> tuple[float, bool]:
@@ -107,4 +104,4 @@ def _clone(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def tolerance(dtype: torch.dtype | None) -> tuple[float, float]:
     """``(rtol, atol)`` of the run dtype (``None``: float32)."""
-    return TOLERANCE.get(dtype or torch.float32, TOLERANCE[torch.float32])
+    return dtypes.tolerance(dtype or torch.float32, Compared.MODEL)

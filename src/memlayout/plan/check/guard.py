@@ -51,7 +51,7 @@ from memlayout.dtypes import autocast
 from memlayout.machine import Conditions
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import device_name
+from memlayout.plan.costs.measure import measured_on
 from memlayout.plan.graph import META_KEY, NONE, value_meta
 from memlayout.plan.inputs import inputs_in
 from memlayout.plan.options import PlanOptions
@@ -342,7 +342,7 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
                              label if own_inputs and label is not None else entry)
 
     margin = options.guard_margin
-    key = cache_key(device_name(options.device), options.dtype, signature(
+    key = cache_key(measured_on(options.device), options.dtype, signature(
         solution.graphs(), [options.signature_extra, names, skipped, "boundaries"]))
     record = store.get(key, valid_record) if store is not None else None
     if record is not None and not measured_busy(record):  # a busy machine's: measure again

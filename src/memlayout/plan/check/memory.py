@@ -42,7 +42,7 @@ from memlayout.dispatch import ObservingMode
 from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
 from memlayout.plan.check.guard import signature as graph_signature
-from memlayout.plan.costs.measure import device_name
+from memlayout.plan.costs.measure import measured_on
 from memlayout.plan.report.records import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
 from memlayout.plan.solve.mincut import Problem, Tensor, objective, solve_min_cut
 from memlayout.plan.solve.regions import Solution
@@ -251,7 +251,7 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
     padded = [p.module for p in padding if p.chosen != UNPADDED]
     key = None
     if cache is not None and signature is not None:
-        key = json.dumps(["memory", device_name(device), torch.__version__,
+        key = json.dumps(["memory", measured_on(device), torch.__version__,
                           str(dtype), signature, [(p.module, p.chosen) for p in padding]])
     peaks = cache.get(key, _valid_peaks) if key is not None else None
     if peaks is not None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import json
 import operator
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from memlayout import machine
 from memlayout.dtypes import autocast
 from memlayout.layout import strides_for
 from memlayout.machine import Conditions, noisy
@@ -191,20 +191,13 @@ def is_agnostic(gm: fx.GraphModule, n: fx.Node) -> bool:
 # ---------------------------------------------------------------- the cache
 
 
-def device_name(device: torch.device) -> str:
-    """What the timings depend on: the accelerator or CPU model, and torch's thread count."""
+def measured_on(device: torch.device) -> str:
+    """What a timing depends on, a cache key's first part: the GPU, or the CPU's model, the
+    instruction set ATen's kernels dispatch to (``ATEN_CPU_CAPABILITY`` lowers it) and torch's
+    thread count."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{device.type}:{model}:threads={torch.get_num_threads()}"
+        return machine.measured_on(device)
+    return f"cpu:{machine.cpu_model()}:{machine.cpu_isa().capability}:threads={torch.get_num_threads()}"
 
 
 # ---------------------------------------------------------------- measuring
@@ -228,7 +221,7 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     ``clock`` and ``conditions`` (the machine's load) are injectable, so tests decide what a
     measurement sees."""
     device = device_of(inputs, gm) if device is None else device
-    context = [device_name(device), torch.__version__, str(dtype)]
+    context = [measured_on(device), torch.__version__, str(dtype)]
     node_context = [*context, "train"] if train else context
     if weights != CONVERTED:
         node_context = [*node_context, f"weights={weights}"]

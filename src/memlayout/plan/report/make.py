@@ -9,7 +9,7 @@ import torch
 from memlayout.plan.capture.regions import Captured, model_signature
 from memlayout.plan.check.guard import GuardDecision
 from memlayout.plan.check.memory import MemoryDecision
-from memlayout.plan.costs.measure import device_name
+from memlayout.plan.costs.measure import measured_on
 from memlayout.plan.graph import Label
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.report.plan import Plan
@@ -50,7 +50,7 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
             "input_format='auto': no input in a definite format at the top level; inputs "
             "are taken as they come")
     return Plan(
-        model=options.name, device=device_name(options.device), torch_version=torch.__version__,
+        model=options.name, device=measured_on(options.device), torch_version=torch.__version__,
         dtype=None if options.dtype is None else str(options.dtype).removeprefix("torch."),
         input_format=None if entry is None else Label(entry).text,
         output_format=output if output in (None, "keep") else Label(output).text,  # type: ignore[index]
