@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import operator
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from memlayout import machine
 from memlayout.dtypes import autocast
 from memlayout.layout import strides_for
 from memlayout.machine import Conditions, noisy
+from memlayout.plan.capture.trace import is_convolution
 from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.graph import (
@@ -612,20 +614,35 @@ def _analytical_seconds(gm: fx.GraphModule, n: fx.Node, label: int) -> float:
     """A rough model, used only with ``measure=False``: dense convolutions are FLOP-bound and
     somewhat faster channels-last; everything else moves the same bytes either way."""
     meta: ValueMeta = n.meta[META_KEY]
-    if n.op == "call_module":
-        sub = gm.get_submodule(n.target)
-        if isinstance(sub, nn.modules.conv._ConvNd) and meta.layout_tensors:
-            out = meta.layout_tensors[0]
-            kernel = 1
-            for k in sub.kernel_size:
-                kernel *= k
-            numel = 1
-            for s in out.shape:
-                numel *= s
-            flops = 2.0 * numel * kernel * sub.in_channels / sub.groups
-            gain = _CL_CONV_GAIN if sub.groups == 1 else 1.0
-            return flops / _FLOPS * (gain if label == 1 else 1.0)
+    work = _convolution_work(gm, n) if meta.layout_tensors else None
+    if work is not None:
+        reads, dense = work  # input values each output element reads; groups == 1
+        numel = math.prod(meta.layout_tensors[0].shape)
+        flops = 2.0 * numel * reads
+        return flops / _FLOPS * (_CL_CONV_GAIN if label == 1 and dense else 1.0)
     return meta.nbytes / _BANDWIDTH
+
+
+def _convolution_work(gm: fx.GraphModule, n: fx.Node) -> tuple[float, bool] | None:
+    """``(input values each output element reads, dense)`` of a convolution node: a module
+    (torch.fx) or an aten op whose weight is its second argument (torch.export); ``None``
+    for any other node."""
+    if not is_convolution(gm, n):
+        return None
+    if n.op == "call_module":
+        sub = gm.get_submodule(str(n.target))
+        return math.prod(sub.kernel_size) * sub.in_channels / sub.groups, sub.groups == 1
+    x, w = (n.args + (None, None))[:2]
+    xm = x.meta.get(META_KEY) if isinstance(x, fx.Node) else None
+    wm = w.meta.get(META_KEY) if isinstance(w, fx.Node) else None
+    if xm is None or wm is None or not xm.tensors or not wm.tensors:
+        return None
+    weight, channels = wm.tensors[0].shape, xm.tensors[0].shape[1]
+    name = getattr(n.target, "__name__", str(n.target))
+    if "transpose" in name or (name.startswith("convolution") and len(n.args) > 6
+                               and n.args[6] is True):
+        return math.prod(weight[2:]) * weight[0], True  # (C_in, C_out / groups, *kernel)
+    return math.prod(weight[2:]) * weight[1], weight[1] == channels  # (C_out, C_in / groups, ...)
 
 
 def _analytical_conversion(name: str, meta: ValueMeta) -> ConversionCost:
