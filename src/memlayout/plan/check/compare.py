@@ -18,7 +18,7 @@ from torch import nn
 
 from memlayout import dtypes
 from memlayout.dtypes import TOLERANCES, Compared
-from memlayout.tensors import iter_tensors
+from memlayout.tensors import iter_tensors, map_tensors
 
 #: (rtol, atol) per dtype, relative to the reference's largest magnitude: ``memlayout.dtypes``'
 #: model rows
@@ -80,11 +80,15 @@ def float64_agreement(reference: nn.Module, planned: nn.Module, inputs: tuple[An
 
 def float64(value: Any) -> Any:
     """A float64 copy of a module (strides kept: ``Tensor.double`` preserves the format) or
-    of inputs (floating tensors converted, others as they are)."""
+    of inputs (floating tensors converted, inside containers too: a detector takes a list of
+    images; others as they are).
+
+    >>> float64(([torch.zeros(2)], torch.ones(1, dtype=torch.long)))[0][0].dtype
+    torch.float64
+    """
     if isinstance(value, nn.Module):
         return copy.deepcopy(value).double()
-    return tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                 for x in value)
+    return tuple(map_tensors(tuple(value), lambda x: x.double() if x.is_floating_point() else x))
 
 
 def detached(value: Any) -> Any:

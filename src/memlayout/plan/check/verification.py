@@ -12,7 +12,6 @@ model run entirely in one format, the faster first.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from torch import nn
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.check import guard
-from memlayout.plan.check.compare import compare, detached, float64_agreement, tolerance
+from memlayout.plan.check.compare import compare, detached, float64, float64_agreement, tolerance
 from memlayout.plan.check.guard import GuardDecision, build_uniform
 from memlayout.plan.check.semantics import (
     ModuleState,
@@ -114,9 +113,7 @@ def first_divergent_module(reference: nn.Module, planned: nn.Module, inputs: tup
                            *, dtype: torch.dtype | None, device: torch.device) -> str | None:
     """The first module call (in the order the calls end) whose output differs between float64
     copies of the two models, as ``"path (Class)"``; ``None`` when none does."""
-    ref64, planned64 = _float64(reference), _float64(planned)
-    xs = tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-               for x in inputs)
+    ref64, planned64, xs = float64(reference), float64(planned), float64(inputs)
     try:
         want = _module_outputs(ref64, xs, device)
         got = _module_outputs(planned64, xs, device)
@@ -145,10 +142,6 @@ def _module_outputs(model: nn.Module, inputs: tuple[Any, ...],
         for h in handles:
             h.remove()
     return seen
-
-
-def _float64(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model).double()
 
 
 def verified_fallback(candidates: list[tuple[str, Callable[[], nn.Module]]],

@@ -1,0 +1,54 @@
+"""Verification of a model whose inputs are inside a container (a detector takes a list of
+images): the float64 re-check and the search for the first divergent module run on float64
+copies of those inputs too, not on the float32 images beside float64 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memlayout.errors import LayoutVerificationError
+from memlayout.plan.pipeline import optimize
+from tests.support.planted import corrupt_the_plan_at
+
+
+class Images(nn.Module):
+    """As torchvision's detectors: its input a list of images (two batches here, indexed:
+    torch.fx traces it, and the analytical costs put its convolution modules
+    channels-last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(8, 4, 3, padding=1))
+
+    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return self.body(torch.cat([images[0], images[1]]))
+
+
+def _images() -> tuple[list[torch.Tensor]]:
+    return ([torch.randn(1, 3, 8, 8), torch.randn(2, 3, 8, 8)],)
+
+
+def test_a_rounding_level_mismatch_on_a_list_of_images_passes_through_float64(
+        monkeypatch) -> None:
+    from memlayout.plan.check import compare as v
+
+    monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
+    opt = optimize(Images().eval(), _images(), measure=False, cache=False, memory=False,
+                   output_format=None)
+    record = opt.plan.verification
+    assert opt.plan.guard is None and not opt.plan.notes  # the plan itself, no fallback
+    assert record.max_error > 1e-9
+    assert record.float64_error is not None and record.float64_error <= 1e-9
+    assert record.check == "float64 re-check"
+
+
+def test_a_wrong_plan_on_a_list_of_images_names_the_module(monkeypatch) -> None:
+    corrupt_the_plan_at(monkeypatch, "body", lambda out: out * 1.5)
+    with pytest.raises(LayoutVerificationError,
+                       match="first module whose output differs: body") as err:
+        optimize(Images().eval(), _images(), measure=False, cache=False, memory=False,
+                 output_format=None, fallback=False)
+    assert err.value.node == "body (Sequential)"
