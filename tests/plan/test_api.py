@@ -12,6 +12,7 @@ from memlayout import Format, format_of
 from memlayout.errors import CaptureError, LayoutVerificationError, PlanError
 from memlayout.plan.capture.regions import capture
 from memlayout.plan.costs.measure import CostCache, measure_costs
+from memlayout.plan.graph import Label, Request
 from tests.support.counting import conv_inputs
 from tests.support.models import Branchy, Features
 from tests.support.planted import corrupt_the_plan_at
@@ -179,14 +180,14 @@ def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
     # after the guard, a memory budget's candidate plans are solved again (conversion bytes
     # weighed more): the inputs' format is settled by then and they must keep it
     from memlayout.plan.check.memory import PENALTIES, _labels_weighing_bytes
-    from memlayout.plan.solve.formulate import AUTO, formulate
+    from memlayout.plan.solve.formulate import formulate
     from memlayout.plan.solve.mincut import solve_min_cut
     from memlayout.plan.solve.regions import RegionSolution
 
     x = _x()
     region = capture(Branchy().eval(), (x,)).regions[0]
     table = measure_costs(region.gm, (x,), measure=False)
-    form = formulate(region.gm, table, input_label=AUTO, output_label="keep")
+    form = formulate(region.gm, table, input_label=Request.AUTO, output_label=Request.KEEP)
     labels = solve_min_cut(form.integer).labels
     assert labels["x"] == 1  # analytic costs: channels-last convolutions, the input with them
     for label in (0, 1):
@@ -196,7 +197,7 @@ def test_auto_inputs_pinned_once_chosen_hold_in_later_solves() -> None:
         assert all(_labels_weighing_bytes(pinned, table, p)["x"] == label for p in PENALTIES)
         if label == 0:  # solved again: the labels of a plan whose input was pinned from the start
             assert relabelled == solve_min_cut(formulate(
-                region.gm, table, input_label=0, output_label="keep").integer).labels | {"x": 0}
+                region.gm, table, input_label=Label.CONTIGUOUS, output_label=Request.KEEP).integer).labels | {"x": 0}
 
 
 def test_inputs_already_in_the_plans_format_pass_untouched() -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from memlayout.errors import LayoutVerificationError, MemlayoutError, PlanError
+from memlayout.plan.graph import Request
 from memlayout.plan.pipeline import optimize
 from memlayout.tensors import iter_tensors
 from tests.support.planted import add_to_the_plan
@@ -444,7 +445,7 @@ def test_every_user_of_a_shared_weight_is_tied_to_one_format() -> None:
     captured = capture(FunctionalTie().eval(), (_x(),))
     region = captured.regions[0]
     table = measure_costs(region.gm, region.inputs, measure=False, cache=None)
-    form = formulate(region.gm, table, input_label=None, output_label="keep")
+    form = formulate(region.gm, table, input_label=None, output_label=Request.KEEP)
     tied = {frozenset(t) for t in form.seconds.ties}
     assert frozenset({"a", "conv2d"}) in tied
     opt = optimize(FunctionalTie().eval(), _x(), measure=False, cache=False,

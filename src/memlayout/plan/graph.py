@@ -1,14 +1,19 @@
 """What the planner knows of a graph (L2 plan): labels, the layout facts of every value in
 ``node.meta["memlayout"]``, the ranks planned, and readable names of nodes.
 
-A label is contiguous or channels-last; which ``Format`` channels-last is depends on the
-tensor's rank (``channels_last_1d`` / ``channels_last`` / ``channels_last_3d``). As an
-``IntEnum`` it is also the 0 / 1 the min-cut solver (``memlayout.plan.solve.mincut``) works with.
+A label is the two-format state of a value. ``CONTIGUOUS`` and ``CHANNELS_LAST`` are the two
+choices (``LABELS``); which ``Format`` channels-last is depends on the tensor's rank
+(``channels_last_1d`` / ``channels_last`` / ``channels_last_3d``). As an ``IntEnum`` they are
+also the 0 / 1 the min-cut solver (``memlayout.plan.solve.mincut``) works with. A value can also
+be in ``EITHER`` (every tensor in both: C == 1, H == W == 1; no copy is ever needed) or
+``NEITHER`` (some tensor in no format: a permute, a slice); a value with no tensor of a layout
+rank has no label (``None``). A :class:`Request` is what a plan is asked to do at its
+boundary: keep the outputs' formats, or choose the inputs'.
 
 >>> Label.CHANNELS_LAST.format(5), Label(0).format(4)
 (<Format.CHANNELS_LAST_3D: 'channels_last_3d'>, <Format.CONTIGUOUS: 'contiguous'>)
->>> Label.parse("channels_last_3d"), Label.CHANNELS_LAST.text
-(<Label.CHANNELS_LAST: 1>, 'channels_last')
+>>> Label.parse("channels_last_3d"), Label.CHANNELS_LAST.text, Label.EITHER in LABELS
+(<Label.CHANNELS_LAST: 1>, 'channels_last', False)
 """
 
 from __future__ import annotations
@@ -28,15 +33,21 @@ from memlayout.tensors import iter_tensors
 class Label(enum.IntEnum):
     CONTIGUOUS = 0
     CHANNELS_LAST = 1
+    EITHER = 2  # every layout tensor is in both formats (C == 1, H == W == 1): no copy needed
+    NEITHER = 3  # some layout tensor is in neither format (a permute, a slice)
 
     @property
     def text(self) -> str:
-        """The name a plan shows and stores: ``contiguous`` or ``channels_last``."""
+        """The name a plan shows and stores: ``contiguous``, ``channels_last``, ``either`` or
+        ``neither``."""
         return self.name.lower()
 
     def format(self, rank: int) -> Format:
         """The ``Format`` this label means for a tensor of ``rank`` dims (contiguous for a
-        rank without a channels-last format)."""
+        rank without a channels-last format, and for ``EITHER``: it is in both); ``ValueError``
+        for ``NEITHER``, which is in no format."""
+        if self is Label.NEITHER:
+            raise ValueError("a value labelled neither is in no format")
         if self is Label.CHANNELS_LAST:
             fmt = channels_last_for_rank(rank)
             if fmt is not None:
@@ -52,7 +63,25 @@ class Label(enum.IntEnum):
         return cls.CONTIGUOUS if Format.parse(fmt) is Format.CONTIGUOUS else cls.CHANNELS_LAST
 
 
-LABELS = (Label.CONTIGUOUS, Label.CHANNELS_LAST)
+LABELS = (Label.CONTIGUOUS, Label.CHANNELS_LAST)  # the two choices a plan makes
+
+
+class Request(str, enum.Enum):
+    """What a plan is asked to do at its boundary, where it is not given a format: ``KEEP``
+    the outputs in the formats the original returns them in (``output_format="keep"``),
+    choose the inputs' format (``input_format="auto"``: ``AUTO``). Equal to its text.
+
+    >>> Request("keep") is Request.KEEP, Request.AUTO == "auto"
+    (True, True)
+    """
+
+    KEEP = "keep"
+    AUTO = "auto"
+
+    @property
+    def text(self) -> str:
+        """The name a plan shows and stores, as for a :class:`Label`."""
+        return self.value
 
 
 # The ranks planned (a value's format is a choice): 4 and 5 always (channels_last(_3d)); 3
@@ -64,8 +93,6 @@ BASE_RANKS = (4, 5)
 CONV1D_RANKS = (3, 4, 5)
 CONV1D_MODULES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 META_KEY = "memlayout"
-FREE = "free"  # every layout tensor is in both formats (C == 1, H == W == 1): no copy needed
-NONE = "none"  # some layout tensor is in neither format (a permute, a slice)
 
 
 @dataclass(frozen=True)
@@ -85,12 +112,12 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class ValueMeta:
-    """One node's output: every tensor inside it and the two-format label of the whole value:
-    a ``Label``, ``FREE``, ``NONE``, or ``None`` (no tensor of a
-    layout rank); ``ranks``: the layout ranks of the model it was captured in."""
+    """One node's output: every tensor inside it and the label of the whole value (``None``:
+    no tensor of a layout rank); ``ranks``: the layout ranks of the model it was captured
+    in."""
 
     tensors: tuple[TensorMeta, ...]
-    label: Label | str | None
+    label: Label | None
     ranks: tuple[int, ...] = BASE_RANKS
 
     @property
@@ -128,20 +155,20 @@ def graph_ranks(gm: fx.GraphModule) -> tuple[int, ...]:
     return BASE_RANKS
 
 
-def label_of(tensors: tuple[TensorMeta, ...], ranks: tuple[int, ...]) -> Label | str | None:
-    """The two-format label of a value made of ``tensors`` (see :class:`ValueMeta`)."""
+def label_of(tensors: tuple[TensorMeta, ...], ranks: tuple[int, ...]) -> Label | None:
+    """The label of a value made of ``tensors`` (see :class:`ValueMeta`)."""
     layout = [t for t in tensors if len(t.shape) in ranks]
     if not layout:
         return None
     in0 = all(Format.CONTIGUOUS.value in t.formats for t in layout)
     in1 = all(Label.CHANNELS_LAST.format(len(t.shape)).value in t.formats for t in layout)
     if in0 and in1:
-        return FREE
+        return Label.EITHER
     if in0:
         return Label.CONTIGUOUS
     if in1:
         return Label.CHANNELS_LAST
-    return NONE
+    return Label.NEITHER
 
 
 def value_meta(value: Any, ranks: tuple[int, ...]) -> ValueMeta:

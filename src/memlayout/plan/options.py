@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from memlayout.plan.costs.measure import Progress
-from memlayout.plan.solve.formulate import AUTO
+from memlayout.plan.graph import Label, Request
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,9 @@ class PlanOptions:
     dtype: torch.dtype | None  # the autocast dtype; ``None``: run as is (fp32)
     train: bool
     ranks: tuple[int, ...]  # the layout ranks planned (3 only for a model with 1-d convolutions)
-    input_label: int | None  # the format inputs arrive in; ``None``: as the example is
+    input_label: Label | None  # the format inputs arrive in; ``None``: as the example is
     auto_input: bool  # input_format="auto": the plan chooses the inputs' format
-    output_label: int | str | None  # "keep", 0 / 1, or ``None`` (free)
+    output_label: Label | Request | None  # ``Request.KEEP``, a label, or ``None`` (free)
     measure: bool = True
     rounds: int = 5
     cache: bool | str | Path = True
@@ -51,10 +51,10 @@ class PlanOptions:
     progress: Progress | None = field(default=None, compare=False, repr=False)
 
     @property
-    def root_input_label(self) -> int | str | None:
-        """What the top-level graph's inputs are formulated with: ``"auto"``, 0 / 1, or
-        ``None`` (as captured)."""
-        return AUTO if self.auto_input else self.input_label
+    def root_input_label(self) -> Label | Request | None:
+        """What the top-level graph's inputs are formulated with: ``Request.AUTO``, a label,
+        or ``None`` (as captured)."""
+        return Request.AUTO if self.auto_input else self.input_label
 
     @property
     def signature_extra(self) -> list[Any]:

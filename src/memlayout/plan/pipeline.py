@@ -57,7 +57,7 @@ from memlayout.plan.check.verification import (
 )
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.regions import measure_regions
-from memlayout.plan.graph import Label, planned_ranks
+from memlayout.plan.graph import Label, Request, planned_ranks
 from memlayout.plan.inputs import (
     KeywordCall,
     check_materialized,
@@ -70,7 +70,6 @@ from memlayout.plan.options import PlanOptions, Progress
 from memlayout.plan.report.make import make_plan
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import BlockedReport, PadChoice
-from memlayout.plan.solve.formulate import AUTO
 from memlayout.plan.solve.regions import Solution, solve_regions
 from memlayout.plan.steer.build import (
     Build,
@@ -215,8 +214,9 @@ def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torc
     if weights not in WEIGHTS:
         raise PlanError(f"weights must be one of {', '.join(map(repr, WEIGHTS))}, got "
                         f"{weights!r}; 'contiguous' keeps every parameter contiguous (FSDP)")
-    auto_input = isinstance(input_format, str) and input_format.strip().lower() == AUTO
-    output_label = "keep" if output_format == "keep" else format_label(output_format, "output_format")
+    auto_input = isinstance(input_format, str) and input_format.strip().lower() == Request.AUTO
+    output_label = (Request.KEEP if output_format == Request.KEEP
+                    else format_label(output_format, "output_format"))
     return PlanOptions(
         name=name or type(model).__name__, device=device_of(inputs, model), dtype=run_dtype,
         ranks=planned_ranks(model),

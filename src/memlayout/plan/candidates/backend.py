@@ -82,7 +82,7 @@ from memlayout.plan.check.training import Step, agree, training_loss
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import CostTable, measure_costs, measured_on
-from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, FREE, META_KEY, Label
+from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, LABELS, META_KEY, Label, Request
 from memlayout.plan.solve.formulate import formulate
 from memlayout.plan.solve.regions import solve_labels
 from memlayout.plan.steer.rewrite import rewrite
@@ -295,7 +295,7 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     for n in _mutated_aliases(work):  # converting these would lose a write someone reads
         n.meta[META_KEY] = dataclasses.replace(n.meta[META_KEY], label=None)
     _refuse_module_state(work, ranks)
-    if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in (0, 1)
+    if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS
                for n in work.graph.nodes):
         raise _NotPlanned("no image-like value: no layout to choose")
     store = _open_cache(options.cache) if options.measure else None
@@ -305,7 +305,7 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     finally:
         if store is not None:
             store.close()
-    form = formulate(work, table, input_label=None, output_label="keep")
+    form = formulate(work, table, input_label=None, output_label=Request.KEEP)
     labels = solve_labels(form.integer)
     convolutions = _convolutions(work, table, labels, rule)
     _, made = rewrite(nn.Module(), work, form, labels)
@@ -412,7 +412,7 @@ def _convolutions(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int
         if meta is None or not meta.tensors:
             continue
         shape = meta.tensors[0].shape
-        traced = meta.label if meta.label in (0, 1) else None
+        traced = meta.label if meta.label in LABELS else None
         planned = labels.get(n.name, traced)
         inductor = None if rule is None else (1 if rule and len(shape) == 4 else traced)
         cost = table.nodes.get(n.name)
@@ -424,7 +424,7 @@ def _convolutions(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int
 
 def _text(label: int | None, traced: Any = None) -> str | None:
     if label is None:
-        return "either" if traced == FREE else None
+        return Label.EITHER.text if traced is Label.EITHER else None
     return Label(label).text
 
 

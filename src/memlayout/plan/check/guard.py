@@ -52,7 +52,7 @@ from memlayout.machine import Conditions
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import measured_on
-from memlayout.plan.graph import META_KEY, NONE, value_meta
+from memlayout.plan.graph import META_KEY, Label, Request, value_meta
 from memlayout.plan.inputs import inputs_in
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.report.records import GuardRecord, RatioRange, decode
@@ -401,9 +401,9 @@ def is_uniform(solution: Solution, label: int, root: str = "") -> bool:
 
 def _outputs_mixed(captured: Captured, options: PlanOptions) -> bool:
     """The kept outputs are in both formats (or in none): no one-format model keeps them."""
-    if options.output_label != "keep":
+    if options.output_label != Request.KEEP:
         return False
-    return value_meta(captured.output, options.ranks).label == NONE and any(
+    return value_meta(captured.output, options.ranks).label is Label.NEITHER and any(
         True for _ in iter_tensors(captured.output))
 
 

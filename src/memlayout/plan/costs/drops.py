@@ -36,7 +36,7 @@ from memlayout.dtypes import autocast
 from memlayout.layout import Format
 from memlayout.plan.convert import convert_module_to, convert_value
 from memlayout.plan.costs.measure import CostTable
-from memlayout.plan.graph import FREE, graph_ranks
+from memlayout.plan.graph import Label, graph_ranks
 from memlayout.tensors import device_of
 
 #: ``node.meta`` key of a dropping node's notes (a list of sentences)
@@ -46,7 +46,7 @@ DROPS_KEY = "memlayout.drops"
 def dropping_nodes(table: CostTable) -> list[str]:
     """Names of layout nodes that run when fed channels-last but return another format."""
     return [name for name, c in table.nodes.items()
-            if c.seconds[1] is not None and c.out[1] not in (1, FREE, None)]
+            if c.seconds[1] is not None and c.out[1] not in (Label.CHANNELS_LAST, Label.EITHER, None)]
 
 
 def drop_notes(gm: fx.GraphModule, inputs: tuple[Any, ...], table: CostTable, *,

@@ -43,9 +43,8 @@ from memlayout.plan.capture.trace import is_convolution
 from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.graph import (
-    FREE,
+    LABELS,
     META_KEY,
-    NONE,
     Label,
     ValueMeta,
     graph_ranks,
@@ -92,7 +91,7 @@ _AGNOSTIC_METHODS: frozenset[str] = frozenset({
 @dataclass(frozen=True)
 class NodeCost:
     """One layout node: seconds in label 0 / 1 (``None``: fails in that format), the label of
-    its output when run in each (``FREE``/``NONE``/``None`` as in ``ValueMeta``), and whether
+    its output when run in each (a ``Label``, ``None``: no layout tensor), and whether
     the seconds were timed (``False``: agnostic op, or the analytical model). ``weights``:
     with contiguous weights, how the channels-last run reads them (``AS_IS`` or ``PER_CALL``,
     the faster; ``None``: no weights, or weights converted once)."""
@@ -100,7 +99,7 @@ class NodeCost:
     name: str
     op: str
     seconds: tuple[float | None, float | None]
-    out: tuple[int | str | None, int | str | None]
+    out: tuple[Label | None, Label | None]
     timed: bool
     noisy: bool = False  # measured on a busy machine, or its rounds spread too far
     weights: str | None = None
@@ -149,7 +148,7 @@ def input_kind(gm: fx.GraphModule, m: fx.Node) -> str | None:
         return None
     if m.op == "get_attr":
         return "param"
-    if meta.label in (FREE, NONE):
+    if meta.label not in LABELS:
         return "asis"
     return "term"
 
@@ -229,13 +228,13 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
         node_context = [*node_context, f"weights={weights}"]
     layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
     values = [n for n in gm.graph.nodes if n.op != "get_attr"
-              and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in (0, 1)]
+              and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS]
     table = CostTable()
     todo_nodes: dict[str, list[str]] = {}
     todo_values: dict[str, list[str]] = {}
     for n in layout_nodes:
         keys = [json.dumps(["node", *node_context, _describe(gm, n, label), label])
-                for label in (0, 1)]
+                for label in LABELS]
         entries = ([cache.entry(k, valid_node_record) for k in keys]
                    if cache is not None and measure else [None, None])
         if all(e is not None for e in entries):
@@ -288,7 +287,7 @@ def valid_node_record(record: Any) -> bool:
     (True, False)
     """
     return (isinstance(record, dict) and "out" in record and _seconds_or_none(record.get("s"))
-            and (record["out"] is None or isinstance(record["out"], (int, str))))
+            and (record["out"] is None or record["out"] in set(Label)))
 
 
 def valid_conversion_record(record: Any) -> bool:
@@ -304,7 +303,7 @@ def _seconds_or_none(value: Any) -> bool:
 def _node_cost(gm: fx.GraphModule, n: fx.Node, records: list[Any], timed: bool, *,
                noisy: bool = False) -> NodeCost:
     seconds = tuple(r["s"] for r in records)
-    out = tuple(r["out"] for r in records)
+    out = tuple(None if r["out"] is None else Label(r["out"]) for r in records)
     timed = timed and not is_agnostic(gm, n)
     return NodeCost(n.name, node_target_name(gm, n), seconds, out,  # type: ignore[arg-type]
                     timed, noisy=noisy and timed, weights=records[1].get("w"))
@@ -446,7 +445,7 @@ class _Measurer(fx.Interpreter):
         calls: dict[str, Callable[[], Any]] = {}
         first: dict[str, float] = {}
         contiguous = self.weights == CONTIGUOUS and module_has_layout_params(gm, n)
-        for label in (0, 1):
+        for label in LABELS:
             try:
                 fn = self._call(n, label)
                 self.sync()

@@ -53,7 +53,7 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         model=options.name, device=measured_on(options.device), torch_version=torch.__version__,
         dtype=None if options.dtype is None else str(options.dtype).removeprefix("torch."),
         input_format=None if entry is None else Label(entry).text,
-        output_format=output if output in (None, "keep") else Label(output).text,  # type: ignore[index]
+        output_format=None if output is None else output.text,
         nodes=nodes, conversions=list(built.conversions),
         predicted=solution.predicted, regions=[r.path for r in captured.regions],
         uncaptured=[[p, r] for p, r in captured.uncaptured],

@@ -34,7 +34,7 @@ from torch import fx
 
 from memlayout.plan.capture.calls import RUN_KEY, ModuleCall, RunFacts, positions
 from memlayout.plan.costs.measure import CostTable, input_kind, is_layout_node
-from memlayout.plan.graph import META_KEY
+from memlayout.plan.graph import META_KEY, Label, Request
 from memlayout.plan.solve.formulate import Formulation, _integer, node_terms
 from memlayout.plan.solve.mincut import Problem, Tensor
 
@@ -84,7 +84,7 @@ def scope(n: fx.Node, root: str = "") -> tuple[str, ...]:
 
 
 def formulate_boundaries(gm: fx.GraphModule, table: CostTable, *,
-                         input_label: int | str | None, output_label: int | str | None,
+                         input_label: Label | Request | None, output_label: Label | Request | None,
                          calls: Mapping[str, ModuleCall], root: str = "",
                          fixed: frozenset[str] = frozenset()) -> Formulation:
     """The boundary problem of graph ``gm`` (captured from the module at ``root``; ``calls``:
@@ -163,7 +163,7 @@ def formulate_boundaries(gm: fx.GraphModule, table: CostTable, *,
             ties.append((u.name, route(value, made, scope(u, root))))
         if kept:
             last = route(value, made, ())
-            pins[last] = int(node.meta[META_KEY].label if output_label == "keep" else output_label)
+            pins[last] = int(node.meta[META_KEY].label if output_label == Request.KEEP else output_label)
     seconds = Problem(unary, tuple(tensors), pins, tuple(dict.fromkeys(ties)))
     integer, unit = _integer(seconds)
     return Formulation(seconds, integer, dict(terms.producers), {}, unit,

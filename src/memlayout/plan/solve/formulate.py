@@ -16,7 +16,7 @@ from typing import Any
 from torch import fx
 
 from memlayout.plan.costs.measure import CostTable, input_kind, is_layout_node
-from memlayout.plan.graph import FREE, META_KEY, ValueMeta
+from memlayout.plan.graph import LABELS, META_KEY, Label, Request, ValueMeta
 from memlayout.plan.solve.mincut import Problem, Tensor
 
 OUTPUT_PREFIX = "output:"
@@ -39,10 +39,6 @@ class Formulation:
     tensor_values: tuple[str, ...] = ()  # the value each tensor term converts, in order
 
 
-#: ``input_label`` meaning "the plan chooses the format inputs arrive in"
-AUTO = "auto"
-
-
 @dataclass
 class NodeTerms:
     """What the layout nodes of a graph bring to either formulation: each node's costs in both
@@ -57,8 +53,8 @@ class NodeTerms:
 
 
 def node_terms(gm: fx.GraphModule, table: CostTable, *,
-               input_label: int | str | None) -> NodeTerms:
-    """``input_label``: the format graph inputs arrive in (``None``: as captured; ``AUTO``:
+               input_label: Label | Request | None) -> NodeTerms:
+    """``input_label``: the format graph inputs arrive in (``None``: as captured; ``Request.AUTO``:
     chosen, each input in a definite format a variable at no cost of its own, all of them
     tied to one format)."""
     unary: dict[str, tuple[float, float]] = {}
@@ -70,7 +66,7 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
             continue
         cost = table.nodes[n.name]
         s0, s1 = cost.seconds
-        ok = [label for label in (0, 1) if cost.seconds[label] is not None]
+        ok = [label for label in LABELS if cost.seconds[label] is not None]
         if not ok:
             ok = [0]
         if len(ok) == 1:
@@ -82,23 +78,23 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
         o0, o1 = cost.out
         if len(ok) == 1:
             out = cost.out[ok[0]]
-            if out in (0, 1):
+            if out in LABELS:
                 producers[n.name] = out  # type: ignore[assignment]
-        elif o0 in (FREE, None) and o1 in (FREE, None):
+        elif o0 in (Label.EITHER, None) and o1 in (Label.EITHER, None):
             pass  # no output in a definite format (a flatten, a pooled 1x1): nothing to carry
-        elif o0 in (0, FREE) and o1 in (1, FREE):
+        elif o0 in (Label.CONTIGUOUS, Label.EITHER) and o1 in (Label.CHANNELS_LAST, Label.EITHER):
             producers[n.name] = n.name
-        elif o0 in (0, 1) and o1 in (o0, FREE):
+        elif o0 in LABELS and o1 in (o0, Label.EITHER):
             producers[n.name] = o0  # type: ignore[assignment]
-        elif o1 in (0, 1) and o0 == FREE:
+        elif o1 in LABELS and o0 is Label.EITHER:
             producers[n.name] = o1  # type: ignore[assignment]
         else:
             # Output in no format for one label (a permute: NCHW in gives a strided NHWC-shaped
             # view, channels-last in gives a contiguous one), or swapped: run the node in the
             # first label whose output is definite, and carry that output as a constant.
-            pin = next((label for label in (0, 1) if cost.out[label] in (0, 1)), 0)
+            pin = next((label for label in LABELS if cost.out[label] in LABELS), 0)
             pins[n.name] = pin
-            if cost.out[pin] in (0, 1):
+            if cost.out[pin] in LABELS:
                 producers[n.name] = cost.out[pin]  # type: ignore[assignment]
     # values in a definite format that no layout node decides: inputs, rank-2 -> rank-4 views
     free_inputs: list[str] = []
@@ -106,8 +102,8 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
         meta: ValueMeta | None = n.meta.get(META_KEY)
         if n.name in table.nodes or n.op in ("get_attr", "output") or meta is None:
             continue
-        if meta.label in (0, 1):
-            if n.op == "placeholder" and input_label == AUTO:
+        if meta.label in LABELS:
+            if n.op == "placeholder" and input_label == Request.AUTO:
                 unary[n.name] = (0.0, 0.0)
                 producers[n.name] = n.name
                 free_inputs.append(n.name)
@@ -139,12 +135,12 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
     return NodeTerms(unary, pins, ties, producers)
 
 
-def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | None,
-              output_label: int | str | None) -> Formulation:
+def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: Label | Request | None,
+              output_label: Label | Request | None) -> Formulation:
     """The problem with a conversion possible on any edge of the graph (what a graph rewrite
     realizes: ``memlayout.plan.steer.rewrite``): each value converted once per target format,
     serving every consumer that wants it (a P^n Potts term). ``input_label``: see
-    :func:`node_terms`; ``output_label``: ``"keep"`` (as the original returns them), 0/1, or
+    :func:`node_terms`; ``output_label``: ``Request.KEEP`` (as the original returns them), a label, or
     ``None`` (free)."""
     terms = node_terms(gm, table, input_label=input_label)
     unary, pins, ties, producers = terms.unary, terms.pins, terms.ties, terms.producers
@@ -160,7 +156,7 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: int | str | 
             continue
         users = [u.name for u in node.users if u.name in table.nodes and is_layout_node(gm, u)]
         if output in node.users and output_label is not None:
-            pin = node.meta[META_KEY].label if output_label == "keep" else output_label
+            pin = node.meta[META_KEY].label if output_label == Request.KEEP else output_label
             name = OUTPUT_PREFIX + value
             unary[name] = (0.0, 0.0)
             pins[name] = int(pin)

@@ -15,7 +15,7 @@ import torch
 from memlayout.plan.capture.regions import Captured, Region
 from memlayout.plan.costs.measure import CostTable
 from memlayout.plan.costs.regions import Costs
-from memlayout.plan.graph import Label
+from memlayout.plan.graph import LABELS, Label, Request
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.solve.boundaries import formulate_boundaries
 from memlayout.plan.solve.formulate import Formulation, formulate
@@ -105,7 +105,7 @@ def region_formulation(captured: Captured, region: Any, table: Any,
     top = region.path == ""
     return formulate_boundaries(
         region.gm, table, input_label=options.root_input_label if top else None,
-        output_label=options.output_label if top else "keep", calls=captured.calls,
+        output_label=options.output_label if top else Request.KEEP, calls=captured.calls,
         root=region.path, fixed=frozenset({""}) if options.keywords else frozenset())
 
 
@@ -128,7 +128,7 @@ def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Sol
             predicted[key] += uniform_seconds(form, table, label)
         free = formulate(region.gm, table, input_label=options.root_input_label
                          if region.path == "" else None,
-                         output_label=options.output_label if region.path == "" else "keep")
+                         output_label=options.output_label if region.path == "" else Request.KEEP)
         predicted["anywhere"] += objective(Problem(free.seconds.unary, free.seconds.tensors),
                                            solve_labels(free.integer)) or 0.0
         solved.append(RegionSolution(region, table, form, labels))
@@ -168,7 +168,7 @@ def pin_weight_formats(gm: Any, form: Formulation, table: Any,
             value = attribute(gm, str(m.target)) if m.op == "get_attr" else None
             if isinstance(value, torch.Tensor) and value.dim() in ranks:
                 tensors.append(value)
-        fits = [label for label in (0, 1) if tensors and all(
+        fits = [label for label in LABELS if tensors and all(
             tuple(t.stride()) == strides_for(tuple(t.shape), Label(label).format(t.dim()))
             for t in tensors)]
         if len(fits) == 1:

@@ -22,7 +22,7 @@ from memlayout.plan.capture.calls import RUN_KEY, ModuleCall, positions
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.drops import notes_of
 from memlayout.plan.costs.measure import input_kind, module_has_layout_params
-from memlayout.plan.graph import LABELS, META_KEY, Label
+from memlayout.plan.graph import LABELS, META_KEY, Label, Request
 from memlayout.plan.inputs import KeywordCall
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.report.records import Conversion, NodeChoice
@@ -162,7 +162,7 @@ def uniform_conversions(solution: Solution, calls: Mapping[str, ModuleCall], lab
     found = []
     for n in top.region.gm.graph.nodes:
         meta = n.meta.get(META_KEY)
-        if n.op != "placeholder" or meta is None or meta.label not in (0, 1):
+        if n.op != "placeholder" or meta is None or meta.label not in LABELS:
             continue
         if (meta.label if arrive is None else arrive) == label or RUN_KEY not in n.meta:
             continue
@@ -229,6 +229,6 @@ def wanted_outputs(captured: Captured, inputs: tuple[Any, ...], options: PlanOpt
     if label is None:
         return ()
     kept = output_formats(captured.output, inputs, options.ranks)
-    if label == "keep":
+    if label == Request.KEEP:
         return kept
     return tuple((i, int(label) if rank in options.ranks else -1, rank) for i, _, rank in kept)
