@@ -64,10 +64,6 @@ class PipelineCopies:
     arithmetic_bytes: int
     calls: tuple[tuple[str, int], ...]
 
-    @property
-    def written_bytes(self) -> int:
-        return self.copy_bytes + self.arithmetic_bytes
-
 
 @dataclass(frozen=True)
 class DataBenchResult:

@@ -115,10 +115,6 @@ class CopyCounter:
     layout_copies: int = 0
     _mode: Any = field(default=None, repr=False)
 
-    @property
-    def written_bytes(self) -> int:
-        return self.copy_bytes + self.arithmetic_bytes
-
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         name = func.overloadpacket.__name__
         if name in NO_DATA_OPS:

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memlayout.plan.solve.mincut import (
-    Problem,
-    Tensor,
-    objective,
-    solve_brute_force,
-    solve_min_cut,
-)
+from memlayout.plan.solve.mincut import Problem, Solution, Tensor, objective, solve_min_cut
 
 cost = st.integers(min_value=0, max_value=50)
+
+
+def solve_brute_force(problem: Problem) -> Solution:
+    """Enumerate every labelling (2^n): the reference the min cut is held to."""
+    problem.check()
+    names = sorted(problem.unary)
+    best: Solution | None = None
+    for combo in itertools.product((0, 1), repeat=len(names)):
+        labels = dict(zip(names, combo, strict=True))
+        value = objective(problem, labels)
+        if value is not None and (best is None or value < best.objective):
+            best = Solution(labels, value)
+    if best is None:
+        raise ValueError("no labelling satisfies the pins and ties")
+    return best
 
 
 @st.composite

@@ -92,11 +92,6 @@ class Plan:
     def conversion_bytes(self) -> int:
         return sum(c.nbytes for c in self.conversions)
 
-    @property
-    def is_noop(self) -> bool:
-        """No layout node and no conversion: the model runs exactly as given."""
-        return not self.conversions and all(n.format == "contiguous" for n in self.nodes)
-
     def to_json(self) -> str:
         return json.dumps({"schema": SCHEMA, **dataclasses.asdict(self)}, indent=1)
 

@@ -19,13 +19,12 @@ scipy's max-flow solves it.
 ...     tensors=(Tensor(producer=0, consumers=("a",), cost_to_1=2),      # input arrives as 0
 ...              Tensor(producer="a", consumers=("b", "c"), cost_to_1=4, cost_to_0=4)))
 >>> s = solve_min_cut(p)
->>> s.labels, s.objective, solve_brute_force(p).objective
+>>> s.labels, s.objective, objective(p, s.labels)
 ({'a': 1, 'b': 1, 'c': 0}, 13, 13)
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,21 +101,6 @@ def objective(problem: Problem, labels: Mapping[str, Label]) -> int | None:
         if o == 1 and 0 in wanted:
             total += t.cost_to_0
     return total
-
-
-def solve_brute_force(problem: Problem) -> Solution:
-    """Enumerate every labelling (2^n): the reference the min cut is tested against."""
-    problem.check()
-    names = sorted(problem.unary)
-    best: Solution | None = None
-    for combo in itertools.product((0, 1), repeat=len(names)):
-        labels = dict(zip(names, combo, strict=True))
-        value = objective(problem, labels)
-        if value is not None and (best is None or value < best.objective):
-            best = Solution(labels, value)
-    if best is None:
-        raise ValueError("no labelling satisfies the pins and ties")
-    return best
 
 
 def solve_min_cut(problem: Problem) -> Solution:
