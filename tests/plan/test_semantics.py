@@ -430,8 +430,13 @@ def test_a_meta_device_model_is_one_clear_error_before_any_work(where: str) -> N
 
 
 def test_verification_records_the_semantic_checks() -> None:
-    opt = optimize(Tied().eval(), _x(), measure=False, cache=False)
-    assert opt.plan.verification.semantics > 0
+    model = Tied().eval()
+    opt = optimize(model, _x(), measure=False, cache=False)
+    # the input after each of two calls, the second call's output, every buffer after both,
+    # and each parameter (a tied one once): what the checks compare, counted from the model
+    expected = 2 * 1 + 1 + len(list(model.buffers())) + len(list(model.parameters()))
+    assert len(list(model.parameters())) < len(dict(model.named_parameters(remove_duplicate=False)))
+    assert opt.plan.verification.semantics == expected
 
 
 def test_every_user_of_a_shared_weight_is_tied_to_one_format() -> None:

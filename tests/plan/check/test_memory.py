@@ -69,13 +69,18 @@ def test_views_and_in_place_ops_add_nothing_copies_do() -> None:
     assert got.end_bytes == one
 
 
-def test_the_plan_reports_peaks_a_second_measurement_reproduces() -> None:
+def test_the_plan_reports_the_peaks_of_the_models_it_compares() -> None:
     net, x = unet_small()
     opt = optimize(net, x, measure=False)
     m = opt.plan.memory
     assert m.method == "tensor_lifetime"
+    assert opt.plan.conversions  # a plan that converts: the planned model holds copies
+    # the peaks are those of the original and of the model returned, measured after planning
     assert m.original == peak_memory(net, (x,)).peak_bytes
     assert m.planned == peak_memory(opt, (x,)).peak_bytes
+    # and the only memory a plan adds is its conversions' copies (activations are the same
+    # size in either format)
+    assert m.original <= m.planned <= m.original + opt.plan.conversion_bytes
     assert "peak activation memory" in opt.plan.summary()
 
 
