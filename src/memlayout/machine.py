@@ -30,8 +30,8 @@ import torch
 from memlayout.timing import device_sync, interleaved
 
 #: the relative spread of a measurement's rounds, (max - min) / median, above which it is
-#: noisy: quiet runs on this project's 2-core machine stay well under it, runs beside another
-#: job reach 1-18 (8.5 and 18.5 seen in one comparison)
+#: noisy: quiet runs stay well under it, runs beside another job on a small machine reach
+#: spreads of 1 or more (docs/benchmarks.md)
 SPREAD_LIMIT = 0.3
 
 

@@ -3,12 +3,11 @@
 PyTorch has no caching allocator on the CPU: every activation, autocast weight copy and layout
 conversion is a ``malloc``/``free``. glibc serves blocks above its mmap threshold (128 KiB,
 raised on the fly up to 32 MiB) with fresh ``mmap``s and unmaps them on ``free``, so the next
-step faults every page in again, zeroed by the kernel. On this project's machine an alexnet
-bf16 forward at batch 8 (autocast copies its 58 M fp32 weights to bf16 on every call) took
-26,626 minor page faults (104 MB) per call, every call. The threshold also moves while a
-process runs, which may be why the same model ran at two speeds a round apart in the full
-bench (alexnet bf16 eager NHWC: 50 ms in three rounds, 82-89 ms in four; not proven).
-Timings with and without: ``docs/bench/malloc.py``.
+step faults every page in again, zeroed by the kernel: an alexnet bf16 forward (autocast
+copies its fp32 weights to bf16 on every call) faults in about its weights' size per call,
+every call. The threshold also moves while a process runs, so one model can run at two speeds
+a round apart. Timings and fault counts with and without: ``docs/bench/malloc.py``
+(``docs/benchmarks.md``).
 
 ``steady_heap()`` asks glibc (``mallopt``) to serve every block from the heap and never give
 freed memory back: after a few steps (the heap settles; a small allocation can take a freed

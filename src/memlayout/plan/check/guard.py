@@ -74,10 +74,10 @@ PLANNED = "planned"
 CLOSE = 0.03  # a median ratio this near the threshold is timed for twice the rounds
 #: predicted / measured planned time above which the cost table is suspect. The table leaves
 #: out what runs between the layout nodes (elementwise ops, dispatch, Python) and takes each
-#: op's fastest round, so it predicts less than the model takes: 0.6-1.1x on small torchvision
-#: models, 0.14x on a 7-op test model (docs/benchmarks.md). Costs taken under load predicted
-#: 25x (yolov8n: 483.81 ms predicted, ~19 ms measured). A prediction below the measurement is
-#: what the table leaves out, not a sign of bad costs, so only this side is checked.
+#: op's fastest round, so it predicts less than the model takes (docs/benchmarks.md has the
+#: ratios measured); costs taken under load can predict many times the measured time. A
+#: prediction below the measurement is what the table leaves out, not a sign of bad costs, so
+#: only this side is checked.
 SUSPECT = 3.0
 UNIFORM = {"all_contiguous": 0, "all_channels_last": 1}  # eager in one format -> its label
 
