@@ -88,3 +88,13 @@ class ExportError(MemlayoutError):
 
 class FSDPError(TrainError):
     """A model FSDP's ``fully_shard`` cannot take as given (``memlayout.train.fsdp``)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (torch's often run to many), else its type's name.
+
+    >>> first_line(RuntimeError("shape mismatch\\n  at node conv1")), first_line(KeyError())
+    ('shape mismatch', 'KeyError')
+    """
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

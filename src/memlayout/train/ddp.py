@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from memlayout.errors import TrainError
+from memlayout.errors import TrainError, first_line
 from memlayout.layout import is_non_overlapping_and_dense, strides_agree
 
 
@@ -83,7 +83,7 @@ def init_distributed(device: str | torch.device = "cpu", *,
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc)
     return text if len(text) <= 300 else text[:297] + "..."
 
 

@@ -48,12 +48,7 @@ torch.Size([2, 8, 14, 14])
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
-import json
-import re
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -66,7 +61,18 @@ import torch._dynamo.exc
 from torch import fx, nn
 
 from memlayout.dtypes import autocast, dtype_name, parse_dtype
-from memlayout.errors import MemlayoutError, PlanError
+from memlayout.errors import MemlayoutError, PlanError, first_line
+from memlayout.plan.candidates.backend_check import GraphCheck, guard_graph, verify_graph
+from memlayout.plan.candidates.backend_graphs import (
+    VIEWS,
+    NotPlanned,
+    copy_graph,
+    fresh_inputs,
+    is_dynamic,
+    module_path,
+    op_name,
+    real_inputs,
+)
 from memlayout.plan.candidates.backend_report import (
     AS_GIVEN,
     COMPILED,
@@ -78,17 +84,15 @@ from memlayout.plan.candidates.backend_report import (
 )
 from memlayout.plan.capture.regions import propagate
 from memlayout.plan.check.semantics import mutates_in_place
-from memlayout.plan.check.training import Step, agree, training_loss
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import CostTable, measure_costs, measured_on
+from memlayout.plan.costs.measure import CostTable, measure_costs
 from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, LABELS, META_KEY, Label, Request
 from memlayout.plan.solve.formulate import formulate
 from memlayout.plan.solve.regions import solve_labels
 from memlayout.plan.steer.rewrite import rewrite
 from memlayout.spatial import mark_spatial
-from memlayout.tensors import iter_tensors
-from memlayout.timing import device_sync, interleaved
+from memlayout.tensors import device_of
 
 INNER_COMPILERS = ("inductor", "eager")
 #: the planned graph run eagerly replaces the compiled one only when faster by more than this
@@ -97,11 +101,6 @@ PLAN_STANDS = {"layout_optimization": False}
 
 _CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                            "conv_transpose3d", "convolution", "_convolution"})
-_RANDOM = frozenset({"dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "dropout1d",
-                     "dropout2d", "dropout3d", "feature_dropout", "feature_alpha_dropout",
-                     "native_dropout", "rand", "randn", "rand_like", "randn_like", "randint",
-                     "randint_like", "randperm", "bernoulli", "bernoulli_", "multinomial",
-                     "normal", "normal_", "uniform_", "exponential_", "rrelu", "rrelu_"})
 
 
 #: Dynamo's control flow (trace again, skip the frame): raised through, never a failure
@@ -111,10 +110,6 @@ _DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFram
 class BackendWarning(RuntimeWarning):
     """A graph the backend could not plan, or whose plan it dropped (it computed other
     values); the graph still compiles, with Inductor's own layouts."""
-
-
-class _NotPlanned(MemlayoutError):
-    """Why a graph is compiled without a plan (a fact about the graph, not a failure)."""
 
 
 @dataclass(frozen=True)
@@ -190,20 +185,13 @@ class _Planned:
     convolutions: tuple[ConvolutionChoice, ...]
 
 
-@dataclass(frozen=True)
-class _Check:
-    ok: bool
-    how: str
-    error: float | None
-
-
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
                   options: Backend) -> Callable[..., Any]:
     """Plan ``gm`` (one of Dynamo's graphs, ``example_inputs`` as Dynamo gives them) and
     compile it with ``options.inner``; record the decision in ``memlayout.backend_report()``.
     The caller's random number generators are left as they were (planning runs the graph)."""
     inputs = real_inputs(example_inputs)
-    device = _device(inputs)
+    device = device_of(inputs)
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         return _compile_graph(gm, example_inputs, inputs, device, options)
 
@@ -222,14 +210,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                              rule=rule)
     except _DYNAMO_SIGNALS:
         raise
-    except _NotPlanned as exc:
+    except NotPlanned as exc:
         fn, ran = _unplanned(gm, example_inputs, options, dtype, device)
         RECORDS.add(GraphRecord(**head, planned=False, ran=ran, reason=str(exc),
                                 inductor_rule=rule, plan_seconds=time.perf_counter() - start))
         return fn
     except Exception as exc:  # the planner must never stop a compile: Inductor's own instead
         warnings.warn(f"memlayout backend: graph {head['graph']} could not be planned "
-                      f"({type(exc).__name__}: {_first_line(exc)}); it is compiled with "
+                      f"({type(exc).__name__}: {first_line(exc)}); it is compiled with "
                       "Inductor's own layouts", BackendWarning, stacklevel=2)
         fn, ran = _unplanned(gm, example_inputs, options, dtype, device)
         RECORDS.add(GraphRecord(**head, planned=False, ran=ran, reason=f"planning failed: "
@@ -237,7 +225,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                 plan_seconds=time.perf_counter() - start))
         return fn
     plan_seconds = time.perf_counter() - start
-    eager_graph = _copy(planned.graph)  # compile_fx may change the graph it is given
+    eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     try:
         fn = _inner(planned.graph, example_inputs, options, dtype, device)
         check = verify_graph(gm, eager_graph, fn, inputs, train=train, dtype=dtype,
@@ -245,8 +233,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     except _DYNAMO_SIGNALS:
         raise
     except Exception as exc:  # the plan does not compile or run: Inductor's own instead
-        check = _Check(False, f"compiling the plan failed ({type(exc).__name__}: "
-                       f"{_first_line(exc)})", None)
+        check = GraphCheck(False, f"compiling the plan failed ({type(exc).__name__}: "
+                       f"{first_line(exc)})", None)
     compile_seconds = time.perf_counter() - start - plan_seconds
     record = {**head, "planned": True, "inductor_rule": rule,
               "convolutions": planned.convolutions, "conversions": planned.conversions,
@@ -266,8 +254,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         return fn
     ran, ratio = (EAGER, None) if options.inner == "eager" else (COMPILED, None)
     if ran == COMPILED and options.guard and options.measure:
-        ratio = _guard(fn, eager_graph, inputs, options, train=train, dtype=dtype,
-                       device=device)
+        store = _open_cache(options.cache)
+        try:
+            ratio = guard_graph(fn, _eager(eager_graph, options, device), eager_graph, inputs,
+                                store=store, rounds=options.rounds, train=train, dtype=dtype,
+                                device=device)
+        finally:
+            if store is not None:
+                store.close()
         if ratio > 1.0 + GUARD_MARGIN:
             fn, ran = _eager(eager_graph, options, device), EAGER
     RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how, max_error=check.error,
@@ -283,24 +277,24 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
                dtype: torch.dtype | None, device: torch.device,
                rule: bool | None = None) -> _Planned:
     """The plan of one Dynamo graph on real ``inputs``: a rewritten copy of ``gm`` (``gm``
-    itself is not changed). ``_NotPlanned`` says why a graph has nothing to plan."""
-    work = _copy(gm)
-    ranks = CONV1D_RANKS if any(_name(n) in ("conv1d", "conv_transpose1d")
+    itself is not changed). ``NotPlanned`` says why a graph has nothing to plan."""
+    work = copy_graph(gm)
+    ranks = CONV1D_RANKS if any(op_name(n) in ("conv1d", "conv_transpose1d")
                                 for n in work.graph.nodes) else BASE_RANKS
     try:
-        propagate(work, tuple(_fresh(inputs)), dtype=dtype, ranks=ranks, device=device)
+        propagate(work, tuple(fresh_inputs(inputs)), dtype=dtype, ranks=ranks, device=device)
     except MemlayoutError as exc:
-        raise _NotPlanned(f"the graph does not run on real tensors: {_first_line(exc)}") from exc
+        raise NotPlanned(f"the graph does not run on real tensors: {first_line(exc)}") from exc
     mark_spatial(work)
     for n in _mutated_aliases(work):  # converting these would lose a write someone reads
         n.meta[META_KEY] = dataclasses.replace(n.meta[META_KEY], label=None)
     _refuse_module_state(work, ranks)
     if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS
                for n in work.graph.nodes):
-        raise _NotPlanned("no image-like value: no layout to choose")
+        raise NotPlanned("no image-like value: no layout to choose")
     store = _open_cache(options.cache) if options.measure else None
     try:
-        table = measure_costs(work, tuple(_fresh(inputs)), dtype=dtype, measure=options.measure,
+        table = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype, measure=options.measure,
                               cache=store, rounds=options.rounds, train=train, device=device)
     finally:
         if store is not None:
@@ -345,10 +339,6 @@ def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
     return value.contiguous(memory_format=fmt)
 
 
-_VIEWS = frozenset({"getitem", "view", "reshape", "narrow", "select", "slice", "permute",
-                    "transpose", "unsqueeze", "squeeze", "expand", "as_strided", "unbind",
-                    "split", "chunk", "t", "diagonal", "flatten", "unflatten", "detach",
-                    "alias", "view_as", "expand_as", "movedim", "swapaxes"})
 
 
 def _mutated_aliases(gm: fx.GraphModule) -> set[fx.Node]:
@@ -358,10 +348,10 @@ def _mutated_aliases(gm: fx.GraphModule) -> set[fx.Node]:
     readers (``batched = x.new_zeros(...); batched[..., :h, :w].copy_(x)``, then ``batched``
     read by a convolution and returned)."""
     def writes(n: fx.Node) -> bool:
-        return mutates_in_place(gm, n) or (n.op == "call_function" and _name(n) == "setitem")
+        return mutates_in_place(gm, n) or (n.op == "call_function" and op_name(n) == "setitem")
 
     def is_view(n: fx.Node) -> bool:
-        return (n.op in ("call_function", "call_method") and _name(n) in _VIEWS
+        return (n.op in ("call_function", "call_method") and op_name(n) in VIEWS
                 and bool(n.args) and isinstance(n.args[0], fx.Node))
 
     protected: set[fx.Node] = set()
@@ -392,11 +382,11 @@ def _refuse_module_state(gm: fx.GraphModule, ranks: tuple[int, ...]) -> None:
         meta = n.meta.get(META_KEY)
         if n.op == "call_module" and any(
                 p.dim() in ranks for p in gm.get_submodule(str(n.target)).parameters()):
-            raise _NotPlanned(f"{n.target} is called as a module, its weights are not graph "
+            raise NotPlanned(f"{n.target} is called as a module, its weights are not graph "
                               "inputs (torch._dynamo.config.inline_inbuilt_nn_modules=True "
                               "lifts them)")
         if n.op == "get_attr" and meta is not None and meta.label is not None:
-            raise _NotPlanned(f"{n.target} is an image-like tensor held by the graph itself")
+            raise NotPlanned(f"{n.target} is an image-like tensor held by the graph itself")
 
 
 def _convolutions(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int],
@@ -405,7 +395,7 @@ def _convolutions(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int
     its rule is on, else the strides as traced) and measured seconds."""
     out = []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or _name(n) not in _CONVOLUTIONS or not n.args:
+        if n.op != "call_function" or op_name(n) not in _CONVOLUTIONS or not n.args:
             continue
         source = n.args[0]
         meta = source.meta.get(META_KEY) if isinstance(source, fx.Node) else None
@@ -417,7 +407,7 @@ def _convolutions(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int
         inductor = None if rule is None else (1 if rule and len(shape) == 4 else traced)
         cost = table.nodes.get(n.name)
         out.append(ConvolutionChoice(
-            _where(n), _name(n), tuple(shape), _text(planned, meta.label), _text(inductor),
+            module_path(n), op_name(n), tuple(shape), _text(planned, meta.label), _text(inductor),
             cost.seconds if cost is not None else None, bool(cost and cost.timed)))
     return tuple(out)
 
@@ -445,7 +435,7 @@ def inductor_rule(gm: fx.GraphModule, inputs: list[Any], *, dtype: torch.dtype |
         # outside Dynamo's tracing context: its fake mode and shape env are the graph's own
         with torch._guards.tracing(None), torch.no_grad(), autocast(device, dtype):
             aten = make_fx(gm, tracing_mode="symbolic" if is_dynamic(gm) else "fake",
-                           _allow_non_fake_inputs=True)(*_fresh(inputs))
+                           _allow_non_fake_inputs=True)(*fresh_inputs(inputs))
         return bool(decide(aten, is_inference=not train))
     except Exception:  # an untraceable graph or a changed internal: no answer, not a failure
         return None
@@ -515,271 +505,46 @@ class _Nothing:
 # ---------------------------------------------------------------- verification
 
 
-def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable[..., Any],
-                 inputs: list[Any], *, train: bool, dtype: torch.dtype | None,
-                 device: torch.device, compiled: bool = True) -> _Check:
-    """``fn`` (the planned graph, ``compiled`` or not) against ``reference`` run eagerly,
-    once (see the module docstring); ``planned``: the rewritten graph, for the float64
-    re-check and for a graph that draws random numbers."""
-    names = [n.name for n in reference.graph.nodes if n.op == "placeholder"]
-    if _draws_random(reference):
-        return _random_check(reference, planned, inputs, names, train=train, dtype=dtype,
-                             device=device)
-    how = ("the plan compiled vs the graph eagerly" if compiled
-           else "the plan vs the graph, eagerly") + (", gradients" if train else "")
-    want = _step(reference, inputs, names, train=train, dtype=dtype, device=device)
-    got = _step(fn, inputs, names, train=train, dtype=dtype, device=device)
-    ok, worst, what, _ = agree(want, got, dtype)
-    if ok:
-        return _Check(True, how, worst)
-    wide = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in inputs]
-    try:
-        want64 = _step(reference, wide, names, train=train, dtype=None, device=device)
-        got64 = _step(planned, wide, names, train=train, dtype=None, device=device)
-    except Exception:  # a graph that cannot run in float64: no re-check
-        return _Check(False, f"{how}, first in the {what}", worst)
-    exact, error64, _, _ = agree(want64, got64, torch.float32)
-    if exact:
-        return _Check(True, f"{how}; beyond {dtype_name(dtype)} tolerance only by rounding "
-                      f"(the rewrite in float64: {error64:.2g})", worst)
-    return _Check(False, f"{how}, first in the {what}", worst)
 
 
-def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: list[Any],
-                  names: list[str], *, train: bool, dtype: torch.dtype | None,
-                  device: torch.device) -> _Check:
-    """The planned graph against the original, both eager with their dropouts off (a mask
-    depends on the layout it is drawn in, and Inductor's random stream is not eager's); a
-    graph that draws other random numbers is not compared."""
-    calm = [_without_dropout(g) for g in (reference, planned)]
-    if any(_draws_random(g) for g in calm):
-        return _Check(True, "not compared: the graph draws random numbers", None)
-    how = "the plan vs the graph, eagerly, dropout off" + (", gradients" if train else "")
-    want, got = (_step(g, inputs, names, train=train, dtype=dtype, device=device) for g in calm)
-    ok, worst, what, _ = agree(want, got, dtype)
-    if ok:
-        return _Check(True, how, worst)
-    wide = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in inputs]
-    exact, error64, _, _ = agree(
-        *(_step(g, wide, names, train=train, dtype=None, device=device) for g in calm),
-        torch.float32)
-    if exact:
-        return _Check(True, f"{how}; rounding only (float64: {error64:.2g})", worst)
-    return _Check(False, f"{how}, first in the {what}", worst)
 
 
-def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose dropouts return their input (``native_dropout``, which also
-    returns its mask, is left as it is)."""
-    work = _copy(gm)
-    for n in list(work.graph.nodes):
-        if (n.op in ("call_function", "call_method") and "dropout" in _name(n)
-                and _name(n) != "native_dropout" and n.args
-                and isinstance(n.args[0], fx.Node)):
-            n.replace_all_uses_with(n.args[0])
-            work.graph.erase_node(n)
-    work.recompile()
-    return work
 
 
-def _step(fn: Callable[..., Any], inputs: list[Any], names: list[str], *, train: bool,
-          dtype: torch.dtype | None, device: torch.device) -> Step:
-    """What one call of ``fn`` on fresh copies of ``inputs`` (named ``names``) computes: its
-    outputs, the inputs that need no gradient after it (changed in place: running
-    statistics) and, in training, the gradient of every input that requires grad for
-    ``verify.training_loss``."""
-    xs = _fresh(inputs)
-    # non-leaf copies with the same strides: a graph that works on an input in place must not
-    # fail on a leaf that needs a gradient
-    args = [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in xs]
-    with torch.set_grad_enabled(train), autocast(device, dtype):
-        out = fn(*args)
-    state = {name: x for name, x in zip(names, xs, strict=False)
-             if isinstance(x, torch.Tensor) and not x.requires_grad}
-    leaves = {name: x for name, x in zip(names, xs, strict=False)
-              if isinstance(x, torch.Tensor) and x.requires_grad}
-    grads: dict[str, torch.Tensor | None] = {}
-    if train and leaves and any(t.requires_grad for t in iter_tensors(out)):
-        got = torch.autograd.grad(training_loss(out), list(leaves.values()), allow_unused=True)
-        grads = {name: g if g is not None else torch.zeros_like(x)
-                 for (name, x), g in zip(leaves.items(), got, strict=True)}
-    return Step(_detached(out), grads, [], state, {})
 
 
-def _draws_random(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` draws random numbers (a dropout in training mode, ``rand``, ...)."""
-    for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method") or _name(n) not in _RANDOM:
-            continue
-        if "dropout" in _name(n):
-            training = n.kwargs.get("training", n.kwargs.get("train",
-                                    n.args[2] if len(n.args) > 2 else True))
-            if training is False:
-                continue
-        return True
-    return False
 
 
 # ---------------------------------------------------------------- the guard
 
 
-def _guard(fn: Callable[..., Any], planned: fx.GraphModule, inputs: list[Any],
-           options: Backend, *, train: bool, dtype: torch.dtype | None,
-           device: torch.device) -> float:
-    """The median per-round ratio of the compiled graph's time to the planned graph's run
-    eagerly (above 1: eager is faster), from the cache or timed here."""
-    key = json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
-                      "train" if train else "infer", _signature(planned, inputs)])
-    store = _open_cache(options.cache)
-    try:
-        cached = store.get(key, _valid_guard) if store is not None else None
-        if cached is not None:
-            return float(cached["ratio"])
-        calls = {"compiled": _timed_step(fn, inputs, train, dtype, device),
-                 "eager": _timed_step(_eager(planned, options, device), inputs, train, dtype,
-                                      device)}
-        timing = interleaved(calls, rounds=options.rounds, warmup=1,
-                             sync=device_sync(str(device)))
-        if not all(t.ok for t in timing.modes.values()):
-            return 0.0  # eager could not be timed alone: the compiled graph stays
-        ratio = statistics.median(timing.per_round("compiled", "eager"))
-        if store is not None:
-            store.put(key, {"ratio": ratio, "rounds": options.rounds},
-                      spread=max(t.spread for t in timing.modes.values()))
-        return ratio
-    finally:
-        if store is not None:
-            store.close()
 
 
-def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
-                dtype: torch.dtype | None, device: torch.device) -> Callable[[], Any]:
-    """One call of ``fn`` (in training: forward and backward for a fixed output gradient)
-    on copies of ``inputs`` made once."""
-    xs = _fresh(inputs)
-    leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-    grads: list[torch.Tensor] = []
-
-    def step() -> Any:
-        args = [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in xs]
-        with torch.set_grad_enabled(train), autocast(device, dtype):
-            out = fn(*args)
-        outs = [t for t in iter_tensors(out) if t.requires_grad]
-        if train and outs and leaves:
-            if not grads:
-                grads.extend(torch.randn_like(t) for t in outs)
-            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-        return out
-    return step
 
 
-def _valid_guard(record: Any) -> bool:
-    return isinstance(record, dict) and isinstance(record.get("ratio"), (int, float))
 
 
-def _signature(gm: fx.GraphModule, inputs: list[Any]) -> str:
-    """A hash of the planned graph's code and its inputs' shapes, strides and dtypes."""
-    h = hashlib.sha256(gm.code.encode())
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            h.update(f"{list(x.shape)}{list(x.stride())}{x.dtype}{x.requires_grad}".encode())
-        else:
-            h.update(repr(x).encode())
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- inputs and graphs
 
 
-def real_inputs(example_inputs: list[Any]) -> list[Any]:
-    """Dynamo's example inputs as real values: a real tensor as it is (copied before every
-    use), a fake one made from its metadata (normal values; integers zero), a size its hint.
-
-    >>> real_inputs([torch.ones(2), 3])
-    [tensor([1., 1.]), 3]
-    """
-    from torch._subclasses.fake_tensor import is_fake
-
-    out: list[Any] = []
-    for x in example_inputs:
-        if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
-            hint = x.node.hint
-            if hint is None:
-                raise _NotPlanned(f"the size {x} has no example value (data-dependent)")
-            out.append(hint)
-        elif isinstance(x, torch.Tensor) and is_fake(x):
-            shape, strides = [_hint(s) for s in x.shape], [_hint(s) for s in x.stride()]
-            t = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
-            t = t.normal_() if t.is_floating_point() else t.zero_()
-            out.append(t.requires_grad_(x.requires_grad))
-        else:
-            out.append(x)
-    return out
 
 
-def is_dynamic(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` was traced with symbolic sizes (``dynamic=True``, ``mark_dynamic``)."""
-    from torch.fx.experimental.symbolic_shapes import has_free_symbols
-
-    for n in gm.graph.nodes:
-        value = n.meta.get("example_value") if n.op == "placeholder" else None
-        if isinstance(value, torch.Tensor | torch.SymInt) and has_free_symbols(value):
-            return True
-    return False
 
 
-def _hint(size: Any) -> int:
-    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
 
-def _fresh(inputs: list[Any]) -> list[Any]:
-    """Copies of the tensors in ``inputs`` (same strides, same ``requires_grad``, leaves)."""
-    return [x.detach().clone().requires_grad_(x.requires_grad)
-            if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
-def _detached(value: Any) -> Any:
-    return [t.detach() for t in iter_tensors(value)]
 
 
-def _device(inputs: list[Any]) -> torch.device:
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return torch.device("cpu")
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` over the same attributes (its own graph and node meta)."""
-    graph = fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    copied = fx.GraphModule(gm, graph)
-    copied.meta = dict(getattr(gm, "meta", {}))
-    return copied
 
 
-def _name(n: fx.Node) -> str:
-    """The bare name of what ``n`` calls: ``conv2d``, ``dropout``, ``relu_``."""
-    if n.op == "call_method":
-        return str(n.target)
-    target = n.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
 
 
-def _where(n: fx.Node) -> str:
-    """The module path ``n`` ran in (``layer1.0.conv1``), else its node name."""
-    stack = n.meta.get("nn_module_stack") or {}
-    if not stack:
-        return n.name
-    path = re.sub(r"^L\['[^']*'\]\.?", "", str(list(stack.values())[-1][0]))
-    path = path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
-    return path or n.name
 
 
 def _open_cache(cache: bool | str | Path) -> CostCache | None:
@@ -793,9 +558,6 @@ def _open_cache(cache: bool | str | Path) -> CostCache | None:
         return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 __all__ = ["GUARD_MARGIN", "INNER_COMPILERS", "Backend", "BackendWarning", "compile_graph",

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from memlayout.dtypes import autocast
-from memlayout.errors import CaptureError
+from memlayout.errors import CaptureError, first_line
 from memlayout.plan.capture.trace import ConvolutionCount
 
 
@@ -161,12 +161,6 @@ def positions(leaves: Sequence[Leaf | None], value: Sequence[Leaf | None]) -> tu
     wanted = [v for v in value if v is not None]
     return tuple(i for i, leaf in enumerate(leaves)
                  if leaf is not None and any(leaf.matches(v) for v in wanted))
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an error's message (torch's often run to many)."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 #: ``node.meta`` key of :class:`RunFacts`

@@ -1,0 +1,210 @@
+"""The backend's checks of one planned graph (L2 plan, candidates): verification against the
+graph run eagerly (outputs, inputs changed in place, in training the gradients; a graph that
+draws random numbers checked with its dropouts off), and the guard that times the compiled
+graph against the planned one run eagerly (``memlayout.plan.candidates.backend``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch._dynamo.exc
+from torch import fx
+
+from memlayout.dtypes import autocast, dtype_name
+from memlayout.plan.candidates.backend_graphs import copy_graph, fresh_inputs, op_name
+from memlayout.plan.check.training import Step, agree, training_loss
+from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.measure import measured_on
+from memlayout.tensors import iter_tensors
+from memlayout.timing import device_sync, interleaved
+
+_RANDOM = frozenset({"dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "dropout1d",
+                     "dropout2d", "dropout3d", "feature_dropout", "feature_alpha_dropout",
+                     "native_dropout", "rand", "randn", "rand_like", "randn_like", "randint",
+                     "randint_like", "randperm", "bernoulli", "bernoulli_", "multinomial",
+                     "normal", "normal_", "uniform_", "exponential_", "rrelu", "rrelu_"})
+
+
+def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable[..., Any],
+                 inputs: list[Any], *, train: bool, dtype: torch.dtype | None,
+                 device: torch.device, compiled: bool = True) -> GraphCheck:
+    """``fn`` (the planned graph, ``compiled`` or not) against ``reference`` run eagerly,
+    once (see the module docstring); ``planned``: the rewritten graph, for the float64
+    re-check and for a graph that draws random numbers."""
+    names = [n.name for n in reference.graph.nodes if n.op == "placeholder"]
+    if draws_random(reference):
+        return _random_check(reference, planned, inputs, names, train=train, dtype=dtype,
+                             device=device)
+    how = ("the plan compiled vs the graph eagerly" if compiled
+           else "the plan vs the graph, eagerly") + (", gradients" if train else "")
+    want = _step(reference, inputs, names, train=train, dtype=dtype, device=device)
+    got = _step(fn, inputs, names, train=train, dtype=dtype, device=device)
+    ok, worst, what, _ = agree(want, got, dtype)
+    if ok:
+        return GraphCheck(True, how, worst)
+    wide = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs]
+    try:
+        want64 = _step(reference, wide, names, train=train, dtype=None, device=device)
+        got64 = _step(planned, wide, names, train=train, dtype=None, device=device)
+    except Exception:  # a graph that cannot run in float64: no re-check
+        return GraphCheck(False, f"{how}, first in the {what}", worst)
+    exact, error64, _, _ = agree(want64, got64, torch.float32)
+    if exact:
+        return GraphCheck(True, f"{how}; beyond {dtype_name(dtype)} tolerance only by rounding "
+                      f"(the rewrite in float64: {error64:.2g})", worst)
+    return GraphCheck(False, f"{how}, first in the {what}", worst)
+
+
+def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: list[Any],
+                  names: list[str], *, train: bool, dtype: torch.dtype | None,
+                  device: torch.device) -> GraphCheck:
+    """The planned graph against the original, both eager with their dropouts off (a mask
+    depends on the layout it is drawn in, and Inductor's random stream is not eager's); a
+    graph that draws other random numbers is not compared."""
+    calm = [_without_dropout(g) for g in (reference, planned)]
+    if any(draws_random(g) for g in calm):
+        return GraphCheck(True, "not compared: the graph draws random numbers", None)
+    how = "the plan vs the graph, eagerly, dropout off" + (", gradients" if train else "")
+    want, got = (_step(g, inputs, names, train=train, dtype=dtype, device=device) for g in calm)
+    ok, worst, what, _ = agree(want, got, dtype)
+    if ok:
+        return GraphCheck(True, how, worst)
+    wide = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs]
+    exact, error64, _, _ = agree(
+        *(_step(g, wide, names, train=train, dtype=None, device=device) for g in calm),
+        torch.float32)
+    if exact:
+        return GraphCheck(True, f"{how}; rounding only (float64: {error64:.2g})", worst)
+    return GraphCheck(False, f"{how}, first in the {what}", worst)
+
+
+def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose dropouts return their input (``native_dropout``, which also
+    returns its mask, is left as it is)."""
+    work = copy_graph(gm)
+    for n in list(work.graph.nodes):
+        if (n.op in ("call_function", "call_method") and "dropout" in op_name(n)
+                and op_name(n) != "native_dropout" and n.args
+                and isinstance(n.args[0], fx.Node)):
+            n.replace_all_uses_with(n.args[0])
+            work.graph.erase_node(n)
+    work.recompile()
+    return work
+
+
+def _step(fn: Callable[..., Any], inputs: list[Any], names: list[str], *, train: bool,
+          dtype: torch.dtype | None, device: torch.device) -> Step:
+    """What one call of ``fn`` on fresh copies of ``inputs`` (named ``names``) computes: its
+    outputs, the inputs that need no gradient after it (changed in place: running
+    statistics) and, in training, the gradient of every input that requires grad for
+    ``verify.training_loss``."""
+    xs = fresh_inputs(inputs)
+    # non-leaf copies with the same strides: a graph that works on an input in place must not
+    # fail on a leaf that needs a gradient
+    args = [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in xs]
+    with torch.set_grad_enabled(train), autocast(device, dtype):
+        out = fn(*args)
+    state = {name: x for name, x in zip(names, xs, strict=False)
+             if isinstance(x, torch.Tensor) and not x.requires_grad}
+    leaves = {name: x for name, x in zip(names, xs, strict=False)
+              if isinstance(x, torch.Tensor) and x.requires_grad}
+    grads: dict[str, torch.Tensor | None] = {}
+    if train and leaves and any(t.requires_grad for t in iter_tensors(out)):
+        got = torch.autograd.grad(training_loss(out), list(leaves.values()), allow_unused=True)
+        grads = {name: g if g is not None else torch.zeros_like(x)
+                 for (name, x), g in zip(leaves.items(), got, strict=True)}
+    return Step(_detached(out), grads, [], state, {})
+
+
+def draws_random(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` draws random numbers (a dropout in training mode, ``rand``, ...)."""
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or op_name(n) not in _RANDOM:
+            continue
+        if "dropout" in op_name(n):
+            training = n.kwargs.get("training", n.kwargs.get("train",
+                                    n.args[2] if len(n.args) > 2 else True))
+            if training is False:
+                continue
+        return True
+    return False
+
+
+def guard_graph(fn: Callable[..., Any], eager: Callable[..., Any], planned: fx.GraphModule,
+                inputs: list[Any], *, store: CostCache | None, rounds: int, train: bool,
+                dtype: torch.dtype | None, device: torch.device) -> float:
+    """The median per-round ratio of the compiled graph's (``fn``) time to the planned graph
+    run eagerly (``eager``; above 1: eager is faster), from ``store`` or timed here."""
+    key = json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
+                      "train" if train else "infer", _signature(planned, inputs)])
+    cached = store.get(key, _valid_guard) if store is not None else None
+    if cached is not None:
+        return float(cached["ratio"])
+    calls = {"compiled": _timed_step(fn, inputs, train, dtype, device),
+             "eager": _timed_step(eager, inputs, train, dtype, device)}
+    timing = interleaved(calls, rounds=rounds, warmup=1, sync=device_sync(str(device)))
+    if not all(t.ok for t in timing.modes.values()):
+        return 0.0  # eager could not be timed alone: the compiled graph stays
+    ratio = statistics.median(timing.per_round("compiled", "eager"))
+    if store is not None:
+        store.put(key, {"ratio": ratio, "rounds": rounds},
+                  spread=max(t.spread for t in timing.modes.values()))
+    return ratio
+
+
+def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
+                dtype: torch.dtype | None, device: torch.device) -> Callable[[], Any]:
+    """One call of ``fn`` (in training: forward and backward for a fixed output gradient)
+    on copies of ``inputs`` made once."""
+    xs = fresh_inputs(inputs)
+    leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    grads: list[torch.Tensor] = []
+
+    def step() -> Any:
+        args = [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in xs]
+        with torch.set_grad_enabled(train), autocast(device, dtype):
+            out = fn(*args)
+        outs = [t for t in iter_tensors(out) if t.requires_grad]
+        if train and outs and leaves:
+            if not grads:
+                grads.extend(torch.randn_like(t) for t in outs)
+            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        return out
+    return step
+
+
+def _valid_guard(record: Any) -> bool:
+    return isinstance(record, dict) and isinstance(record.get("ratio"), (int, float))
+
+
+def _signature(gm: fx.GraphModule, inputs: list[Any]) -> str:
+    """A hash of the planned graph's code and its inputs' shapes, strides and dtypes."""
+    h = hashlib.sha256(gm.code.encode())
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            h.update(f"{list(x.shape)}{list(x.stride())}{x.dtype}{x.requires_grad}".encode())
+        else:
+            h.update(repr(x).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class GraphCheck:
+    """How a planned graph compared with the original (``how``: what was compared), and its
+    worst relative error."""
+
+    ok: bool
+    how: str
+    error: float | None
+
+
+def _detached(value: Any) -> Any:
+    return [t.detach() for t in iter_tensors(value)]

@@ -1,0 +1,105 @@
+"""What the backend reads off a Dynamo graph (L2 plan, candidates): real inputs for its
+example ones, whether its sizes are symbolic, copies of it, and the names and module paths of
+its nodes (``memlayout.plan.candidates.backend``)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import torch
+import torch._dynamo.exc
+from torch import fx
+
+from memlayout.errors import MemlayoutError
+
+VIEWS = frozenset({"getitem", "view", "reshape", "narrow", "select", "slice", "permute",
+                    "transpose", "unsqueeze", "squeeze", "expand", "as_strided", "unbind",
+                    "split", "chunk", "t", "diagonal", "flatten", "unflatten", "detach",
+                    "alias", "view_as", "expand_as", "movedim", "swapaxes"})
+
+
+def real_inputs(example_inputs: list[Any]) -> list[Any]:
+    """Dynamo's example inputs as real values: a real tensor as it is (copied before every
+    use), a fake one made from its metadata (normal values; integers zero), a size its hint.
+
+    >>> real_inputs([torch.ones(2), 3])
+    [tensor([1., 1.]), 3]
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    out: list[Any] = []
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+            hint = x.node.hint
+            if hint is None:
+                raise NotPlanned(f"the size {x} has no example value (data-dependent)")
+            out.append(hint)
+        elif isinstance(x, torch.Tensor) and is_fake(x):
+            shape, strides = [_hint(s) for s in x.shape], [_hint(s) for s in x.stride()]
+            t = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
+            t = t.normal_() if t.is_floating_point() else t.zero_()
+            out.append(t.requires_grad_(x.requires_grad))
+        else:
+            out.append(x)
+    return out
+
+
+def is_dynamic(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` was traced with symbolic sizes (``dynamic=True``, ``mark_dynamic``)."""
+    from torch.fx.experimental.symbolic_shapes import has_free_symbols
+
+    for n in gm.graph.nodes:
+        value = n.meta.get("example_value") if n.op == "placeholder" else None
+        if isinstance(value, torch.Tensor | torch.SymInt) and has_free_symbols(value):
+            return True
+    return False
+
+
+def _hint(size: Any) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def fresh_inputs(inputs: list[Any]) -> list[Any]:
+    """Copies of the tensors in ``inputs`` (same strides, same ``requires_grad``, leaves)."""
+    return [x.detach().clone().requires_grad_(x.requires_grad)
+            if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` over the same attributes (its own graph and node meta)."""
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copied = fx.GraphModule(gm, graph)
+    copied.meta = dict(getattr(gm, "meta", {}))
+    return copied
+
+
+def op_name(n: fx.Node) -> str:
+    """The bare name of what ``n`` calls: ``conv2d``, ``dropout``, ``relu_``."""
+    if n.op == "call_method":
+        return str(n.target)
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def module_path(n: fx.Node) -> str:
+    """The module path ``n`` ran in (``layer1.0.conv1``), else its node name."""
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return n.name
+    path = re.sub(r"^L\['[^']*'\]\.?", "", str(list(stack.values())[-1][0]))
+    path = path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    return path or n.name
+
+
+
+class NotPlanned(MemlayoutError):
+    """Why a graph is compiled without a plan (a fact about the graph, not a failure)."""
