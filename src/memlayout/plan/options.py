@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from memlayout.plan.costs.measure import Progress
+from memlayout.plan.costs.table import Progress
 from memlayout.plan.graph import Label, Request
 
 

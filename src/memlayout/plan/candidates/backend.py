@@ -86,7 +86,8 @@ from memlayout.plan.capture.regions import propagate
 from memlayout.plan.check.semantics import mutates_in_place
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import CostTable, measure_costs
+from memlayout.plan.costs.measure import measure_costs
+from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, LABELS, META_KEY, Label, Request
 from memlayout.plan.solve.formulate import formulate
 from memlayout.plan.solve.regions import solve_labels

@@ -20,7 +20,7 @@ from memlayout.dtypes import autocast, dtype_name
 from memlayout.plan.candidates.backend_graphs import copy_graph, fresh_inputs, op_name
 from memlayout.plan.check.training import Step, agree, training_loss
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import measured_on
+from memlayout.plan.costs.table import measured_on
 from memlayout.tensors import iter_tensors
 from memlayout.timing import device_sync, interleaved
 

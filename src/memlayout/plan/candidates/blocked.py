@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memlayout.plan.check.compare import worst_error
-from memlayout.plan.costs.measure import measured_on
+from memlayout.plan.costs.table import measured_on
 from memlayout.plan.report.records import BlockedReport
 from memlayout.tensors import device_of
 from memlayout.timing import interleaved

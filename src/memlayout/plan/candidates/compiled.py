@@ -66,7 +66,7 @@ from memlayout.machine import Conditions
 from memlayout.plan.check.compare import compare, tolerance
 from memlayout.plan.check.guard import save as save_guard_record
 from memlayout.plan.check.guard import time_candidates, valid_record
-from memlayout.plan.costs.measure import measured_on
+from memlayout.plan.costs.table import measured_on
 from memlayout.plan.graph import Label
 from memlayout.plan.inputs import _add_prefix, _strip_prefix, example_inputs_of
 from memlayout.plan.options import Progress

@@ -45,7 +45,7 @@ from memlayout import machine
 from memlayout.dtypes import autocast
 from memlayout.machine import CpuIsa
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import Progress, measured_on
+from memlayout.plan.costs.table import Progress, measured_on
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.report.records import UNPADDED, PadChoice
 from memlayout.plan.steer.boundary import padded_convolution, padded_weights

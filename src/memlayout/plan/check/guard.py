@@ -51,7 +51,7 @@ from memlayout.dtypes import autocast
 from memlayout.machine import Conditions
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import measured_on
+from memlayout.plan.costs.table import measured_on
 from memlayout.plan.graph import META_KEY, Label, Request, value_meta
 from memlayout.plan.inputs import inputs_in
 from memlayout.plan.options import PlanOptions

@@ -42,7 +42,7 @@ from memlayout.dispatch import ObservingMode
 from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
 from memlayout.plan.check.guard import signature as graph_signature
-from memlayout.plan.costs.measure import measured_on
+from memlayout.plan.costs.table import measured_on
 from memlayout.plan.report.records import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
 from memlayout.plan.solve.mincut import Problem, Tensor, objective, solve_min_cut
 from memlayout.plan.solve.regions import Solution

@@ -35,7 +35,7 @@ from torch import fx
 from memlayout.dtypes import autocast
 from memlayout.layout import Format
 from memlayout.plan.convert import convert_module_to, convert_value
-from memlayout.plan.costs.measure import CostTable
+from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import Label, graph_ranks
 from memlayout.tensors import device_of
 

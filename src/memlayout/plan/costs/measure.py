@@ -18,30 +18,41 @@ Measurements are cached (``memlayout.plan.costs.cache``), keyed by device name, 
 autocast dtype, op, shapes, strides and dtype, and the machine's fingerprint, with the
 conditions they were taken under: a second plan of the same model measures nothing, except what
 was noisy, when the machine is quiet now. ``measure=False`` runs each layout node once per format (formats only) and
-uses an analytical cost model instead of timing.
+uses an analytical cost model (``memlayout.plan.costs.analytical``) instead of timing; the records
+and which nodes are layout nodes are in ``memlayout.plan.costs.table``.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
-import operator
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 
-from memlayout import machine
 from memlayout.dtypes import autocast
 from memlayout.layout import strides_for
 from memlayout.machine import Conditions, noisy
-from memlayout.plan.capture.trace import is_convolution
 from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
+from memlayout.plan.costs.analytical import analytical_conversion, analytical_seconds
 from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.table import (
+    ConversionCost,
+    CostTable,
+    NodeCost,
+    Progress,
+    input_kind,
+    is_agnostic,
+    is_layout_node,
+    measured_on,
+    module_has_layout_params,
+    valid_conversion_record,
+    valid_node_record,
+)
 from memlayout.plan.graph import (
     LABELS,
     META_KEY,
@@ -61,144 +72,9 @@ from memlayout.plan.steer.weights import (
 from memlayout.tensors import device_of, iter_tensors
 from memlayout.timing import Comparison, device_sync, interleaved
 
-#: ``progress(done, total, what)``, called while measuring
-Progress = Callable[[int, int, str], None]
-
 #: how many times a measurement whose rounds spread beyond ``machine.SPREAD_LIMIT`` is taken
 #: again before it is kept as noisy (a burst of another job passes; a steady load does not)
 RETRIES = 2
-
-# Ops whose kernel does the same work in either format: not timed, only run to see the format
-# of their output. Binary ops among them get their inputs in one format (a mismatch is a
-# conversion, costed as such).
-_AGNOSTIC_MODULES: tuple[type[nn.Module], ...] = (
-    nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh,
-    nn.LeakyReLU, nn.ELU, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout2d, nn.Dropout3d,
-)
-_AGNOSTIC_FUNCTIONS: frozenset[Any] = frozenset({
-    operator.add, operator.iadd, operator.mul, operator.imul, operator.sub, operator.truediv,
-    operator.getitem, torch.add, torch.mul, torch.sub, torch.relu, torch.sigmoid, torch.tanh,
-    torch.nn.functional.relu, torch.nn.functional.relu6, torch.nn.functional.silu,
-    torch.nn.functional.gelu, torch.nn.functional.hardswish, torch.nn.functional.hardsigmoid,
-    torch.nn.functional.sigmoid, torch.nn.functional.dropout, torch.nn.functional.mish,
-})
-_AGNOSTIC_METHODS: frozenset[str] = frozenset({
-    "relu", "relu_", "add", "add_", "mul", "mul_", "sub", "sub_", "div", "div_", "sigmoid",
-    "sigmoid_", "tanh", "clamp", "clamp_",
-})
-
-
-@dataclass(frozen=True)
-class NodeCost:
-    """One layout node: seconds in label 0 / 1 (``None``: fails in that format), the label of
-    its output when run in each (a ``Label``, ``None``: no layout tensor), and whether
-    the seconds were timed (``False``: agnostic op, or the analytical model). ``weights``:
-    with contiguous weights, how the channels-last run reads them (``AS_IS`` or ``PER_CALL``,
-    the faster; ``None``: no weights, or weights converted once)."""
-
-    name: str
-    op: str
-    seconds: tuple[float | None, float | None]
-    out: tuple[Label | None, Label | None]
-    timed: bool
-    noisy: bool = False  # measured on a busy machine, or its rounds spread too far
-    weights: str | None = None
-
-
-@dataclass(frozen=True)
-class ConversionCost:
-    value: str
-    to_1: float
-    to_0: float
-    nbytes: int
-    shapes: tuple[tuple[int, ...], ...]
-    timed: bool = True  # ``False``: the analytical model
-    noisy: bool = False
-
-
-@dataclass
-class CostTable:
-    nodes: dict[str, NodeCost] = field(default_factory=dict)
-    conversions: dict[str, ConversionCost] = field(default_factory=dict)
-    measured: int = 0  # timings taken in this call
-    cached: int = 0  # records read from the cache
-
-    @property
-    def timed_costs(self) -> int:
-        """Timed node costs and conversions (agnostic and analytical ones excluded)."""
-        return (sum(n.timed for n in self.nodes.values())
-                + sum(c.timed for c in self.conversions.values()))
-
-    @property
-    def noisy_costs(self) -> int:
-        """Of ``timed_costs``, those measured on a busy machine or with rounds spread too far."""
-        return (sum(n.noisy for n in self.nodes.values())
-                + sum(c.noisy for c in self.conversions.values()))
-
-
-# ---------------------------------------------------------------- what is a layout node
-
-
-def input_kind(gm: fx.GraphModule, m: fx.Node) -> str | None:
-    """How a node's input ``m`` is handled: ``"param"`` (a rank-4/5 attribute, converted once
-    when the plan is applied), ``"term"`` (a value in one definite format: converted per plan),
-    ``"asis"`` (ambiguous or in no format: passed unchanged), ``None`` (no layout tensor)."""
-    meta: ValueMeta | None = m.meta.get(META_KEY)
-    if meta is None or meta.label is None:
-        return None
-    if m.op == "get_attr":
-        return "param"
-    if meta.label not in LABELS:
-        return "asis"
-    return "term"
-
-
-def module_has_layout_params(gm: fx.GraphModule, n: fx.Node) -> bool:
-    if n.op != "call_module":
-        return False
-    sub = gm.get_submodule(n.target)
-    ranks = graph_ranks(gm)
-    return any(t.dim() in ranks for t in [*sub.parameters(), *sub.buffers()])
-
-
-def is_layout_node(gm: fx.GraphModule, n: fx.Node) -> bool:
-    if n.op not in ("call_module", "call_function", "call_method"):
-        return False
-    meta: ValueMeta | None = n.meta.get(META_KEY)
-    if meta is None or not meta.tensors:
-        return False  # .size(), .dim(): no tensor out, nothing to decide
-    if module_has_layout_params(gm, n):
-        return True
-    return any(input_kind(gm, m) in ("term", "param") for m in n.all_input_nodes)
-
-
-def is_agnostic(gm: fx.GraphModule, n: fx.Node) -> bool:
-    if n.op == "call_module":
-        return isinstance(gm.get_submodule(n.target), _AGNOSTIC_MODULES)
-    if n.op == "call_function":
-        return n.target in _AGNOSTIC_FUNCTIONS
-    return n.op == "call_method" and n.target in _AGNOSTIC_METHODS
-
-
-# ---------------------------------------------------------------- converting values
-
-
-
-
-
-
-
-
-# ---------------------------------------------------------------- the cache
-
-
-def measured_on(device: torch.device) -> str:
-    """What a timing depends on, a cache key's first part: the GPU, or the CPU's model, the
-    instruction set ATen's kernels dispatch to (``ATEN_CPU_CAPABILITY`` lowers it) and torch's
-    thread count."""
-    if device.type == "cuda":
-        return machine.measured_on(device)
-    return f"cpu:{machine.cpu_model()}:{machine.cpu_isa().capability}:threads={torch.get_num_threads()}"
 
 
 # ---------------------------------------------------------------- measuring
@@ -248,7 +124,7 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
         if not _consumed(gm, v):
             continue
         if not measure:
-            table.conversions[v.name] = _analytical_conversion(v.name, meta)
+            table.conversions[v.name] = analytical_conversion(v.name, meta)
             continue
         shapes = [[list(t.shape), t.dtype] for t in meta.layout_tensors]
         keys = [json.dumps(["convert", *context, shapes, to]) for to in (1, 0)]
@@ -278,26 +154,6 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
 
 def _consumed(gm: fx.GraphModule, v: fx.Node) -> bool:
     return any(u.op == "output" or is_layout_node(gm, u) for u in v.users)
-
-
-def valid_node_record(record: Any) -> bool:
-    """A node's cached record as this code writes it: ``{"s": seconds or None, "out": label}``.
-
-    >>> valid_node_record({"s": 0.1, "out": 1}), valid_node_record({"s": "fast"})
-    (True, False)
-    """
-    return (isinstance(record, dict) and "out" in record and _seconds_or_none(record.get("s"))
-            and (record["out"] is None or record["out"] in set(Label)))
-
-
-def valid_conversion_record(record: Any) -> bool:
-    """A conversion's cached record: ``{"s": seconds}``."""
-    return isinstance(record, dict) and record.get("s") is not None and _seconds_or_none(record["s"])
-
-
-def _seconds_or_none(value: Any) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                             and value >= 0)
 
 
 def _node_cost(gm: fx.GraphModule, n: fx.Node, records: list[Any], timed: bool, *,
@@ -497,7 +353,7 @@ class _Measurer(fx.Interpreter):
             for label in [c for c in calls if c != per_call]:
                 # a backward does about twice the work of the forward
                 scale = 3.0 if self.train else 1.0
-                records[int(label)]["s"] = scale * _analytical_seconds(gm, n, int(label))
+                records[int(label)]["s"] = scale * analytical_seconds(gm, n, int(label))
         self.table.nodes[n.name] = _node_cost(gm, n, records, self.measure, noisy=quality.noisy)
         for key, record in zip(self.todo_nodes[n.name], records, strict=True):
             self._remember(key, record, quality)
@@ -600,55 +456,3 @@ def _train_step(forward: Callable[[], Any], wrt: list[torch.Tensor]) -> Callable
             torch.autograd.grad(outs, wrt, grads[0], allow_unused=True)
         return out
     return step
-
-
-# ---------------------------------------------------------------- the analytical fallback
-
-_FLOPS = 5e10  # flop/s of a dense convolution, contiguous
-_CL_CONV_GAIN = 0.85  # channels-last dense convolution time relative to contiguous (oneDNN)
-_BANDWIDTH = 1e10  # bytes/s of a strided copy
-
-
-def _analytical_seconds(gm: fx.GraphModule, n: fx.Node, label: int) -> float:
-    """A rough model, used only with ``measure=False``: dense convolutions are FLOP-bound and
-    somewhat faster channels-last; everything else moves the same bytes either way."""
-    meta: ValueMeta = n.meta[META_KEY]
-    work = _convolution_work(gm, n) if meta.layout_tensors else None
-    if work is not None:
-        reads, dense = work  # input values each output element reads; groups == 1
-        numel = math.prod(meta.layout_tensors[0].shape)
-        flops = 2.0 * numel * reads
-        return flops / _FLOPS * (_CL_CONV_GAIN if label == 1 and dense else 1.0)
-    return meta.nbytes / _BANDWIDTH
-
-
-def _convolution_work(gm: fx.GraphModule, n: fx.Node) -> tuple[float, bool] | None:
-    """``(input values each output element reads, dense)`` of a convolution node: a module
-    (torch.fx) or an aten op whose weight is its second argument (torch.export); ``None``
-    for any other node."""
-    if not is_convolution(gm, n):
-        return None
-    if n.op == "call_module":
-        sub = gm.get_submodule(str(n.target))
-        return math.prod(sub.kernel_size) * sub.in_channels / sub.groups, sub.groups == 1
-    x, w = (n.args + (None, None))[:2]
-    xm = x.meta.get(META_KEY) if isinstance(x, fx.Node) else None
-    wm = w.meta.get(META_KEY) if isinstance(w, fx.Node) else None
-    if xm is None or wm is None or not xm.tensors or not wm.tensors:
-        return None
-    weight, channels = wm.tensors[0].shape, xm.tensors[0].shape[1]
-    name = getattr(n.target, "__name__", str(n.target))
-    if "transpose" in name or (name.startswith("convolution") and len(n.args) > 6
-                               and n.args[6] is True):
-        return math.prod(weight[2:]) * weight[0], True  # (C_in, C_out / groups, *kernel)
-    return math.prod(weight[2:]) * weight[1], weight[1] == channels  # (C_out, C_in / groups, ...)
-
-
-def _analytical_conversion(name: str, meta: ValueMeta) -> ConversionCost:
-    seconds = 2.0 * meta.nbytes / _BANDWIDTH
-    return ConversionCost(name, seconds, seconds, meta.nbytes,
-                          tuple(t.shape for t in meta.layout_tensors), timed=False)
-
-
-
-

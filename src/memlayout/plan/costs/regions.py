@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.drops import drop_notes
-from memlayout.plan.costs.measure import CostTable, measure_costs
+from memlayout.plan.costs.measure import measure_costs
+from memlayout.plan.costs.table import CostTable
 from memlayout.plan.options import PlanOptions
 
 

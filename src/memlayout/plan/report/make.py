@@ -9,7 +9,7 @@ import torch
 from memlayout.plan.capture.regions import Captured, model_signature
 from memlayout.plan.check.guard import GuardDecision
 from memlayout.plan.check.memory import MemoryDecision
-from memlayout.plan.costs.measure import measured_on
+from memlayout.plan.costs.table import measured_on
 from memlayout.plan.graph import Label
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.report.plan import Plan

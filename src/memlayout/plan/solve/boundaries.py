@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from memlayout.plan.capture.calls import RUN_KEY, ModuleCall, RunFacts, positions
-from memlayout.plan.costs.measure import CostTable, input_kind, is_layout_node
+from memlayout.plan.costs.table import CostTable, input_kind, is_layout_node
 from memlayout.plan.graph import META_KEY, Label, Request
 from memlayout.plan.solve.formulate import Formulation, _integer, node_terms
 from memlayout.plan.solve.mincut import Problem, Tensor

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import fx
 
-from memlayout.plan.costs.measure import CostTable, input_kind, is_layout_node
+from memlayout.plan.costs.table import CostTable, input_kind, is_layout_node
 from memlayout.plan.graph import LABELS, META_KEY, Label, Request, ValueMeta
 from memlayout.plan.solve.mincut import Problem, Tensor
 

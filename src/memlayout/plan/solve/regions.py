@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from memlayout.plan.capture.regions import Captured, Region
-from memlayout.plan.costs.measure import CostTable
 from memlayout.plan.costs.regions import Costs
+from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import LABELS, Label, Request
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.solve.boundaries import formulate_boundaries
@@ -153,7 +153,7 @@ def pin_weight_formats(gm: Any, form: Formulation, table: Any,
     format those parameters have (canonical strides), where exactly one format fits: a plan
     for another shape keeps the weights as they are."""
     from memlayout.layout import strides_for
-    from memlayout.plan.costs.measure import module_has_layout_params
+    from memlayout.plan.costs.table import module_has_layout_params
     from memlayout.plan.graph import attribute
 
     pins: dict[str, int] = {}

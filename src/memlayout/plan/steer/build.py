@@ -21,7 +21,7 @@ from torch import nn
 from memlayout.plan.capture.calls import RUN_KEY, ModuleCall, positions
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.drops import notes_of
-from memlayout.plan.costs.measure import input_kind, module_has_layout_params
+from memlayout.plan.costs.table import input_kind, module_has_layout_params
 from memlayout.plan.graph import LABELS, META_KEY, Label, Request
 from memlayout.plan.inputs import KeywordCall
 from memlayout.plan.options import PlanOptions

@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from memlayout import layout
 from memlayout.plan.convert import convert_value, convert_value_1d
-from memlayout.plan.costs.measure import module_has_layout_params
+from memlayout.plan.costs.table import module_has_layout_params
 from memlayout.plan.graph import META_KEY, graph_ranks
 from memlayout.plan.solve.formulate import OUTPUT_PREFIX, Formulation
 
