@@ -51,16 +51,16 @@ def test_the_fastest_candidate_is_kept_only_beyond_the_margin_over_inductor(rati
 def test_runtimes_are_not_candidates_for_training_other_devices_dtypes_or_several_inputs():
     net, x = nn.Conv2d(3, 4, 3), torch.randn(1, 3, 8, 8)
     names = ("openvino", "onnxruntime")
-    assert set(c._runtimes_unavailable(names, (x,), net, None, True)) == set(names)
-    assert "cannot train" in c._runtimes_unavailable(names, (x,), net, None, True)["openvino"]
-    assert "fp16" in c._runtimes_unavailable(names, (x,), net, torch.float16, False)["openvino"]
-    assert "one input" in c._runtimes_unavailable(names, (x, x), net, None, False)["onnxruntime"]
-    on_cpu = c._runtimes_unavailable(names, (x,), net, torch.bfloat16, False)
+    assert set(c.runtimes_unavailable(names, (x,), net, None, True)) == set(names)
+    assert "cannot train" in c.runtimes_unavailable(names, (x,), net, None, True)["openvino"]
+    assert "fp16" in c.runtimes_unavailable(names, (x,), net, torch.float16, False)["openvino"]
+    assert "one input" in c.runtimes_unavailable(names, (x, x), net, None, False)["onnxruntime"]
+    on_cpu = c.runtimes_unavailable(names, (x,), net, torch.bfloat16, False)
     assert on_cpu == {n: runtimes.available(n) for n in names if runtimes.available(n)}
     with pytest.raises(ValueError, match="unknown runtimes"):
-        c._runtimes_unavailable(("tensorrt",), (x,), net, None, False)
+        c.runtimes_unavailable(("tensorrt",), (x,), net, None, False)
     with pytest.raises(TypeError, match="a tuple of names"):
-        c._runtimes_unavailable("openvino", (x,), net, None, False)
+        c.runtimes_unavailable("openvino", (x,), net, None, False)
 
 
 def _cnn() -> nn.Module:
@@ -236,7 +236,7 @@ def test_a_runtime_model_refuses_what_it_would_ignore() -> None:
     """A runtime runs no Python of the model: a hook on it, or anything changed in the copy
     it was built from, raises instead of being silently ignored; rebuild() takes the change."""
     from memlayout.errors import MemlayoutError
-    from memlayout.plan.candidates.compiled import RuntimeModule
+    from memlayout.plan.candidates.runtime_model import RuntimeModule
 
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 8, 8)

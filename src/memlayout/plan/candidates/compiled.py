@@ -59,23 +59,28 @@ from torch import nn
 
 from memlayout import dtypes
 from memlayout import runtimes as rt
-from memlayout.dtypes import autocast, dtype_name
-from memlayout.errors import LayoutVerificationError, MemlayoutError
+from memlayout.dtypes import autocast
+from memlayout.errors import LayoutVerificationError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
-from memlayout.plan.check.compare import compare, tolerance
+from memlayout.plan.candidates.runtime_model import (
+    RuntimeModule,
+    check_candidate,
+    precision_of,
+    reference_outputs,
+    runtimes_unavailable,
+)
 from memlayout.plan.check.guard import save as save_guard_record
 from memlayout.plan.check.guard import time_candidates, valid_record
+from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
-from memlayout.plan.graph import Label
-from memlayout.plan.inputs import _add_prefix, _strip_prefix, example_inputs_of
+from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.options import Progress
 from memlayout.plan.pipeline import open_cache, optimize
 from memlayout.plan.report.compare import ModelComparison, busier
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import CompiledRecord
-from memlayout.plan.steer.state import PlannedState
-from memlayout.plan.steer.steering import STATE, Steering, planned_state, steer
+from memlayout.plan.steer.steering import Steering, planned_state, steer
 from memlayout.tensors import convert_batch, convert_module, device_of
 from memlayout.timing import device_sync, interleaved
 
@@ -135,7 +140,6 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     run_dtype = state.dtype
     plan = state.plan
     inputs = state.prepare_inputs(*example_inputs_of(example_inputs))
-    options = _split_options(compile_kwargs)
     backend = compile_kwargs.get("backend", "inductor")
     train = bool((plan_kwargs or {}).get("train", False))
     settings: dict[str, dict[str, Any]] = {PLANNED: dict(PLAN_STANDS), INDUCTOR: {}}
@@ -150,54 +154,32 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
             "reason": "not Inductor: no layout decision of its own to override"}))
         return optimized
 
-    reference = _reference(model, inputs, run_dtype)
-    candidates: dict[str, Callable[[], nn.Module]] = {
-        PLANNED: lambda: _compiled(optimized, {**compile_kwargs, "options": {**options, **PLAN_STANDS}}),
-        INDUCTOR: lambda: _compiled(_unplanned(model, plan, run_dtype), compile_kwargs),
-    }
-    if FROZEN in settings:
-        candidates[FROZEN] = lambda: _compiled(
-            _unplanned(model, plan, run_dtype),
-            {**compile_kwargs, "options": {**options, **FREEZING}})
-    unavailable = _runtimes_unavailable(runtimes, inputs, model, run_dtype, train)
+    reference = reference_outputs(model, inputs, run_dtype)
+    candidates = _candidates(model, optimized, inputs, run_dtype, settings, compile_kwargs)
+    unavailable = runtimes_unavailable(runtimes, inputs, model, run_dtype, train)
     for runtime in runtimes:
         if runtime not in unavailable:
             candidates[runtime] = (lambda runtime=runtime: RuntimeModule(
                 model, plan, inputs[0], rt.RuntimeOptions(runtime, run_dtype)))
-    precision = {name: _precision(name, run_dtype) for name in candidates}
+    precision = {name: precision_of(name, run_dtype) for name in candidates}
     decision = inductor_layout_decision(model, inputs, run_dtype)
     record.update(inductor_layout_opt=decision, unavailable=unavailable, precision=precision)
     refresh = bool((plan_kwargs or {}).get("refresh", False))  # re-measure this decision too
     store = open_cache(cache, refresh=refresh) if measure else None
     key = _cache_key(model, inputs, run_dtype, plan,
                      {**compile_kwargs, "candidates": _versions(candidates)})
-    compiled: dict[str, Any] = {}
     try:
-        cached = store.get(key, valid_record) if store is not None else None
-        module = None
-        if cached is not None:
-            kept = _decide(cached, margin)
-            built_at = time.perf_counter()
-            try:
-                module = candidates[kept]()
-                _check(module, inputs, run_dtype, reference, kept)
-            except Exception:  # built differently this time: measure every candidate again
-                module = None
-            else:
-                compiled = {**record, **_describe(cached), "kept": kept, "source": "cache",
-                            "errors": {}, "margin": margin,
-                            "compile_seconds": {kept: time.perf_counter() - built_at},
-                            "precision": _precisions(record["precision"], {kept: module})}
+        module, compiled = _cached(store, key, candidates, inputs, run_dtype, reference,
+                                   margin=margin, record=record)
         if module is None:
             module, compiled = _measure(candidates, inputs, run_dtype, reference,
                                         rounds=rounds, margin=margin, record=record,
                                         timed=measure)
             if store is not None and compiled.get("ratios") is not None:
-                save_guard_record(store, key, {"ratios": compiled["ratios"], "rounds": compiled["rounds"],
-                                    "repeat": compiled.get("repeat", 1),
-                                    "baseline": compiled["baseline"],
-                                    "conditions": compiled.get("conditions"),
-                                    "spread": compiled.get("spread")})
+                save_guard_record(store, key, {
+                    "ratios": compiled["ratios"], "rounds": compiled["rounds"],
+                    "repeat": compiled.get("repeat", 1), "baseline": compiled["baseline"],
+                    "conditions": compiled.get("conditions"), "spread": compiled.get("spread")})
     finally:
         if store is not None:
             store.close()
@@ -206,6 +188,44 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     _record(module, plan, CompiledRecord.from_dict({**compiled, "input_format": input_fmt,
                                                     "seconds": time.perf_counter() - start}))
     return module
+
+
+def _candidates(model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...],
+                dtype: torch.dtype | None, settings: Mapping[str, Mapping[str, Any]],
+                compile_kwargs: Mapping[str, Any]) -> dict[str, Callable[[], nn.Module]]:
+    """How to build each compiled candidate (built when called): the planned model with the
+    plan standing, the original with Inductor's own layouts, and frozen where asked."""
+    plan = planned_state(optimized).plan
+    options = _split_options(compile_kwargs)
+    candidates: dict[str, Callable[[], nn.Module]] = {
+        PLANNED: lambda: _compiled(optimized, {**compile_kwargs,
+                                               "options": {**options, **PLAN_STANDS}}),
+        INDUCTOR: lambda: _compiled(_unplanned(model, plan, dtype), compile_kwargs),
+    }
+    if FROZEN in settings:
+        candidates[FROZEN] = lambda: _compiled(
+            _unplanned(model, plan, dtype), {**compile_kwargs, "options": {**options, **FREEZING}})
+    return candidates
+
+
+def _cached(store: CostCache | None, key: str, candidates: Mapping[str, Callable[[], nn.Module]],
+            inputs: tuple[Any, ...], dtype: torch.dtype | None, reference: Any, *,
+            margin: float, record: Mapping[str, Any]) -> tuple[nn.Module | None, dict[str, Any]]:
+    """The candidate a cached decision keeps, built and checked again, with its record;
+    ``(None, {})`` where nothing is cached or it no longer builds or agrees."""
+    cached = store.get(key, valid_record) if store is not None else None
+    if cached is None:
+        return None, {}
+    kept = _decide(cached, margin)
+    built_at = time.perf_counter()
+    try:
+        module = candidates[kept]()
+        check_candidate(module, inputs, dtype, reference, kept)
+    except Exception:  # built differently this time: measure every candidate again
+        return None, {}
+    return module, {**record, **_describe(cached), "kept": kept, "source": "cache", "errors": {},
+                    "margin": margin, "compile_seconds": {kept: time.perf_counter() - built_at},
+                    "precision": _precisions(record["precision"], {kept: module})}
 
 
 def _unplanned(model: nn.Module, plan: Plan, dtype: torch.dtype | None) -> nn.Module:
@@ -240,7 +260,7 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
         start = time.perf_counter()
         try:
             module = make()
-            _check(module, inputs, dtype, reference, name)
+            check_candidate(module, inputs, dtype, reference, name)
         except rt.RuntimeUnavailable as exc:  # no kernels for this dtype here: not a failure
             unavailable[name] = str(exc)
             continue
@@ -313,148 +333,12 @@ def _describe(record: Mapping[str, Any]) -> dict[str, Any]:
                            for name, r in record["ratios"].items() if r}}
 
 
-class RuntimeModule(nn.Module):
-    """A peer runtime's model (``memlayout.runtimes``) as the result of :func:`compile`:
-    called with the example's input tensor, returns fp32 CPU tensors. Inference only.
-
-    It runs no Python of the model: it holds its own copy of the weights (converted once,
-    inside the runtime) and, as ``.module``, a copy of the original model. ``state_dict``
-    returns that copy's (the original's keys and values); ``load_state_dict`` loads into it,
-    then rebuilds the runtime model from it and checks it against it
-    (``LayoutVerificationError`` when it differs). A hook registered on it raises, and a call
-    after anything changed in the copy (a hook on one of its modules, a replaced submodule, a
-    parameter changed in place) raises too, saying that the runtime would not see it:
-    :meth:`rebuild` converts the copy again. ``memlayout.prepare_inputs`` gives the input in
-    the layout the runtime reads (NCHW-contiguous, or channels-last for an NHWC export).
-    """
-
-    def __init__(self, model: nn.Module, plan: Any, example: torch.Tensor,
-                 options: rt.RuntimeOptions) -> None:
-        super().__init__()
-        self.module = copy.deepcopy(model).eval()
-        self.kept = options.runtime
-        self.__dict__["options"] = options
-        self.__dict__["plan"] = plan
-        self.__dict__["_example"] = example.detach().cpu().clone()
-        self.__dict__["runtime"] = rt.build_runtime(self.module, self._example, options)
-        self.__dict__["_built"] = _fingerprint(self.module)
-        # what memlayout.prepare_inputs and memlayout.plan_of read: the input format the
-        # runtime takes without a copy
-        self.__dict__[STATE] = PlannedState(
-            plan=plan, key=None, dtype=options.dtype, ranks=(4, 5), outputs=(),
-            input_label=int(Label.parse(self.input_format)))
-        self._register_state_dict_hook(_strip_prefix)
-        self._register_load_state_dict_pre_hook(_add_prefix)
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.rebuild())
-        self.eval()
-
-    @property
-    def input_format(self) -> Format:
-        """The format of the inputs the runtime reads without a copy."""
-        return Format.CHANNELS_LAST if self.options.input_layout == "nhwc" else Format.CONTIGUOUS
-
-    def prepare_inputs(self, *args: Any) -> tuple[Any, ...]:
-        return convert_batch(args, self.input_format)
-
-    def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
-        raise MemlayoutError(self._runs_no_python("a forward hook"))
-
-    def register_forward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
-        raise MemlayoutError(self._runs_no_python("a forward pre-hook"))
-
-    def register_full_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
-        raise MemlayoutError(self._runs_no_python("a backward hook"))
-
-    def _runs_no_python(self, what: str) -> str:
-        return (f"the {self.kept} model runs no Python of the model: {what} would never run. "
-                "Register it on the model before memlayout.compile(..., runtimes=()), which "
-                "keeps a PyTorch candidate that runs the model's own forward")
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"the {self.kept} model takes one input tensor, as the example it "
-                            f"was built for; got {len(args)} positional and {len(kwargs)} "
-                            "keyword arguments")
-        if self.training:
-            raise MemlayoutError(f"the {self.kept} model runs inference only; compile with "
-                                 "runtimes=() to train a compiled PyTorch model")
-        if _fingerprint(self.module) != self._built:
-            raise MemlayoutError(
-                f"the model copy behind the {self.kept} model changed since it was built (a "
-                "hook, a replaced submodule or an in-place parameter change), which the "
-                "runtime does not see; call .rebuild() to convert it again, or compile the "
-                "changed model")
-        (x,) = self.prepare_inputs(args[0])
-        try:
-            return self.runtime(x)
-        except Exception as exc:
-            if tuple(x.shape) == tuple(self._example.shape):
-                raise
-            raise MemlayoutError(
-                f"the {self.kept} model was built for input shape {tuple(self._example.shape)} "
-                f"and failed on {tuple(x.shape)} ({type(exc).__name__}); compile again with an "
-                "example of that shape") from exc
-
-    def rebuild(self) -> None:
-        """Convert ``.module`` (the original's copy, with its current weights) again and check
-        the new runtime model against it on the example."""
-        runtime = rt.build_runtime(self.module, self._example, self.options)
-        reference = _reference(self.module, (self._example,), self.options.dtype)
-        ok, err, _ = compare(reference, runtime(self._example), self.options.dtype)
-        if not ok:
-            raise LayoutVerificationError(
-                f"the {self.kept} model rebuilt after loading weights differs from the "
-                f"original by {err:.3g} (relative); it was not replaced",
-                cause="the rebuilt runtime model differs")
-        self.__dict__["runtime"] = runtime
-        self.__dict__["_built"] = _fingerprint(self.module)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["module"], name)
 
 
-def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
-    """What a runtime built from ``model`` depends on: its modules, their hooks, and the
-    versions of its parameters and buffers (an in-place change bumps them)."""
-    return tuple((path, id(m), len(m._forward_hooks), len(m._forward_pre_hooks),
-                  tuple(t._version for t in [*m._parameters.values(), *m._buffers.values()]
-                        if t is not None))
-                 for path, m in model.named_modules())
 
 
-def _runtimes_unavailable(names: Sequence[str], inputs: tuple[Any, ...], model: nn.Module,
-                          dtype: torch.dtype | None, train: bool) -> dict[str, str]:
-    """Why each runtime asked for is not a candidate here (absent: it is one)."""
-    if isinstance(names, str):
-        raise TypeError(f"runtimes={names!r}: a tuple of names, e.g. ({names!r},)")
-    unknown = [n for n in names if n not in rt.ADAPTERS]
-    if unknown:
-        raise ValueError(f"unknown runtimes {unknown}; expected some of {', '.join(rt.ADAPTERS)}")
-    device = device_of(inputs, model)
-    common = ("a runtime model cannot train: training plans are compiled in PyTorch" if train
-              else f"runtimes run on the CPU only; the model runs on {device}"
-              if device.type != "cpu"
-              else f"the runtime adapters run fp32 or bf16, not {dtype_name(dtype)}"
-              if dtype not in (None, torch.bfloat16)
-              else "the runtime adapters take one input tensor; the model takes "
-                   f"{len(inputs)} arguments"
-              if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor) else "")
-    out = {}
-    for name in names:
-        reason = common or rt.available(name)
-        if reason:
-            out[name] = reason
-    return out
 
 
-def _precision(name: str, dtype: torch.dtype | None) -> str:
-    """What a candidate computes in, before it is built (a runtime's own words replace it)."""
-    if name in rt.ADAPTERS:
-        return f"{name} {dtype_name(dtype)}"
-    return "fp32" if dtype is None else f"torch.autocast {dtype_name(dtype)} (weights fp32)"
 
 
 def _versions(candidates: Mapping[str, Any]) -> dict[str, str]:
@@ -478,7 +362,7 @@ def _precisions(guessed: Mapping[str, str], built: Mapping[str, nn.Module]) -> d
                           if isinstance(m, RuntimeModule)}}
 
 
-def _split_options(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+def _split_options(compile_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The Inductor options given; a ``mode`` becomes its options (torch.compile
     takes ``mode`` or ``options``, not both, and the plan's candidate needs ``options``)."""
     options = dict(compile_kwargs.get("options") or {})
@@ -499,26 +383,8 @@ def _compiled(module: nn.Module, compile_kwargs: Mapping[str, Any]) -> nn.Module
     return module
 
 
-def _reference(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> Any:
-    work = copy.deepcopy(model).eval()
-    with torch.no_grad(), autocast(device_of(inputs, work), dtype):
-        return work(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
 
 
-def _check(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
-           reference: Any, name: str) -> float:
-    """Call ``module`` once (the compile) and compare with ``reference``; the seconds taken."""
-    start = time.perf_counter()
-    with torch.no_grad():
-        got = module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
-    seconds = time.perf_counter() - start
-    ok, err, _ = compare(reference, got, dtype)
-    if not ok:
-        rtol = tolerance(dtype)[0]
-        raise LayoutVerificationError(
-            f"the compiled {name} model's outputs differ from the original's by {err:.3g} "
-            f"(relative; tolerance {rtol:g})")
-    return seconds
 
 
 def inductor_layout_decision(model: nn.Module, inputs: tuple[Any, ...],
