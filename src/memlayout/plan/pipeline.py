@@ -102,76 +102,37 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
     the caller's object is planned instead, after the copy verified). What comes back is the
     model's own class and tree running its own ``forward``: parameters in their planned
     formats, conversions at module boundaries (``memlayout.plan.steer``), results in the
-    original's strides, each module in the train/eval mode it was in; ``model.plan`` and
-    ``model.memlayout`` hold the plans.
+    original's strides, each module in its own train/eval mode; ``model.plan`` and
+    ``model.memlayout`` hold the plans. Each option in full: ``docs/planner.md``.
 
     - ``dtype``: plan and run under autocast (``"bf16"``, ``"fp16"``); ``None``/fp32: as is.
     - ``input_format``: the format inputs arrive in (default: as the example is), or
-      ``"auto"``: the plan chooses it (for a pipeline that can deliver either, as
-      ``memlayout.data``'s loader can), with the inputs' conversion costed like any other;
-      ``plan.input_format`` says which, and the guard times each candidate with its inputs in
-      its own format. Whenever ``plan.input_format`` is set, rank-4/5 inputs are converted to
-      it on entry, which costs nothing when they already arrive in it.
-    - ``output_format``: ``"keep"`` (as the original returns them), a format, or ``None``.
+      ``"auto"``: the plan chooses it (``plan.input_format``); ``output_format``: ``"keep"``
+      (as the original returns them), a format, or ``None`` (as they come).
     - ``measure=False``: an analytical cost model instead of timing; ``cache``: ``True`` (the
-      user cache, see ``memlayout.plan.costs.cache.cache_path``), ``False``, or a database path;
-      ``refresh=True`` measures everything again (costs and the guard's, padding's, memory's
-      records) and overwrites what the cache held, e.g. numbers taken on a busy machine.
-    - ``progress(done, total, what)`` is called while measuring.
-    - ``guard`` (with ``measure``): per-op costs are measured in isolation, so the min-cut
-      plan is also timed as a whole model against the original run entirely NCHW and
-      entirely NHWC (as eager runs it; a plan that already is one of them end to end runs as
-      that eager model), interleaved for ``guard_rounds`` rounds (twice that for a close
-      call); the plan is kept unless one is faster by more than ``guard_margin`` (default 0:
-      the fastest in the median of per-round ratios is kept).
-      ``plan.guard`` records the ratios and the choice; the measurement is cached with the
-      costs (see ``memlayout.plan.check.guard``).
-    - ``train``: plan a training step. Costs are forward + backward per node in each format
-      (a conversion in the forward brings one of its gradient in the backward: both count),
-      the guard times forward + backward, and verification compares one training step
-      (outputs, every parameter's and input's gradient, BatchNorm's running statistics after
-      it; same RNG state for both, element-wise dropout masks drawn in logical order, as
-      PyTorch's follow memory order) with the original's.
-      Modes are the model's own (a training step of a model with frozen BatchNorm keeps it
-      frozen); a call in the other mode of the root is planned on first sight. Its
-      parameters are ``nn.Parameter``s any optimizer takes (with ``inplace=True`` the very
-      ones an optimizer built before holds), and their gradients come back in their strides
-      (what DDP's gradient buckets expect).
-    - ``keep_weight_formats``: every node that owns a rank-4/5 parameter runs in the format
-      the parameter already has (no new parameter tensors).
-    - ``weights``: ``"converted"`` (a channels-last node's weights converted once, here) or
-      ``"contiguous"``: every parameter stays contiguous (what FSDP's ``fully_shard``
-      takes), and each channels-last convolution reads its weight as it is or converts it per
-      call, whichever measures faster (``memlayout.plan.steer.weights``).
-    - ``max_plans``: changing shapes. A call with another input shape signature (shapes,
-      dtypes, devices of the tensor arguments: another batch size or image size) is planned
-      on first sight, on the live weights, with their formats kept (one set of parameters
-      serves every shape), no guard, verified; the plan is cached, at most ``max_plans``
-      plans held (the example's always), least recently used dropped first. The cost cache
-      makes a replan of a known shape measure nothing; it still traces the model, solves,
-      and runs the verification (about 5 forward passes; 2 forward + backward in training).
-      ``optimized.memlayout.plans`` holds the plans by signature.
-    - ``padding`` (with ``measure``): convolutions whose channel counts are not a multiple of
-      the vector width run padded where that measures faster (``memlayout.plan.candidates.padding``).
-    - ``blocked`` (with ``measure``, default off): where this build has mkldnn tensors, chains
-      of supported ops are timed in that blocked format too and reported, never applied
-      (``memlayout.plan.candidates.blocked``).
-    - ``memory``: ``plan.memory`` reports the peak activation memory of the planned model vs
-      the original (``memlayout.plan.check.memory``); ``memory_budget`` (bytes, or ``"300MB"``):
-      the fastest plan whose peak fits, or ``PlanError`` saying the smallest peak found.
-
-    - ``kwargs``: keyword inputs of the example (a diffusers UNet's ``encoder_hidden_states``);
-      the optimized model is then called with the same keywords.
-    - ``fallback``: a plan whose verification fails (a rewrite that is wrong, or a kernel of
-      this build that computes something else in one format, e.g. a backward that is wrong
-      for a channels-last gradient) gives way to the model run entirely in one format, eager
-      NHWC or NCHW, the faster first as the guard measured them, verified the same way; the
-      plan then says so in a note (naming the divergent node) and a warning is issued.
-      ``False``: raise ``LayoutVerificationError`` instead.
+      user cache), ``False`` or a database path; ``refresh``: measure everything again;
+      ``progress(done, total, what)`` is called while measuring; ``rounds``: per op.
+    - ``guard`` (with ``measure``): the plan timed as a whole model against the model run all
+      NCHW and all NHWC for ``guard_rounds`` interleaved rounds, kept unless one is faster by
+      more than ``guard_margin`` (``plan.guard``; ``memlayout.plan.check.guard``).
+    - ``train``: plan a training step (costs forward + backward, verification through one
+      step's outputs, gradients and running statistics); gradients come back in their
+      parameters' strides.
+    - ``keep_weight_formats``: nodes owning rank-4/5 parameters run in the parameters' formats;
+      ``weights="contiguous"``: every parameter stays contiguous (FSDP's ``fully_shard``).
+    - ``max_plans``: a call with another input shape signature is planned on first sight and
+      cached, at most this many plans held (``optimized.memlayout.plans``).
+    - ``padding``: channel counts padded to the vector width where that measures faster;
+      ``blocked``: mkldnn blocked chains timed and reported, never applied.
+    - ``memory``: ``plan.memory`` reports peak activation memory; ``memory_budget`` (bytes or
+      ``"300MB"``): the fastest plan whose peak fits.
+    - ``kwargs``: the example's keyword inputs (a diffusers UNet's ``encoder_hidden_states``).
+    - ``fallback``: a plan that fails verification gives way to the model run in one format
+      (the faster first), verified the same way, with a warning and a note; ``False`` raises.
 
     Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
     planned model would compute something else (and, with ``fallback``, no model run in one
-    format verifies either: the original's own forward does not repeat, say).
+    format verifies either).
     """
     start = time.perf_counter()
     if not isinstance(model, nn.Module):
