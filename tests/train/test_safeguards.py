@@ -174,6 +174,30 @@ def test_weights_that_are_not_finite_are_never_checkpointed(work, tmp_path):
 # ---------------------------------------------------------------------------------------
 # An unreadable image is named
 
+def test_an_unreadable_image_stays_named_under_a_library_that_wraps_pil(tmp_path,
+                                                                       monkeypatch) -> None:
+    # as ultralytics does on import: a file PIL does not identify is retried after installing
+    # a plugin, and that step fails with its own error (raised while PIL's is handled)
+    from memlayout.train.data import Unreadable, read_image
+
+    pil_open = Image.open
+
+    def wrapped(fp, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        try:
+            return pil_open(fp, *args, **kwargs)
+        except Image.UnidentifiedImageError:
+            raise ModuleNotFoundError("No module named 'pi_heif'") from None
+
+    monkeypatch.setattr(Image, "open", wrapped)
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"\x00not an image\xff" * 8)
+    got = read_image(str(bad))
+    assert isinstance(got, Unreadable) and "no image format" in got.reason
+    good = tmp_path / "good.png"
+    Image.new("RGB", (4, 4)).save(good)
+    assert read_image(str(good)).size == (4, 4)  # the wrapper's success path is untouched
+
+
 @pytest.mark.parametrize(("layout", "workers", "damage"), [
     ("nhwc", "0", "garbage"), ("nchw", "1", "garbage"), ("nhwc", "1", "truncated")])
 def test_an_unreadable_image_is_one_error_naming_the_file(work, tmp_path, layout, workers,

@@ -64,15 +64,29 @@ class UnreadableBatch:
 
 
 def read_image(path: str) -> Image.Image | Unreadable:
-    """The RGB image at ``path``, decoded in full, or :class:`Unreadable` saying why not."""
+    """The RGB image at ``path``, decoded in full, or :class:`Unreadable` saying why not.
+    A library that wraps ``PIL.Image.open`` (ultralytics retries a file PIL does not identify
+    after installing a HEIF plugin) may raise its own error from PIL's: the file is as
+    unreadable."""
     try:
         with open(path, "rb") as f:
             img = Image.open(f)
             return img.convert("RGB")
-    except UnidentifiedImageError:
-        return Unreadable(path, "PIL recognizes no image format in it")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        return Unreadable(path, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        if _raised_from(exc, UnidentifiedImageError):
+            return Unreadable(path, "PIL recognizes no image format in it")
+        if isinstance(exc, (OSError, ValueError, SyntaxError, Image.DecompressionBombError)):
+            return Unreadable(path, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _raised_from(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` is a ``kind``, or was raised while one was handled."""
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class _StopAtUnreadable:
