@@ -3,7 +3,7 @@ torch.compile, memlayout.compile and, where installed, TensorRT (``torch_tensorr
 
 Per model and dtype every mode gets its own copy of the model and its input in the format it
 reads, one untimed first call (a compile mode's compile; its seconds recorded), a check of its
-output against eager NCHW in the same dtype (``memlayout.plan.check.compare`` tolerances: a mode that
+output against eager NCHW in the same dtype (``memlayout.plan.compare`` tolerances: a mode that
 computes something else is an ``error`` record, never a timing), then ``--rounds`` rounds timed
 interleaved (``memlayout.timing.interleaved``, the device synchronised around each sample).
 Ratios are eager NCHW time / mode time per round (> 1: faster than eager NCHW), median and
@@ -39,10 +39,10 @@ import memlayout
 from memlayout.dtypes import autocast, dtype_name, parse_dtype
 from memlayout.machine import Conditions
 from memlayout.models import load_model
-from memlayout.plan.candidates.compiled import compile as plan_and_compile
-from memlayout.plan.check.compare import compare
+from memlayout.plan.compilers.compiled import compile as plan_and_compile
+from memlayout.plan.compare import compare
 from memlayout.plan.pipeline import optimize
-from memlayout.plan.report.compare import busier
+from memlayout.plan.check.speed import busier
 from memlayout.timing import device_sync, interleaved
 
 MODES: tuple[str, ...] = ("nchw", "nhwc", "planned", "compile", "memlayout.compile", "tensorrt")

@@ -3,7 +3,7 @@ the gap to the peer runtimes?
 
 Per model and dtype, in one process, timed interleaved round by round
 (``memlayout.timing.interleaved``), every mode verified against eager NCHW first
-(``memlayout.plan.check.compare`` tolerances; a mode that differs is reported, not timed):
+(``memlayout.plan.compare`` tolerances; a mode that differs is reported, not timed):
 
 - ``compile``: ``torch.compile`` with Inductor's defaults (the reference of the ratios);
 - ``freezing``: ``torch._inductor.config.freezing=True`` (weights become constants: folded
@@ -41,7 +41,7 @@ from memlayout import runtimes
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.machine import Conditions
 from memlayout.models import load_model
-from memlayout.plan.check.compare import compare
+from memlayout.plan.compare import compare
 from memlayout.timing import interleaved
 
 

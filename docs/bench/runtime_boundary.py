@@ -19,7 +19,7 @@ import torch
 from memlayout import runtimes
 from memlayout.dtypes import parse_dtype
 from memlayout.models import load_model
-from memlayout.plan.check.compare import compare
+from memlayout.plan.compare import compare
 from memlayout.timing import interleaved
 
 

@@ -15,7 +15,7 @@ import torch
 
 from memlayout import runtimes
 from memlayout.models import load_model
-from memlayout.plan.candidates.runtime_model import RuntimeModule
+from memlayout.plan.compilers.runtime_model import RuntimeModule
 from memlayout.plan.pipeline import optimize
 from memlayout.timing import interleaved
 

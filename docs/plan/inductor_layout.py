@@ -1,4 +1,4 @@
-"""Does Inductor override the plan's strides? (evidence for memlayout.plan.candidates.compiled)
+"""Does Inductor override the plan's strides? (evidence for memlayout.plan.compilers.compiled)
 
 A plan with every node NCHW / NCDHW (the solver is forced to it), compiled with Inductor's
 defaults and with ``layout_optimization`` off; printed: the strides of each convolution's

@@ -36,17 +36,17 @@ def __getattr__(name: str):
     # memlayout.compile: plan, then torch.compile. Not in __all__: `from memlayout import *`
     # must not shadow the builtin compile in the caller's namespace.
     if name == "compile":
-        from memlayout.plan.candidates import compiled
+        from memlayout.plan.compilers import compiled
 
         return compiled.compile
     # memlayout.backend(...): the torch.compile backend's options record (the backend itself);
     # backend="memlayout" is its default. memlayout.backend_report(): what it decided.
     if name == "backend":
-        from memlayout.plan.candidates import backend
+        from memlayout.plan.compilers import backend
 
         return backend.Backend
     if name == "backend_report":
-        from memlayout.plan.candidates import backend_report
+        from memlayout.plan.compilers import backend_report
 
         return backend_report.backend_report
     if name in _PLANNER:

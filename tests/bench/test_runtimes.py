@@ -17,7 +17,7 @@ from torch import nn
 from memlayout import runtimes
 from memlayout.bench import BenchConfig, run_bench
 from memlayout.bench.runner import GEMM, PEAK_EVENT_MODEL
-from memlayout.plan.check.compare import compare
+from memlayout.plan.compare import compare
 from memlayout.runtimes import INSTALL, RuntimeOptions, RuntimeUnavailable, build_runtime
 from tests.support.machine import openvino_has_bf16
 

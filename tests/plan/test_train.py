@@ -171,7 +171,7 @@ def test_a_rounding_level_mismatch_passes_through_float64(db, monkeypatch) -> No
     """Below rounding: with a float32 tolerance of 1e-9 every float32 comparison of a
     channels-last plan fails, yet the same models agree in float64 (a layout changes no
     value): verified, and the record says by how much in float64."""
-    from memlayout.plan.check import compare as v
+    from memlayout.plan import compare as v
 
     monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
     opt = optimize(Net(), _x(), train=True, measure=False, cache=db)
@@ -187,7 +187,7 @@ def test_an_inference_plan_passes_a_rounding_level_mismatch_through_float64_too(
     apart by more than bf16's tolerance; equal in float64, the plan is verified, and says so.
     A wrong rewrite differs in float64 as well: it is not passed (the fallback keeps a model
     run in one format instead)."""
-    from memlayout.plan.check import compare as v
+    from memlayout.plan import compare as v
 
     monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
     opt = optimize(Net().eval(), _x(), measure=False, cache=db, output_format=None)

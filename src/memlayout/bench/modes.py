@@ -32,7 +32,7 @@ modes that call is the compilation (reported as compile time, never mixed into t
   own (OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``), not autocast; ONNX Runtime has no bf16
   convolution on the CPU and is ``unavailable`` there. Conversion and compilation time is the
   record's ``compile_s``. Their first output is checked against eager NCHW in the same dtype
-  (``memlayout.plan.check.compare`` tolerances): a runtime that computes something else is an error,
+  (``memlayout.plan.compare`` tolerances): a runtime that computes something else is an error,
   never a timing.
 
 Dtype ``bf16`` runs under ``torch.autocast(device, bfloat16)`` (what users do: weights stay
@@ -69,10 +69,10 @@ from memlayout.dtypes import Compared, autocast, parse_dtype, tolerance
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import CpuIsa
-from memlayout.plan.candidates.backend_report import BackendReport
-from memlayout.plan.candidates.backend_report import backend_report as report_backend
-from memlayout.plan.candidates.compiled import compile as plan_and_compile
-from memlayout.plan.check.compare import compare as compare_outputs
+from memlayout.plan.compare import compare as compare_outputs
+from memlayout.plan.compilers.backend_report import BackendReport
+from memlayout.plan.compilers.backend_report import backend_report as report_backend
+from memlayout.plan.compilers.compiled import compile as plan_and_compile
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.steer.steering import prepare_inputs
@@ -232,7 +232,7 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
         if own_input:
             args = prepare_inputs(model, *args)
     if mode == BACKEND_MODE:
-        from memlayout.plan.candidates import backend
+        from memlayout.plan.compilers import backend
 
         inner = "eager" if compile_backend == "eager" else "inductor"
         model = torch.compile(model, backend=backend.Backend(measure=plan_measure, inner=inner))

@@ -31,7 +31,7 @@ from memlayout.models import load_model
 from memlayout.tensors import format_name, format_of, iter_tensors
 
 if TYPE_CHECKING:
-    from memlayout.plan.report.compare import ModelComparison
+    from memlayout.plan.check.speed import ModelComparison
     from memlayout.plan.report.plan import Plan
 
 
@@ -78,11 +78,11 @@ def optimize(
         fail(exc, debug=debug)
     _report(opt.plan, example, flags)
     if flags.rounds > 0 and flags.compile:
-        from memlayout.plan.candidates.compiled import compare_compiled
+        from memlayout.plan.compilers.compiled import compare_compiled
 
         _print_comparison(compare_compiled(module, opt, example, rounds=flags.rounds), "batch")
     elif flags.rounds > 0:
-        from memlayout.plan.report.compare import compare_with_eager
+        from memlayout.plan.check.speed import compare_with_eager
 
         result = compare_with_eager(module, opt, example, rounds=flags.rounds, train=flags.train)
         unit = "training step (forward, backward, SGD)" if flags.train else "batch"
@@ -197,7 +197,7 @@ def _plan(module: nn.Module, example: tuple[Any, ...], flags: _Flags) -> nn.Modu
         if flags.saved is not None:
             return apply_plan(module, flags.saved, example)
         if flags.compile:
-            from memlayout.plan.candidates.compiled import compile as plan_and_compile
+            from memlayout.plan.compilers.compiled import compile as plan_and_compile
 
             return plan_and_compile(module, example, dtype=flags.dtype, measure=flags.measure,
                                     cache=flags.cache, progress=progress, name=flags.model,

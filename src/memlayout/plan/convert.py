@@ -10,8 +10,8 @@ from torch import nn
 
 from memlayout.layout import Format, strides_for
 from memlayout.plan.graph import CONV1D_RANKS, Label
-from memlayout.plan.steer.weights import CONVERTED, PER_CALL
-from memlayout.plan.steer.weights import convert_per_call as _convert_per_call
+from memlayout.plan.weights import CONVERTED, PER_CALL
+from memlayout.plan.weights import convert_per_call as _convert_per_call
 from memlayout.tensors import convert_module, to_format
 
 
@@ -56,7 +56,7 @@ def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...], *,
     """``module``'s weights of the layout ``ranks`` in label's format, in place (returns
     ``module``). ``weights=CONTIGUOUS``: every weight contiguous whatever the label, and
     ``PER_CALL``: contiguous, converted per call to the input's format
-    (``memlayout.plan.steer.weights``)."""
+    (``memlayout.plan.weights``)."""
     if weights == PER_CALL:
         _convert_per_call(module)
     if weights != CONVERTED:

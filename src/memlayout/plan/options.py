@@ -9,14 +9,17 @@ step's (:class:`MemoryDecision`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memlayout.plan.costs.table import Progress
 from memlayout.plan.graph import Label, Request
+
+#: ``progress(done, total, what)``, called while measuring
+Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -65,5 +68,5 @@ class PlanOptions:
     @property
     def weights(self) -> str:
         """How weights are stored: ``"converted"`` (once, to their node's format) or
-        ``"contiguous"`` (``memlayout.plan.steer.weights``)."""
+        ``"contiguous"`` (``memlayout.plan.weights``)."""
         return "contiguous" if self.contiguous_weights else "converted"

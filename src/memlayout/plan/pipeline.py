@@ -37,7 +37,7 @@ from memlayout.plan.candidates.blocked import measure_blocked
 from memlayout.plan.candidates.padding import (
     padding_step,
 )
-from memlayout.plan.capture.regions import Captured, capture
+from memlayout.plan.capture.regions import Captured, capture, model_signature
 from memlayout.plan.check.guard import (
     PLANNED,
     GuardDecision,
@@ -57,6 +57,7 @@ from memlayout.plan.check.verification import (
 )
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.regions import measure_regions
+from memlayout.plan.costs.table import measured_on
 from memlayout.plan.graph import Label, Request, planned_ranks
 from memlayout.plan.inputs import (
     KeywordCall,
@@ -67,9 +68,8 @@ from memlayout.plan.inputs import (
     keyword_call,
 )
 from memlayout.plan.options import PlanOptions, Progress
-from memlayout.plan.report.make import make_plan
 from memlayout.plan.report.plan import Plan
-from memlayout.plan.report.records import BlockedReport, PadChoice
+from memlayout.plan.report.records import BlockedReport, PadChoice, Verification, conv1d_notes
 from memlayout.plan.solve.regions import Solution, solve_regions
 from memlayout.plan.steer.build import (
     Build,
@@ -81,8 +81,8 @@ from memlayout.plan.steer.build import (
 )
 from memlayout.plan.steer.state import Formats, shape_signature
 from memlayout.plan.steer.steering import STATE, Steering, planned_state, steer, unsteer
-from memlayout.plan.steer.weights import CONTIGUOUS, CONVERTED, WEIGHTS
-from memlayout.tensors import device_of
+from memlayout.plan.weights import CONTIGUOUS, CONVERTED, WEIGHTS, storage_counts
+from memlayout.tensors import device_of, iter_tensors
 
 
 def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,
@@ -342,8 +342,8 @@ def _arrival(plan: Plan) -> int | None:
 def _check_inplace(model: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
                    options: PlanOptions) -> None:
     """The caller's object, steered in place, computes what the verified copy computes."""
-    from memlayout.plan.check.compare import compare
     from memlayout.plan.check.semantics import call_twice
+    from memlayout.plan.compare import compare
 
     state = module_state(model)
     try:
@@ -490,3 +490,53 @@ def _set_rng_state(state: tuple[torch.Tensor, Any]) -> None:
 
 
 __all__ = ["Plan", "optimize"]
+
+
+def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
+              memory: MemoryDecision, inputs: tuple[Any, ...], options: PlanOptions, *,
+              verification: Verification, padding: tuple[PadChoice, ...],
+              blocked: BlockedReport | None, seconds: float, notes: list[str],
+              training: bool, realized: list[str]) -> Plan:
+    """The plan as plain data (``training``: the model's train/eval mode)."""
+    entry = decision.input_label
+    output = options.output_label
+    built = memory.build
+    nodes = list(built.nodes)
+    notes = [*conv1d_notes(nodes), *notes]  # rank 3: planned, or why not
+    if options.contiguous_weights and decision.kept != "planned":
+        notes.append(f"weights='contiguous': every parameter contiguous; the guard kept "
+                     f"{decision.kept}, whose nodes read their weights as they are")
+    elif options.contiguous_weights:
+        counts = {"as_is": 0, "per_call": 0}
+        for s in solution.regions:
+            storage = {n: c.weights for n, c in s.table.nodes.items()}
+            for kind, k in storage_counts(s.labels, storage).items():
+                counts[kind] += k
+        notes.append(
+            f"weights='contiguous': every parameter contiguous; {counts['as_is']} channels-last "
+            f"nodes read their weights as they are, {counts['per_call']} convert them per call "
+            "(whichever measured faster)")
+    if options.auto_input:
+        notes.append(
+            f"input_format='auto': inputs should arrive {Label(entry).text} (converted "
+            "on entry otherwise)" if entry is not None else
+            "input_format='auto': no input in a definite format at the top level; inputs "
+            "are taken as they come")
+    return Plan(
+        model=options.name, device=measured_on(options.device), torch_version=torch.__version__,
+        dtype=None if options.dtype is None else str(options.dtype).removeprefix("torch."),
+        input_format=None if entry is None else Label(entry).text,
+        output_format=None if output is None else output.text,
+        nodes=nodes, conversions=list(built.conversions),
+        predicted=solution.predicted, regions=[r.path for r in captured.regions],
+        uncaptured=[[p, r] for p, r in captured.uncaptured],
+        measured=solution.measured, cached=solution.cached, measure=options.measure,
+        planning_seconds=seconds, verification=verification, guard=decision.record,
+        padding=padding, memory=memory.record, blocked=blocked, train=options.train,
+        input_shapes=[list(t.shape) for t in iter_tensors(inputs)],
+        weight_formats_kept=options.keep_weight_formats, coverage=captured.coverage,
+        costs_timed=sum(s.table.timed_costs for s in solution.regions),
+        costs_noisy=sum(s.table.noisy_costs for s in solution.regions),
+        model_signature=model_signature(captured), notes=notes,
+        weights=options.weights, mode="train" if training else "eval", realized=realized,
+    )

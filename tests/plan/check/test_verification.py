@@ -33,7 +33,7 @@ def _images() -> tuple[list[torch.Tensor]]:
 
 def test_a_rounding_level_mismatch_on_a_list_of_images_passes_through_float64(
         monkeypatch) -> None:
-    from memlayout.plan.check import compare as v
+    from memlayout.plan import compare as v
 
     monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
     opt = optimize(Images().eval(), _images(), measure=False, cache=False, memory=False,

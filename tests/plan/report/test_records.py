@@ -8,7 +8,7 @@ import json
 import pytest
 
 from memlayout.machine import Conditions
-from memlayout.plan.report.compare import ModelComparison
+from memlayout.plan.check.speed import ModelComparison
 from memlayout.plan.report.describe import drop_lines, guard_summary, memory_summary
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import (

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlayout.plan.check.compare import worst_error
+from memlayout.plan.compare import worst_error
 from memlayout.plan.costs.table import measured_on
 from memlayout.plan.report.records import BlockedReport
 from memlayout.tensors import device_of

@@ -45,8 +45,8 @@ from memlayout import machine
 from memlayout.dtypes import autocast
 from memlayout.machine import CpuIsa
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.table import Progress, measured_on
-from memlayout.plan.options import PlanOptions
+from memlayout.plan.costs.table import measured_on
+from memlayout.plan.options import PlanOptions, Progress
 from memlayout.plan.report.records import UNPADDED, PadChoice
 from memlayout.plan.steer.boundary import padded_convolution, padded_weights
 from memlayout.plan.steer.build import Build, build, user_path

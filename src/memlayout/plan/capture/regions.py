@@ -195,7 +195,7 @@ def _eager(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
 
 
 def _agree(want: Any, got: Any, dtype: torch.dtype | None) -> tuple[bool, float]:
-    from memlayout.plan.check.compare import compare
+    from memlayout.plan.compare import compare
 
     ok, error, _ = compare(want, got, dtype)
     return ok, error

@@ -13,8 +13,8 @@ from torch import fx, nn
 
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
-from memlayout.plan.check.compare import _clone, compare, detached, float64, tolerance
 from memlayout.plan.check.training import SEED, _cuda_devices, _LayoutFreeDropout
+from memlayout.plan.compare import _clone, compare, detached, float64, tolerance
 from memlayout.plan.graph import node_target_name
 
 

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import strides_agree
-from memlayout.plan.check.compare import TOLERANCE, compare, detached, float64, tolerance
+from memlayout.plan.compare import TOLERANCE, compare, detached, float64, tolerance
 from memlayout.plan.report.records import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
 from memlayout.tensors import device_of, iter_tensors
 

@@ -23,7 +23,6 @@ from torch import nn
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.check import guard
-from memlayout.plan.check.compare import compare, detached, float64, float64_agreement, tolerance
 from memlayout.plan.check.guard import GuardDecision, build_uniform
 from memlayout.plan.check.semantics import (
     ModuleState,
@@ -33,6 +32,7 @@ from memlayout.plan.check.semantics import (
     verify_semantics,
 )
 from memlayout.plan.check.training import verify_training
+from memlayout.plan.compare import compare, detached, float64, float64_agreement, tolerance
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.report.records import (
     DTYPE_TOLERANCE,

@@ -44,7 +44,6 @@ from memlayout.plan.costs.table import (
     ConversionCost,
     CostTable,
     NodeCost,
-    Progress,
     input_kind,
     is_agnostic,
     is_layout_node,
@@ -62,7 +61,8 @@ from memlayout.plan.graph import (
     node_target_name,
     value_meta,
 )
-from memlayout.plan.steer.weights import (
+from memlayout.plan.options import Progress
+from memlayout.plan.weights import (
     AS_IS,
     CONTIGUOUS,
     CONVERTED,

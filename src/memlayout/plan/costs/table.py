@@ -7,7 +7,6 @@ layout nodes, which run the same kernel in either format, and what a cached reco
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +21,6 @@ from memlayout.plan.graph import (
     ValueMeta,
     graph_ranks,
 )
-
-#: ``progress(done, total, what)``, called while measuring
-Progress = Callable[[int, int, str], None]
-
 
 # Ops whose kernel does the same work in either format: not timed, only run to see the format
 # of their output. Binary ops among them get their inputs in one format (a mismatch is a

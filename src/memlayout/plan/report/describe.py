@@ -1,5 +1,6 @@
-"""What a plan says on screen (L2 plan): plain-text lines and rich tables, read from the plan's
-records (``memlayout.plan.report.records``) and nothing else.
+"""What a plan's records say on screen (L2 plan): plain-text lines and rich tables, read from
+the records (``memlayout.plan.report.records``) and nothing else; the plan's own text
+(``Plan.summary``, ``headline``, ``explain``) is built from them.
 
 >>> memory_summary(MemoryReport("tensor_lifetime", 2_000_000, 3_000_000, 0, 0, 10, 10, None,
 ...                             "planned"))
@@ -12,7 +13,7 @@ records (``memlayout.plan.report.records``) and nothing else.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memlayout.machine import SPREAD_LIMIT
 from memlayout.plan.report.records import (
@@ -25,54 +26,11 @@ from memlayout.plan.report.records import (
     PadChoice,
 )
 
-if TYPE_CHECKING:  # the plan is typed, not imported: it holds these renderings
-    from memlayout.plan.report.plan import Plan
-
 _METHODS = {"tensor_lifetime": "tensor-lifetime count", "cuda_allocator": "CUDA allocator"}
 
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
-
-
-def summary(plan: Plan, *, full: bool = False) -> str:
-    """Plain text: counts, conversions, predictions, and one line per check. Why a part is
-    not captured is one short line per reason, the parts it applies to grouped; ``full``:
-    torch's whole text under each part (as in the plan's JSON)."""
-    counts = plan.counts
-    lines = [
-        f"{plan.model}: {len(plan.nodes)} layout nodes "
-        f"({counts.get('channels_last', 0)} channels_last, {counts.get('contiguous', 0)} "
-        f"contiguous); {len(plan.conversions)} conversions, {plan.conversion_bytes / 1e6:.1f} MB",
-    ]
-    if plan.predicted:
-        parts = [f"{k} {v * 1e3:.2f} ms" for k, v in plan.predicted.items()]
-        step = " (training step: forward + backward)" if plan.train else ""
-        measured = plan.guard.planned_seconds if plan.guard is not None else None
-        if measured:  # what the cost table predicts against the whole model, as timed
-            parts.append(f"the planned model measured {measured * 1e3:.2f} ms by the guard")
-        lines.append(f"predicted{step}: " + ", ".join(parts))
-    of_which = (f" (of which verification {plan.verification.seconds:.1f} s)"
-                if plan.verification is not None else "")
-    lines.append(f"measured {plan.measured}, from cache {plan.cached}, "
-                 f"planning took {plan.planning_seconds:.1f} s{of_which}")
-    if plan.costs_noisy:
-        lines.append(f"warning: {plan.costs_noisy} of {plan.costs_timed} costs noisy (measured "
-                     f"on a busy machine, or their rounds spread beyond {SPREAD_LIMIT:.0%}): the plan may "
-                     "differ on a quiet machine, where they are measured again")
-    if plan.guard is not None:
-        lines.append(guard_summary(plan.guard))
-    lines += [line for line in (memory_summary(plan.memory, train=plan.train),
-                                padding_summary(plan.padding),
-                                blocked_summary(plan.blocked)) if line]
-    if plan.coverage is not None:
-        lines.append(f"coverage: {plan.coverage.text(reasons=False)}")
-    lines += uncaptured_lines(plan.uncaptured, full=full)
-    lines += drop_lines(plan.nodes)
-    if plan.compiled is not None:
-        lines.append(compiled_summary(plan.compiled))
-    lines += [f"note: {note}" for note in plan.notes]
-    return "\n".join(lines)
 
 
 def uncaptured_lines(uncaptured: Sequence[Sequence[str]], *, full: bool = False) -> list[str]:
@@ -106,23 +64,6 @@ def drop_lines(nodes: Sequence[NodeChoice], *, shown: int = 3) -> list[str]:
         what = f"{op} ({listed})" if len(names) == 1 else f"{len(names)} {op} nodes ({listed})"
         lines.append(f"drops channels-last: {what}: {note}")
     return lines
-
-
-def headline(plan: Plan) -> str:
-    """One short line: what runs in which format and what the guard kept."""
-    counts = plan.counts
-    line = (f"plan: {counts.get('channels_last', 0)}/{len(plan.nodes)} layout nodes "
-            f"channels_last, {len(plan.conversions)} conversions "
-            f"({plan.conversion_bytes / 1e6:.1f} MB)")
-    if plan.input_format is not None:
-        line += f", input {plan.input_format}"
-    g = plan.guard
-    if g is not None and g.candidates:
-        ratios = ", ".join(f"planned/{name} {c.median:.3f}" for name, c in g.candidates.items())
-        line += f"; guard kept {g.kept} ({ratios})"
-    elif g is not None and g.skipped:
-        line += f"; the plan is {' and '.join(g.skipped)}"
-    return line
 
 
 def guard_summary(g: GuardRecord) -> str:
@@ -258,38 +199,5 @@ def padding_table(padding: Sequence[PadChoice]) -> Any:
                       " ".join(f"{n} {us(v)}" for n, v in p.seconds.items() if n != UNPADDED),
                       p.chosen)
     return table
-
-
-def explain(plan: Plan, console: Any = None, *, full: bool = False) -> None:
-    """Render the plan with rich: per node the choice and both costs, then conversions, then
-    the summary (``full``: as :func:`summary`)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    table = Table(title=f"plan for {plan.model} ({plan.dtype or 'fp32'}, {plan.device})")
-    for col in ("region", "node", "op", "format", "contiguous ms", "channels_last ms"):
-        table.add_column(col, justify="right" if col.endswith("ms") else "left")
-    for n in plan.nodes:
-        def ms(v: float | None, timed: bool = n.timed) -> str:
-            if v is None:
-                return "fails"
-            if timed:
-                return f"{v * 1e3:.3f}"
-            return "-" if plan.measure else f"~{v * 1e3:.3f}"  # ~: the analytical model
-        table.add_row(n.region or "-", n.name, n.op, n.format,
-                      ms(n.seconds.get("contiguous")), ms(n.seconds.get("channels_last")))
-    console.print(table)
-    if plan.conversions:
-        conv = Table(title="conversions")
-        for col in ("value", "to", "shapes", "MB", "ms", "serves"):
-            conv.add_column(col)
-        for c in plan.conversions:
-            conv.add_row(c.value, c.to, " ".join(str(tuple(s)) for s in c.shapes),
-                         f"{c.nbytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}", ", ".join(c.consumers))
-        console.print(conv)
-    if plan.padding:
-        console.print(padding_table(plan.padding))
-    console.print(summary(plan, full=full), markup=False, highlight=False)
 
 

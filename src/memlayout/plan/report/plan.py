@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memlayout.errors import PlanError
+from memlayout.machine import SPREAD_LIMIT
 from memlayout.plan.graph import LABELS
 from memlayout.plan.report import describe
 from memlayout.plan.report.records import (
@@ -60,7 +61,7 @@ class Plan:
     padding: tuple[PadChoice, ...] = ()  # memlayout.plan.candidates.padding
     memory: MemoryReport | None = None  # memlayout.plan.check.memory
     blocked: BlockedReport | None = None  # memlayout.plan.candidates.blocked
-    compiled: CompiledRecord | None = None  # memlayout.plan.candidates.compiled
+    compiled: CompiledRecord | None = None  # memlayout.plan.compilers.compiled
     notes: list[str] = field(default_factory=list)  # e.g. why rank 3 is not planned here
     # what it was planned for
     train: bool = False  # planned (costs, guard, verification) for a training step
@@ -151,21 +152,93 @@ class Plan:
     def summary(self, *, full: bool = False) -> str:
         """Plain text: counts, conversions, predictions, and one line per check; ``full``:
         torch's whole text of why each part is not captured (else one short line each)."""
-        return describe.summary(self, full=full)
+        counts = self.counts
+        lines = [
+            f"{self.model}: {len(self.nodes)} layout nodes "
+            f"({counts.get('channels_last', 0)} channels_last, {counts.get('contiguous', 0)} "
+            f"contiguous); {len(self.conversions)} conversions, {self.conversion_bytes / 1e6:.1f} MB",
+        ]
+        if self.predicted:
+            parts = [f"{k} {v * 1e3:.2f} ms" for k, v in self.predicted.items()]
+            step = " (training step: forward + backward)" if self.train else ""
+            measured = self.guard.planned_seconds if self.guard is not None else None
+            if measured:  # what the cost table predicts against the whole model, as timed
+                parts.append(f"the planned model measured {measured * 1e3:.2f} ms by the guard")
+            lines.append(f"predicted{step}: " + ", ".join(parts))
+        of_which = (f" (of which verification {self.verification.seconds:.1f} s)"
+                    if self.verification is not None else "")
+        lines.append(f"measured {self.measured}, from cache {self.cached}, "
+                     f"planning took {self.planning_seconds:.1f} s{of_which}")
+        if self.costs_noisy:
+            lines.append(f"warning: {self.costs_noisy} of {self.costs_timed} costs noisy (measured "
+                         f"on a busy machine, or their rounds spread beyond {SPREAD_LIMIT:.0%}): the plan may "
+                         "differ on a quiet machine, where they are measured again")
+        if self.guard is not None:
+            lines.append(describe.guard_summary(self.guard))
+        lines += [line for line in (describe.memory_summary(self.memory, train=self.train),
+                                    describe.padding_summary(self.padding),
+                                    describe.blocked_summary(self.blocked)) if line]
+        if self.coverage is not None:
+            lines.append(f"coverage: {self.coverage.text(reasons=False)}")
+        lines += describe.uncaptured_lines(self.uncaptured, full=full)
+        lines += describe.drop_lines(self.nodes)
+        if self.compiled is not None:
+            lines.append(describe.compiled_summary(self.compiled))
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
 
     def headline(self) -> str:
         """One short line: what runs in which format and what the guard kept (for a bench
         record's note, a log line)."""
-        return describe.headline(self)
+        counts = self.counts
+        line = (f"plan: {counts.get('channels_last', 0)}/{len(self.nodes)} layout nodes "
+                f"channels_last, {len(self.conversions)} conversions "
+                f"({self.conversion_bytes / 1e6:.1f} MB)")
+        if self.input_format is not None:
+            line += f", input {self.input_format}"
+        g = self.guard
+        if g is not None and g.candidates:
+            ratios = ", ".join(f"planned/{name} {c.median:.3f}" for name, c in g.candidates.items())
+            line += f"; guard kept {g.kept} ({ratios})"
+        elif g is not None and g.skipped:
+            line += f"; the plan is {' and '.join(g.skipped)}"
+        return line
 
     def guard_summary(self) -> str:
         """The whole-model check of the plan (``memlayout.plan.check.guard``) in one line."""
         return describe.guard_summary(self.guard) if self.guard else ""
 
     def compiled_summary(self) -> str:
-        """What ``memlayout.compile`` kept (``memlayout.plan.candidates.compiled``) in one line."""
+        """What ``memlayout.compile`` kept (``memlayout.plan.compilers.compiled``) in one line."""
         return describe.compiled_summary(self.compiled) if self.compiled else ""
 
     def explain(self, console: Any = None, *, full: bool = False) -> None:
         """Render the plan with rich: per node the choice and both costs, then conversions."""
-        describe.explain(self, console, full=full)
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        table = Table(title=f"plan for {self.model} ({self.dtype or 'fp32'}, {self.device})")
+        for col in ("region", "node", "op", "format", "contiguous ms", "channels_last ms"):
+            table.add_column(col, justify="right" if col.endswith("ms") else "left")
+        for n in self.nodes:
+            def ms(v: float | None, timed: bool = n.timed) -> str:
+                if v is None:
+                    return "fails"
+                if timed:
+                    return f"{v * 1e3:.3f}"
+                return "-" if self.measure else f"~{v * 1e3:.3f}"  # ~: the analytical model
+            table.add_row(n.region or "-", n.name, n.op, n.format,
+                          ms(n.seconds.get("contiguous")), ms(n.seconds.get("channels_last")))
+        console.print(table)
+        if self.conversions:
+            conv = Table(title="conversions")
+            for col in ("value", "to", "shapes", "MB", "ms", "serves"):
+                conv.add_column(col)
+            for c in self.conversions:
+                conv.add_row(c.value, c.to, " ".join(str(tuple(s)) for s in c.shapes),
+                             f"{c.nbytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}", ", ".join(c.consumers))
+            console.print(conv)
+        if self.padding:
+            console.print(describe.padding_table(self.padding))
+        console.print(self.summary(full=full), markup=False, highlight=False)

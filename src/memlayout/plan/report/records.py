@@ -274,7 +274,7 @@ class BlockedReport(Record):
 
 @dataclass(frozen=True)
 class CompiledRecord(Record):
-    """What ``memlayout.compile`` kept (``memlayout.plan.candidates.compiled``): the plan compiled with
+    """What ``memlayout.compile`` kept (``memlayout.plan.compilers.compiled``): the plan compiled with
     Inductor's layout optimization off, the original compiled with Inductor's own layout, or
     a peer runtime's model. ``candidates``: per-round ``baseline / candidate`` time ratios;
     ``compile_seconds``: each candidate's build (conversion, compile, first call)."""

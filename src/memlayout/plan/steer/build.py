@@ -31,7 +31,7 @@ from memlayout.plan.solve.regions import Solution
 from memlayout.plan.steer.boundary import Boundary
 from memlayout.plan.steer.state import Formats, output_formats
 from memlayout.plan.steer.steering import Steering, steer
-from memlayout.plan.steer.weights import PER_CALL, can_convert_per_call
+from memlayout.plan.weights import PER_CALL, can_convert_per_call
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""What the backend reads off a Dynamo graph (L2 plan, candidates): real inputs for its
+"""What the backend reads off a Dynamo graph (L2 plan, compilers): real inputs for its
 example ones, whether its sizes are symbolic, copies of it, and the names and module paths of
-its nodes (``memlayout.plan.candidates.backend``)."""
+its nodes (``memlayout.plan.compilers.backend``)."""
 
 from __future__ import annotations
 

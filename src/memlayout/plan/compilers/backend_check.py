@@ -1,7 +1,7 @@
-"""The backend's checks of one planned graph (L2 plan, candidates): verification against the
+"""The backend's checks of one planned graph (L2 plan, compilers): verification against the
 graph run eagerly (outputs, inputs changed in place, in training the gradients; a graph that
 draws random numbers checked with its dropouts off), and the guard that times the compiled
-graph against the planned one run eagerly (``memlayout.plan.candidates.backend``)."""
+graph against the planned one run eagerly (``memlayout.plan.compilers.backend``)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch._dynamo.exc
 from torch import fx
 
 from memlayout.dtypes import autocast, dtype_name
-from memlayout.plan.candidates.backend_graphs import copy_graph, fresh_inputs, op_name
 from memlayout.plan.check.training import Step, agree, training_loss
+from memlayout.plan.compilers.backend_graphs import copy_graph, fresh_inputs, op_name
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
 from memlayout.tensors import iter_tensors

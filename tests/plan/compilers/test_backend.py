@@ -20,9 +20,9 @@ from torch import nn
 
 import memlayout
 from memlayout.errors import PlanError
-from memlayout.plan.candidates import backend as b
-from memlayout.plan.candidates.backend_report import AS_GIVEN, COMPILED, EAGER
-from memlayout.plan.candidates.compiled import inductor_layout_decision
+from memlayout.plan.compilers import backend as b
+from memlayout.plan.compilers.backend_report import AS_GIVEN, COMPILED, EAGER
+from memlayout.plan.compilers.compiled import inductor_layout_decision
 
 
 class Broken(nn.Module):

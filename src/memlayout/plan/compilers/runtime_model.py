@@ -1,4 +1,4 @@
-"""A peer runtime as a candidate of ``memlayout.compile`` (L2 plan, candidates): the model
+"""A peer runtime as a candidate of ``memlayout.compile`` (L2 plan, compilers): the model
 converted once into OpenVINO, ONNX Runtime or whole-model mkldnn (``memlayout.runtimes``),
 held as an ``nn.Module`` that guards what it cannot see (hooks, a changed copy of the model),
 and the checks every candidate passes: outputs against the original's, dtype-aware.
@@ -18,7 +18,7 @@ from memlayout import runtimes as rt
 from memlayout.dtypes import autocast, dtype_name
 from memlayout.errors import LayoutVerificationError, MemlayoutError
 from memlayout.layout import Format
-from memlayout.plan.check.compare import compare, tolerance
+from memlayout.plan.compare import compare, tolerance
 from memlayout.plan.graph import Label
 from memlayout.plan.inputs import _add_prefix, _strip_prefix
 from memlayout.plan.steer.state import PlannedState

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memlayout
-from memlayout.plan.candidates import compiled as c
+from memlayout.plan.compilers import compiled as c
 from memlayout.plan.report.plan import Plan
 
 # Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs

@@ -63,21 +63,21 @@ from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
-from memlayout.plan.candidates.runtime_model import (
+from memlayout.plan.check.guard import save as save_guard_record
+from memlayout.plan.check.guard import time_candidates, valid_record
+from memlayout.plan.check.speed import ModelComparison, busier
+from memlayout.plan.compilers.runtime_model import (
     RuntimeModule,
     check_candidate,
     precision_of,
     reference_outputs,
     runtimes_unavailable,
 )
-from memlayout.plan.check.guard import save as save_guard_record
-from memlayout.plan.check.guard import time_candidates, valid_record
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.options import Progress
 from memlayout.plan.pipeline import open_cache, optimize
-from memlayout.plan.report.compare import ModelComparison, busier
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import CompiledRecord
 from memlayout.plan.steer.steering import Steering, planned_state, steer

@@ -16,7 +16,7 @@ from torch import nn
 import memlayout
 from memlayout import runtimes
 from memlayout.errors import MemlayoutError
-from memlayout.plan.candidates import compiled as c
+from memlayout.plan.compilers import compiled as c
 from memlayout.plan.report.plan import Plan
 from tests.support.machine import openvino_has_bf16
 
@@ -236,7 +236,7 @@ def test_a_runtime_model_refuses_what_it_would_ignore() -> None:
     """A runtime runs no Python of the model: a hook on it, or anything changed in the copy
     it was built from, raises instead of being silently ignored; rebuild() takes the change."""
     from memlayout.errors import MemlayoutError
-    from memlayout.plan.candidates.runtime_model import RuntimeModule
+    from memlayout.plan.compilers.runtime_model import RuntimeModule
 
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 8, 8)

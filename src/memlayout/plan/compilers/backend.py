@@ -16,7 +16,7 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    (``constrain_to_fx_strides``); AOTAutograd derives the backward of the rewritten forward;
 4. verification, once, against the graph run eagerly: outputs, inputs changed in place
    (running statistics) and, in training, the gradient of every input that requires grad,
-   within the dtype's tolerance (``memlayout.plan.check.compare``); where only rounding
+   within the dtype's tolerance (``memlayout.plan.compare``); where only rounding
    differs the rewrite is re-checked in float64. A graph that draws random numbers (dropout
    in training) is checked as the planned graph against the original, both eager with their
    dropouts off (a mask depends on the layout it is drawn in, and Inductor's random stream is
@@ -62,8 +62,10 @@ from torch import fx, nn
 
 from memlayout.dtypes import autocast, dtype_name, parse_dtype
 from memlayout.errors import MemlayoutError, PlanError, first_line
-from memlayout.plan.candidates.backend_check import GraphCheck, guard_graph, verify_graph
-from memlayout.plan.candidates.backend_graphs import (
+from memlayout.plan.capture.regions import propagate
+from memlayout.plan.check.semantics import mutates_in_place
+from memlayout.plan.compilers.backend_check import GraphCheck, guard_graph, verify_graph
+from memlayout.plan.compilers.backend_graphs import (
     VIEWS,
     NotPlanned,
     copy_graph,
@@ -73,7 +75,7 @@ from memlayout.plan.candidates.backend_graphs import (
     op_name,
     real_inputs,
 )
-from memlayout.plan.candidates.backend_report import (
+from memlayout.plan.compilers.backend_report import (
     AS_GIVEN,
     COMPILED,
     EAGER,
@@ -82,8 +84,6 @@ from memlayout.plan.candidates.backend_report import (
     ConvolutionChoice,
     GraphRecord,
 )
-from memlayout.plan.capture.regions import propagate
-from memlayout.plan.check.semantics import mutates_in_place
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import measure_costs

@@ -16,7 +16,7 @@ from memlayout.errors import PlanError
 from memlayout.layout import Format, strides_for
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.steer import build
-from memlayout.plan.steer.weights import PER_CALL, convert_per_call
+from memlayout.plan.weights import PER_CALL, convert_per_call
 from memlayout.train.ddp import grad_layout_mismatches
 from tests.support.planted import replace_steering
 
