@@ -35,7 +35,7 @@ from torch import fx
 from memlayout.plan.capture.calls import RUN_KEY, ModuleCall, RunFacts, positions
 from memlayout.plan.costs.table import CostTable, input_kind, is_layout_node
 from memlayout.plan.graph import META_KEY, Label, Request
-from memlayout.plan.solve.formulate import Formulation, _integer, node_terms
+from memlayout.plan.solve.formulate import Formulation, NodeTerms, _integer, node_terms
 from memlayout.plan.solve.mincut import Problem, Tensor
 
 IN, OUT = "in", "out"
@@ -92,61 +92,10 @@ def formulate_boundaries(gm: fx.GraphModule, table: CostTable, *,
     :func:`~memlayout.plan.solve.formulate.formulate`. ``fixed``: module paths whose
     boundaries never convert (a wrapper the planner added around the user's model)."""
     terms = node_terms(gm, table, input_label=input_label)
-    unary, pins, ties = dict(terms.unary), dict(terms.pins), list(terms.ties)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    unsafe = unsafe_values(gm)
-    tensors: list[Tensor] = []
-    converted: list[str] = []  # the value of each tensor term
-    crossings: dict[tuple[str, str, str], Crossing] = {}
+    problem = _Segments(gm, table, calls, root, fixed, terms)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-
-    def segment(value: str, at: tuple[str, ...]) -> str:
-        name = f"{value}|{'/'.join(at)}"
-        if name not in unary:
-            unary[name] = (0.0, 0.0)
-        return name
-
-    def cross(value: str, outer: tuple[str, ...], inner: tuple[str, ...], side: str) -> None:
-        call = inner[-1]
-        key = (value, call, side)
-        if key in crossings:
-            return
-        a, b = segment(value, outer), segment(value, inner)
-        why = _why_not(value, call, side, nodes, calls, unsafe, fixed, table)
-        where: tuple[tuple[int, int], ...] = ()
-        if not why:
-            record = calls[call]
-            seen = record.inputs if side == IN else record.outputs
-            found = positions(seen, nodes[value].meta[RUN_KEY].leaves)
-            where = tuple((p, len(seen[p].shape)) for p in found)  # type: ignore[union-attr]
-            why = "" if where else f"not among the call's {'arguments' if side == IN else 'results'}"
-            if side == IN and set(found) & set(record.mutated) and (
-                    call == root or nodes[value].op == "placeholder"
-                    or len(nodes[value].users) > 1):
-                # changed in place inside the call (a copy would take the change) while the
-                # caller, or another use, needs it
-                where, why = (), f"changed in place by {call or 'the model'}"
-        crossings[key] = Crossing(value, call, side, a, b, where, why)
-        if not where:
-            ties.append((a, b))
-            return
-        cost = table.conversions[value]
-        first, second = (a, b) if side == IN else (b, a)  # the way the value flows
-        tensors.append(Tensor(first, (second,), cost.to_1, cost.to_0))
-        converted.append(value)
-
-    def route(value: str, start: tuple[str, ...], end: tuple[str, ...]) -> str:
-        common = 0
-        while common < min(len(start), len(end)) and start[common] == end[common]:
-            common += 1
-        for depth in range(len(start), common, -1):  # up through the exits
-            cross(value, start[:depth - 1], start[:depth], OUT)
-        for depth in range(common + 1, len(end) + 1):  # down through the entries
-            cross(value, end[:depth - 1], end[:depth], IN)
-        return segment(value, end)
-
     for value, producer in terms.producers.items():
-        node = nodes[value]
+        node = problem.nodes[value]
         if input_kind(gm, node) != "term":
             continue
         made = scope(node, root)
@@ -154,20 +103,91 @@ def formulate_boundaries(gm: fx.GraphModule, table: CostTable, *,
         kept = output in node.users and output_label is not None
         if not users and not kept:
             continue
-        first = segment(value, made)
+        first = problem.segment(value, made)
         if isinstance(producer, str):
-            ties.append((producer, first))
+            problem.ties.append((producer, first))
         else:
-            pins[first] = int(producer)
+            problem.pins[first] = int(producer)
         for u in users:
-            ties.append((u.name, route(value, made, scope(u, root))))
+            problem.ties.append((u.name, problem.route(value, made, scope(u, root))))
         if kept:
-            last = route(value, made, ())
-            pins[last] = int(node.meta[META_KEY].label if output_label == Request.KEEP else output_label)
-    seconds = Problem(unary, tuple(tensors), pins, tuple(dict.fromkeys(ties)))
+            last = problem.route(value, made, ())
+            problem.pins[last] = int(node.meta[META_KEY].label if output_label == Request.KEEP
+                                     else output_label)
+    seconds = Problem(problem.unary, tuple(problem.tensors), problem.pins,
+                      tuple(dict.fromkeys(problem.ties)))
     integer, unit = _integer(seconds)
     return Formulation(seconds, integer, dict(terms.producers), {}, unit,
-                       tuple(crossings.values()), tuple(converted))
+                       tuple(problem.crossings.values()), tuple(problem.converted))
+
+
+class _Segments:
+    """The boundary problem as it is built: a value is one variable per module scope it
+    passes through (a *segment*), and each module boundary it crosses is a conversion term
+    (where it can convert) or a tie (where it cannot: ``Crossing.why``)."""
+
+    def __init__(self, gm: fx.GraphModule, table: CostTable, calls: Mapping[str, ModuleCall],
+                 root: str, fixed: frozenset[str], terms: NodeTerms) -> None:
+        self.table, self.calls, self.root, self.fixed = table, calls, root, fixed
+        self.unary, self.pins, self.ties = dict(terms.unary), dict(terms.pins), list(terms.ties)
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.unsafe = unsafe_values(gm)
+        self.tensors: list[Tensor] = []
+        self.converted: list[str] = []  # the value of each tensor term
+        self.crossings: dict[tuple[str, str, str], Crossing] = {}
+
+    def segment(self, value: str, at: tuple[str, ...]) -> str:
+        name = f"{value}|{'/'.join(at)}"
+        if name not in self.unary:
+            self.unary[name] = (0.0, 0.0)
+        return name
+
+    def cross(self, value: str, outer: tuple[str, ...], inner: tuple[str, ...], side: str) -> None:
+        call = inner[-1]
+        key = (value, call, side)
+        if key in self.crossings:
+            return
+        a, b = self.segment(value, outer), self.segment(value, inner)
+        where, why = self._where(value, call, side)
+        self.crossings[key] = Crossing(value, call, side, a, b, where, why)
+        if not where:
+            self.ties.append((a, b))
+            return
+        cost = self.table.conversions[value]
+        first, second = (a, b) if side == IN else (b, a)  # the way the value flows
+        self.tensors.append(Tensor(first, (second,), cost.to_1, cost.to_0))
+        self.converted.append(value)
+
+    def _where(self, value: str, call: str, side: str) -> tuple[tuple[tuple[int, int], ...], str]:
+        """Where ``value`` sits among the call's arguments or results (position, rank), or
+        why it cannot be converted at this boundary."""
+        nodes = self.nodes
+        why = _why_not(value, call, side, nodes, self.calls, self.unsafe, self.fixed, self.table)
+        if why:
+            return (), why
+        record = self.calls[call]
+        seen = record.inputs if side == IN else record.outputs
+        found = positions(seen, nodes[value].meta[RUN_KEY].leaves)
+        where = tuple((p, len(seen[p].shape)) for p in found)  # type: ignore[union-attr]
+        if not where:
+            return (), f"not among the call's {'arguments' if side == IN else 'results'}"
+        if side == IN and set(found) & set(record.mutated) and (
+                call == self.root or nodes[value].op == "placeholder"
+                or len(nodes[value].users) > 1):
+            # changed in place inside the call (a copy would take the change) while the
+            # caller, or another use, needs it
+            return (), f"changed in place by {call or 'the model'}"
+        return where, ""
+
+    def route(self, value: str, start: tuple[str, ...], end: tuple[str, ...]) -> str:
+        common = 0
+        while common < min(len(start), len(end)) and start[common] == end[common]:
+            common += 1
+        for depth in range(len(start), common, -1):  # up through the exits
+            self.cross(value, start[:depth - 1], start[:depth], OUT)
+        for depth in range(common + 1, len(end) + 1):  # down through the entries
+            self.cross(value, end[:depth - 1], end[:depth], IN)
+        return self.segment(value, end)
 
 
 def _why_not(value: str, call: str, side: str, nodes: Mapping[str, fx.Node],

@@ -113,7 +113,14 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
                 label = input_label
             producers[n.name] = label  # type: ignore[assignment]
     ties.extend((free_inputs[0], other) for other in free_inputs[1:])
-    # ties: one module (its weights) or one parameter serves every node that uses it
+    ties.extend(_shared_owner_ties(gm, table))
+    return NodeTerms(unary, pins, ties, producers)
+
+
+def _shared_owner_ties(gm: fx.GraphModule, table: CostTable) -> list[tuple[str, str]]:
+    """Ties of the layout nodes that share what their format decides: one module (its
+    weights), or one parameter, serves every node that uses it."""
+    ties: list[tuple[str, str]] = []
     by_owner: dict[str, list[str]] = {}
     for n in gm.graph.nodes:
         if n.name not in table.nodes:
@@ -132,7 +139,7 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
                     by_owner.setdefault(f"tensor:{id(shared)}", []).append(n.name)
     for names in by_owner.values():
         ties.extend((names[0], other) for other in names[1:])
-    return NodeTerms(unary, pins, ties, producers)
+    return ties
 
 
 def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: Label | Request | None,
