@@ -4,6 +4,10 @@ against convolution calls counted where Python makes them)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -137,6 +141,50 @@ def test_the_planned_model_is_a_drop_in() -> None:
     with torch.no_grad():
         torch.testing.assert_close(opt(x), other(x), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model(x), other(x), rtol=0, atol=0)
+
+
+class Gate(nn.Module):
+    """A branch on a tensor's value: neither torch.fx nor torch.export takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) if x.mean() > 0 else self.conv(x) * 2
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.gate, self.head = nn.Conv2d(3, 8, 3, padding=1), Gate(), \
+            nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(self.stem(x)))
+
+
+def test_a_part_not_captured_is_one_line_and_torchs_whole_text_goes_to_the_debug_log(
+        capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    model, x = Gated().eval(), torch.randn(2, 3, 8, 8)
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(Exception) as torch_says:
+        torch.export.export(model.gate, (torch.randn(2, 8, 8, 8),), strict=False)
+    whole = str(torch_says.value).strip()
+    assert len(whole.splitlines()) > 1  # torch's message runs on, and it prints the graph
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="memlayout"):
+        plan = memlayout.optimize(model, x, measure=False, cache=False, memory=False).plan
+    printed = capfd.readouterr()
+    assert not printed.out and not printed.err
+    assert [path for path, _ in plan.uncaptured] == ["", "gate"]  # its convolution is planned
+    assert plan.coverage.planned == plan.coverage.total == conv_calls(model, x)
+    # the whole model and its gate fail for the same reason: one line for both
+    lines = [line for line in plan.summary().splitlines() if line.startswith("not captured")]
+    assert len(lines) == 1 and "(whole model), gate: torch.fx: TraceError:" in lines[0]
+    assert not any(line in lines[0] for line in whole.splitlines()[1:] if line.strip())
+    assert "\n" not in plan.coverage.text()
+    assert f"Gate not captured by torch.export: {type(torch_says.value).__name__}: {whole}" \
+        in caplog.text
 
 
 class Attention(nn.Module):
