@@ -143,6 +143,64 @@ def test_the_planned_model_is_a_drop_in() -> None:
         torch.testing.assert_close(model(x), other(x), rtol=0, atol=0)
 
 
+class Scale(nn.Module):
+    """Multiplies by a tensor it makes in forward: ``torch.export`` lifts it as a constant of
+    the graph (``ExportedProgram.constants``), named at this module's depth."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor([0.5, 2.0]).view(1, 2, 1, 1)
+
+
+class ListHead(nn.Module):
+    """Called with a list of feature maps, as torchvision's RPN head (an exported graph takes
+    them as separate placeholders), with a branch on a shape that torch.fx cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.scale = nn.Conv2d(8, 2, 1), Scale()
+
+    def forward(self, feats: list[torch.Tensor]) -> list[torch.Tensor]:
+        if feats[0].shape[-1] > 1:
+            feats = [self.conv(f) for f in feats]
+        return [self.scale(f) for f in feats]
+
+
+class Pyramid(nn.Module):
+    """Two feature maps into a :class:`ListHead`; ``gate``: a branch on a value at the top
+    (only the parts are captured: the head alone, exported), else exported whole."""
+
+    def __init__(self, gate: bool) -> None:
+        super().__init__()
+        self.gate = gate
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.down = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.head = ListHead()
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        a = self.stem(x)
+        outs = self.head([a, self.down(a)])
+        if self.gate and x.sum() > 0:
+            outs = [o + 1 for o in outs]
+        return outs
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_lifted_constants_and_a_part_called_with_a_list(gate: bool) -> None:
+    model, x = Pyramid(gate).eval(), torch.rand(2, 3, 8, 8)
+    opt = memlayout.optimize(model, x, measure=False, cache=False, memory=False)
+    plan = opt.plan
+    assert plan.regions == (["stem", "down", "head"] if gate else [""]), plan.regions
+    assert "torch.export" in plan.coverage.methods and plan.verification.ok
+    assert plan.coverage.planned == plan.coverage.total == conv_calls(model, x)
+    # the constant stays on the graph analysis traced: the planned model gains nothing
+    assert not any(k.startswith("lifted_tensor") for m in opt.modules() for k in vars(m))
+    assert list(opt.state_dict()) == list(model.state_dict())
+    with torch.no_grad():
+        for xs in (x, torch.rand(2, 3, 8, 8), -torch.rand(3, 3, 8, 8)):
+            for got, want in zip(opt(xs), model(xs), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 class Gate(nn.Module):
     """A branch on a tensor's value: neither torch.fx nor torch.export takes it."""
 
