@@ -214,9 +214,9 @@ def _report(plan: Plan, example: tuple[Any, ...], flags: _Flags) -> None:
     """The plan (``--explain``: every node's choice), the format inputs arrive in, the
     verification; the plan written to ``--save``."""
     if flags.explain:
-        plan.explain(console, full=flags.debug)  # ends with the summary
+        plan.explain(console)  # ends with the summary
     else:
-        console.print(plan.summary(full=flags.debug), markup=False, highlight=False)
+        console.print(plan.summary(), markup=False, highlight=False)
     if plan.input_format is None:
         arrives = f"{format_name(format_of(next(iter_tensors(example))))}, as built"
     else:

@@ -4,6 +4,10 @@ against convolution calls counted where Python makes them)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -137,6 +141,108 @@ def test_the_planned_model_is_a_drop_in() -> None:
     with torch.no_grad():
         torch.testing.assert_close(opt(x), other(x), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model(x), other(x), rtol=0, atol=0)
+
+
+class Scale(nn.Module):
+    """Multiplies by a tensor it makes in forward: ``torch.export`` lifts it as a constant of
+    the graph (``ExportedProgram.constants``), named at this module's depth."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor([0.5, 2.0]).view(1, 2, 1, 1)
+
+
+class ListHead(nn.Module):
+    """Called with a list of feature maps, as torchvision's RPN head (an exported graph takes
+    them as separate placeholders), with a branch on a shape that torch.fx cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.scale = nn.Conv2d(8, 2, 1), Scale()
+
+    def forward(self, feats: list[torch.Tensor]) -> list[torch.Tensor]:
+        if feats[0].shape[-1] > 1:
+            feats = [self.conv(f) for f in feats]
+        return [self.scale(f) for f in feats]
+
+
+class Pyramid(nn.Module):
+    """Two feature maps into a :class:`ListHead`; ``gate``: a branch on a value at the top
+    (only the parts are captured: the head alone, exported), else exported whole."""
+
+    def __init__(self, gate: bool) -> None:
+        super().__init__()
+        self.gate = gate
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.down = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.head = ListHead()
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        a = self.stem(x)
+        outs = self.head([a, self.down(a)])
+        if self.gate and x.sum() > 0:
+            outs = [o + 1 for o in outs]
+        return outs
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_lifted_constants_and_a_part_called_with_a_list(gate: bool) -> None:
+    model, x = Pyramid(gate).eval(), torch.rand(2, 3, 8, 8)
+    opt = memlayout.optimize(model, x, measure=False, cache=False, memory=False)
+    plan = opt.plan
+    assert plan.regions == (["stem", "down", "head"] if gate else [""]), plan.regions
+    assert "torch.export" in plan.coverage.methods and plan.verification.ok
+    assert plan.coverage.planned == plan.coverage.total == conv_calls(model, x)
+    # the constant stays on the graph analysis traced: the planned model gains nothing
+    assert not any(k.startswith("lifted_tensor") for m in opt.modules() for k in vars(m))
+    assert list(opt.state_dict()) == list(model.state_dict())
+    with torch.no_grad():
+        for xs in (x, torch.rand(2, 3, 8, 8), -torch.rand(3, 3, 8, 8)):
+            for got, want in zip(opt(xs), model(xs), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+class Gate(nn.Module):
+    """A branch on a tensor's value: neither torch.fx nor torch.export takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) if x.mean() > 0 else self.conv(x) * 2
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.gate, self.head = nn.Conv2d(3, 8, 3, padding=1), Gate(), \
+            nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(self.stem(x)))
+
+
+def test_a_part_not_captured_is_one_line_and_torchs_whole_text_goes_to_the_debug_log(
+        capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    model, x = Gated().eval(), torch.randn(2, 3, 8, 8)
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(Exception) as torch_says:
+        torch.export.export(model.gate, (torch.randn(2, 8, 8, 8),), strict=False)
+    whole = str(torch_says.value).strip()
+    assert len(whole.splitlines()) > 1  # torch's message runs on, and it prints the graph
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="memlayout"):
+        plan = memlayout.optimize(model, x, measure=False, cache=False, memory=False).plan
+    printed = capfd.readouterr()
+    assert not printed.out and not printed.err
+    assert [path for path, _ in plan.uncaptured] == ["", "gate"]  # its convolution is planned
+    assert plan.coverage.planned == plan.coverage.total == conv_calls(model, x)
+    # the whole model and its gate fail for the same reason: one line for both
+    lines = [line for line in plan.summary().splitlines() if line.startswith("not captured")]
+    assert len(lines) == 1 and "(whole model), gate: torch.fx: TraceError:" in lines[0]
+    assert not any(line in lines[0] for line in whole.splitlines()[1:] if line.strip())
+    assert "\n" not in plan.coverage.text()
+    assert f"Gate not captured by torch.export: {type(torch_says.value).__name__}: {whole}" \
+        in caplog.text
 
 
 class Attention(nn.Module):

@@ -21,6 +21,7 @@ counts the convolution calls planned against those that run.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,7 @@ from memlayout.plan.report.records import Coverage
 from memlayout.spatial import mark_spatial
 from memlayout.tensors import device_of
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Region:
@@ -213,11 +215,19 @@ def graphs(module: nn.Module, args: tuple[Any, ...],
         try:
             yield faithful_trace(throwaway(module)), ""
         except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-            yield None, reason_text([(FX, exc)])
+            yield None, _failed(module, FX, exc)
     try:
         yield export_graph(throwaway(module), args, kwargs), ""
     except Exception as exc:  # export raises many types (UserError, GuardOnDataDependent...)
-        yield None, reason_text([(EXPORT, exc)])
+        yield None, _failed(module, EXPORT, exc)
+
+
+def _failed(module: nn.Module, how: str, exc: BaseException) -> str:
+    """Why ``how`` could not capture ``module``: torch's whole text to the debug log, the
+    :func:`reason_text` (whose first line is what a terminal shows) to the caller."""
+    log.debug("%s not captured by %s: %s: %s", type(module).__name__, how,
+              type(exc).__name__, str(exc).strip())
+    return reason_text([(how, exc)])
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
@@ -309,7 +319,7 @@ def _child_region(child: nn.Module, path: str, args: tuple[Any, ...], kwargs: di
             output = propagate(gm, flat, dtype=dtype, ranks=ranks, device=device)
             mark_spatial(gm)
         except Exception as exc:
-            reasons.append(reason_text([(f"the {gm.meta.get(METHOD_KEY, FX)} graph", exc)]))
+            reasons.append(_failed(child, f"the {gm.meta.get(METHOD_KEY, FX)} graph", exc))
         else:
             return Region(path, gm, flat, output), ""
     return None, join_reasons(reasons)
@@ -351,7 +361,7 @@ SHORT = 100
 def reason_text(failures: list[tuple[str, BaseException]]) -> str:
     """Why capture methods failed, as one text: its first line short (each method's exception
     type and the first sentence of its message), torch's whole messages on the lines after
-    it (kept in the plan's JSON; a terminal shows the first line, ``--debug`` all).
+    it (kept in the plan's JSON; a terminal shows the first line, the debug log all).
 
     >>> print(reason_text([("torch.fx", TypeError("no. Details follow\\nline two"))]))
     torch.fx: TypeError: no.
