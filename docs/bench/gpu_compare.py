@@ -39,10 +39,10 @@ import memlayout
 from memlayout.dtypes import autocast, dtype_name, parse_dtype
 from memlayout.machine import Conditions
 from memlayout.models import load_model
-from memlayout.plan.compilers.compiled import compile as plan_and_compile
-from memlayout.plan.compare import compare
-from memlayout.plan.pipeline import optimize
 from memlayout.plan.check.speed import busier
+from memlayout.plan.compare import compare
+from memlayout.plan.compilers.compiled import compile as plan_and_compile
+from memlayout.plan.pipeline import optimize
 from memlayout.timing import device_sync, interleaved
 
 MODES: tuple[str, ...] = ("nchw", "nhwc", "planned", "compile", "memlayout.compile", "tensorrt")
