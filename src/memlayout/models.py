@@ -35,7 +35,7 @@ from torch import nn
 
 from memlayout.errors import ModelSpecError
 from memlayout.layout import Format
-from memlayout.tensors import iter_tensors
+from memlayout.tensors import iter_tensors, meta_weights
 
 # Defaults per kind: (image size, channels-last format of the model's activations).
 _DEFAULT_SIZE = {"classification": 224, "segmentation": 224, "detection": 224, "video": 112,
@@ -217,13 +217,10 @@ def _check_values(spec: str, factory: str, module: nn.Module, args: Any,
                   kwargs: dict[str, Any]) -> None:
     """``ModelSpecError`` for weights or inputs on the meta device (a factory that built
     under ``torch.device("meta")``): shapes without values, nothing can run on them."""
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    meta = [name for name, t in tensors if t.is_meta]
+    meta = meta_weights(module)
     if meta:
         raise ModelSpecError(
-            f"{spec!r}: {factory}() built {len(meta)} of {len(tensors)} parameters and buffers "
-            f"on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
-            "shapes without values, so nothing can run, be measured or verified. Materialize "
+            f"{spec!r}: {factory}() built {meta}: shapes without values, so nothing can run, be measured or verified. Materialize "
             f"them in {factory}(), e.g. module.to_empty(device='cpu') then reset_parameters() "
             "per module or load_state_dict from a checkpoint")
     if any(t.is_meta for t in iter_tensors((args, kwargs))):

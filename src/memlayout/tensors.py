@@ -256,3 +256,20 @@ def device_of(inputs: Any, module: nn.Module | None = None) -> torch.device:
     for p in module.parameters() if module is not None else ():
         return p.device
     return torch.device("cpu")
+
+
+def meta_weights(module: nn.Module) -> str | None:
+    """How many of ``module``'s parameters and buffers are on the meta device (shapes without
+    values), and the first names, as a phrase; ``None`` when none is.
+
+    >>> with torch.device("meta"):
+    ...     conv = nn.Conv2d(3, 4, 1)
+    >>> meta_weights(conv), meta_weights(nn.Conv2d(3, 4, 1))
+    ('2 of 2 parameters and buffers on the meta device (weight, bias)', None)
+    """
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    meta = [name for name, t in tensors if t.is_meta]
+    if not meta:
+        return None
+    names = ", ".join(meta[:3]) + (", ..." if len(meta) > 3 else "")
+    return f"{len(meta)} of {len(tensors)} parameters and buffers on the meta device ({names})"

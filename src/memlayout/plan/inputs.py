@@ -13,19 +13,16 @@ from memlayout.errors import LayoutError, PlanError
 from memlayout.layout import Format
 from memlayout.plan.convert import convert_value
 from memlayout.plan.graph import Label
-from memlayout.tensors import iter_tensors
+from memlayout.tensors import iter_tensors, meta_weights
 
 
 def check_materialized(model: nn.Module, inputs: tuple[Any, ...]) -> None:
     """``PlanError`` before any work for a model or input on the meta device: it has shapes
     but no values, so nothing can be measured or verified."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    meta = [name for name, t in tensors if t.is_meta]
+    meta = meta_weights(model)
     if meta:
         raise PlanError(
-            f"{type(model).__name__} has {len(meta)} of {len(tensors)} parameters and buffers on "
-            f"the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): they "
-            "have shapes but no values, so nothing can be measured or verified. Materialize "
+            f"{type(model).__name__} has {meta}: they have shapes but no values, so nothing can be measured or verified. Materialize "
             "the weights first, e.g. model.to_empty(device='cpu') then initialize them "
             "(reset_parameters() per module, or load_state_dict from a checkpoint)")
     if any(t.is_meta for t in iter_tensors(inputs)):

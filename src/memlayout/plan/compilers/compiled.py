@@ -123,14 +123,9 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     model's own class, its own forward, planned layouts: ``memlayout.optimize``'s result)
     compiled in place (``nn.Module.compile``): hooks, attributes and replaced submodules are
     seen, as Dynamo guards on them. A runtime winner (:class:`RuntimeModule`) runs no Python
-    of the model and holds its own copy of the weights, converted once: ``state_dict``
-    returns the original's (from a copy of the original model it keeps), ``load_state_dict``
-    loads them there and rebuilds and re-verifies the runtime model; a hook registered on it,
-    or anything changed in the copy it keeps (a hook, a replaced submodule), raises at the
-    next call rather than being ignored; ``rebuild()`` converts the copy again.
-    Outputs of a runtime winner are fp32 CPU tensors (also for bf16). A candidate whose
-    outputs differ from the original's (dtype-aware) is dropped; ``LayoutVerificationError``
-    is raised when none is left.
+    of the model: what it keeps, loads and refuses is on that class. A candidate whose outputs
+    differ from the original's (dtype-aware) is dropped; ``LayoutVerificationError`` is
+    raised when none is left.
     """
     start = time.perf_counter()
     optimized = optimize(model, example_inputs, dtype=dtype, input_format=input_format,
@@ -157,10 +152,8 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     reference = reference_outputs(model, inputs, run_dtype)
     candidates = _candidates(model, optimized, inputs, run_dtype, settings, compile_kwargs)
     unavailable = runtimes_unavailable(runtimes, inputs, model, run_dtype, train)
-    for runtime in runtimes:
-        if runtime not in unavailable:
-            candidates[runtime] = (lambda runtime=runtime: RuntimeModule(
-                model, plan, inputs[0], rt.RuntimeOptions(runtime, run_dtype)))
+    candidates.update({runtime: _runtime_candidate(model, plan, inputs[0], runtime, run_dtype)
+                       for runtime in runtimes if runtime not in unavailable})
     precision = {name: precision_of(name, run_dtype) for name in candidates}
     decision = inductor_layout_decision(model, inputs, run_dtype)
     record.update(inductor_layout_opt=decision, unavailable=unavailable, precision=precision)
@@ -169,17 +162,8 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     key = _cache_key(model, inputs, run_dtype, plan,
                      {**compile_kwargs, "candidates": _versions(candidates)})
     try:
-        module, compiled = _cached(store, key, candidates, inputs, run_dtype, reference,
-                                   margin=margin, record=record)
-        if module is None:
-            module, compiled = _measure(candidates, inputs, run_dtype, reference,
-                                        rounds=rounds, margin=margin, record=record,
-                                        timed=measure)
-            if store is not None and compiled.get("ratios") is not None:
-                save_guard_record(store, key, {
-                    "ratios": compiled["ratios"], "rounds": compiled["rounds"],
-                    "repeat": compiled.get("repeat", 1), "baseline": compiled["baseline"],
-                    "conditions": compiled.get("conditions"), "spread": compiled.get("spread")})
+        module, compiled = _kept(store, key, candidates, inputs, run_dtype, reference,
+                                 rounds=rounds, margin=margin, record=record, timed=measure)
     finally:
         if store is not None:
             store.close()
@@ -206,6 +190,31 @@ def _candidates(model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...],
         candidates[FROZEN] = lambda: _compiled(
             _unplanned(model, plan, dtype), {**compile_kwargs, "options": {**options, **FREEZING}})
     return candidates
+
+
+def _runtime_candidate(model: nn.Module, plan: Plan, example: torch.Tensor, runtime: str,
+                       dtype: torch.dtype | None) -> Callable[[], nn.Module]:
+    """How to build ``runtime``'s candidate (built when called)."""
+    return lambda: RuntimeModule(model, plan, example, rt.RuntimeOptions(runtime, dtype))
+
+
+def _kept(store: CostCache | None, key: str, candidates: Mapping[str, Callable[[], nn.Module]],
+          inputs: tuple[Any, ...], dtype: torch.dtype | None, reference: Any, *, rounds: int,
+          margin: float, record: Mapping[str, Any], timed: bool) -> tuple[nn.Module, dict[str, Any]]:
+    """The candidate a cached decision keeps where it still builds and agrees; else every
+    candidate built, checked and timed (``_measure``), and the decision written to ``store``."""
+    module, compiled = _cached(store, key, candidates, inputs, dtype, reference, margin=margin,
+                               record=record)
+    if module is not None:
+        return module, compiled
+    module, compiled = _measure(candidates, inputs, dtype, reference, rounds=rounds,
+                                margin=margin, record=record, timed=timed)
+    if store is not None and compiled.get("ratios") is not None:
+        save_guard_record(store, key, {
+            "ratios": compiled["ratios"], "rounds": compiled["rounds"],
+            "repeat": compiled.get("repeat", 1), "baseline": compiled["baseline"],
+            "conditions": compiled.get("conditions"), "spread": compiled.get("spread")})
+    return module, compiled
 
 
 def _cached(store: CostCache | None, key: str, candidates: Mapping[str, Callable[[], nn.Module]],
