@@ -121,7 +121,7 @@ def _step(fn: Callable[..., Any], inputs: list[Any], names: list[str], *, train:
         got = torch.autograd.grad(training_loss(out), list(leaves.values()), allow_unused=True)
         grads = {name: g if g is not None else torch.zeros_like(x)
                  for (name, x), g in zip(leaves.items(), got, strict=True)}
-    return Step(_detached(out), grads, [], state, {})
+    return Step([t.detach() for t in iter_tensors(out)], grads, [], state, {})
 
 
 def draws_random(gm: fx.GraphModule) -> bool:
@@ -204,7 +204,3 @@ class GraphCheck:
     ok: bool
     how: str
     error: float | None
-
-
-def _detached(value: Any) -> Any:
-    return [t.detach() for t in iter_tensors(value)]
