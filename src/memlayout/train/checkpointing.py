@@ -38,8 +38,7 @@ def take_folder(config: TrainConfig, info: DistInfo) -> checkpoint.CheckpointLoc
             except CheckpointError as exc:
                 problem = str(exc)
         problem = broadcast_error(info, problem)
-    if problem is not None:
-        raise CheckpointError(problem if info.is_main else f"rank 0: {problem}")
+    _stop_on(problem, info)
     return lock
 
 
@@ -158,8 +157,7 @@ def _save_sharded(trainer: Trainer) -> Path | None:
             problem = str(exc)
         # rank 0 alone switches the link: when that fails, every rank stops with it
         problem = broadcast_error(info, problem)
-    if problem is not None:
-        raise CheckpointError(problem if info.is_main else f"rank 0: {problem}")
+    _stop_on(problem, info)
     return path
 
 
@@ -173,3 +171,10 @@ def _load_sharded(trainer: Trainer, folder: Path) -> dict[str, Any]:
         set_state_dict(unwrap(trainer.model), trainer.optimizer,
                        model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return meta
+
+
+def _stop_on(problem: str | None, info: DistInfo) -> None:
+    """Every rank stops with rank 0's checkpoint problem (broadcast), named as rank 0's on
+    the others."""
+    if problem is not None:
+        raise CheckpointError(problem if info.is_main else f"rank 0: {problem}")
