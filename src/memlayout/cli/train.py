@@ -91,6 +91,10 @@ def train(
         if threads is not None:
             torch.set_num_threads(threads)
         info = init_distributed(cfg.device, timeout=cfg.timeout)
+    except MemlayoutError as exc:
+        fail(exc)
+    finished = False
+    try:
         if not info.is_main:
             out = Console(quiet=True)
         if synthetic is not None:
@@ -100,14 +104,16 @@ def train(
                 result = _compare(cfg, layouts, info, rounds, out, progress)
             else:
                 run = _train_one(cfg, info, taken, out, progress)
+        if layouts:
+            render_comparison(result, layouts, out, batch=cfg.batch,
+                              world_size=info.world_size, rounds=rounds)
+        else:
+            render_run(run, out)
+        finished = True
     except MemlayoutError as exc:
         fail(exc)
-    if layouts:
-        render_comparison(result, layouts, out, batch=cfg.batch, world_size=info.world_size,
-                          rounds=rounds)
-    else:
-        render_run(run, out)
-    shutdown(info)
+    finally:
+        shutdown(info, together=finished)
 
 
 def _checked(ctx: typer.Context, cfg: TrainConfig,

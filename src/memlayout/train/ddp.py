@@ -274,7 +274,14 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def shutdown(info: DistInfo) -> None:
-    """Leave the process group this run joined."""
-    if info.distributed and dist.is_initialized():
+def shutdown(info: DistInfo, *, together: bool = True) -> None:
+    """Leave the process group this run joined. ``together``: wait for every rank first, so
+    that no rank closes its connections while another still has work on them (gloo aborts
+    the process then); a run that stops on an error leaves without waiting."""
+    if not (info.distributed and dist.is_initialized()):
+        return
+    try:
+        if together:
+            dist.barrier()
+    finally:
         dist.destroy_process_group()
