@@ -10,8 +10,9 @@ shards of ``latest.dcp``; a failure on rank 0 stops every rank with its reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,19 @@ from memlayout.train import checkpoint
 from memlayout.train.config import TrainConfig, resume_note, settings_of
 from memlayout.train.ddp import DistInfo, all_reduce_sum, broadcast_error, collectives, unwrap
 
-if TYPE_CHECKING:
-    from memlayout.train.loop import Trainer
+
+class RunState(Protocol):
+    """What of a run this module saves and loads (a :class:`~memlayout.train.loop.Trainer`)."""
+
+    config: TrainConfig
+    dist: DistInfo
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    step: int
+    steps_per_epoch: int
+    on_event: Callable[[Any], None]
 
 
 def take_folder(config: TrainConfig, info: DistInfo) -> checkpoint.CheckpointLock | None:
@@ -48,7 +60,7 @@ def latest(config: TrainConfig) -> Path:
     return Path(config.checkpoint) / name  # type: ignore[arg-type]
 
 
-def save(trainer: Trainer) -> Path | None:
+def save(trainer: RunState) -> Path | None:
     """Write the checkpoint of ``trainer``'s step: ``latest.pt`` by rank 0, atomically, or
     every rank's shards of ``latest.dcp``; every rank must call it. The path on rank 0."""
     config = trainer.config
@@ -65,7 +77,7 @@ def save(trainer: Trainer) -> Path | None:
     return checkpoint.atomic_save(state, Path(config.checkpoint) / checkpoint.LATEST)
 
 
-def load(trainer: Trainer, path: Path) -> None:
+def load(trainer: RunState, path: Path) -> None:
     """Put ``trainer`` back at the checkpoint's step: model, optimizer, scaler, this rank's
     RNG states; this run's hyperparameters win over the saved optimizer's, and a note names
     every setting that differs from the checkpoint's."""
@@ -90,7 +102,7 @@ def load(trainer: Trainer, path: Path) -> None:
     trainer.step = int(state["step"])
 
 
-def check_finite_weights(trainer: Trainer) -> None:
+def check_finite_weights(trainer: RunState) -> None:
     """``TrainError`` instead of a checkpoint of NaN or infinite weights (every rank: a
     sharded model's ranks each check their shards)."""
     bad = [name for name, t in unwrap(trainer.model).state_dict().items()
@@ -112,7 +124,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _rngs(trainer: Trainer) -> list[Any]:
+def _rngs(trainer: RunState) -> list[Any]:
     """Every rank's RNG states, in rank order (a collective under torchrun)."""
     rng = checkpoint.rng_state(trainer.device)
     rngs: list[Any] = [rng]
@@ -122,7 +134,7 @@ def _rngs(trainer: Trainer) -> list[Any]:
     return rngs
 
 
-def _meta(trainer: Trainer, rngs: list[Any]) -> dict[str, Any]:
+def _meta(trainer: RunState, rngs: list[Any]) -> dict[str, Any]:
     return {
         "format": checkpoint.FORMAT, "step": trainer.step,
         "epoch": trainer.step // trainer.steps_per_epoch,
@@ -143,7 +155,7 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     return {"model": model_state, "optimizer": optim_state}
 
 
-def _save_sharded(trainer: Trainer) -> Path | None:
+def _save_sharded(trainer: RunState) -> Path | None:
     """Every rank writes its shards of ``latest.dcp`` (DCP); rank 0 switches the link."""
     info, config = trainer.dist, trainer.config
     path, problem = None, None
@@ -161,7 +173,7 @@ def _save_sharded(trainer: Trainer) -> Path | None:
     return path
 
 
-def _load_sharded(trainer: Trainer, folder: Path) -> dict[str, Any]:
+def _load_sharded(trainer: RunState, folder: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     meta = checkpoint.load_sharded_meta(folder)
