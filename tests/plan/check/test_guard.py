@@ -4,6 +4,8 @@ decision follows from what goes in, not from this machine's speed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -25,12 +27,19 @@ def _fake_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float],
                 default: float = 2.0) -> None:
     """Whole-model calls of candidate ``name`` take ``seconds[name]`` (else ``default``) on a
     fake clock; everything else about the timing is the real one."""
-    now = [0.0]
+    _clock(monkeypatch, lambda name, _call: seconds.get(name, default))
+
+
+def _clock(monkeypatch: pytest.MonkeyPatch, seconds_of: Callable[[str, int], float]) -> None:
+    """The ``i``-th whole-model call of candidate ``name`` takes ``seconds_of(name, i)`` on a
+    fake clock."""
+    now, calls = [0.0], {}
 
     def fake_interleaved(fns, **kwargs):
         def advancing(name, fn):
             def call():
-                now[0] += seconds.get(name, default)
+                i = calls[name] = calls.get(name, -1) + 1
+                now[0] += seconds_of(name, i)
                 return fn()
             return call
         return timing.interleaved({n: advancing(n, f) for n, f in fns.items()},
@@ -205,6 +214,30 @@ def test_a_clear_call_is_not_extended(db, monkeypatch) -> None:
     opt = memlayout.optimize(Branchy().eval(), _x(), cache=db, rounds=1, guard_rounds=3)
     g = opt.plan.guard
     assert g.kept == "planned" and not g.extended and g.rounds == 3
+
+
+def _spread_clock(monkeypatch: pytest.MonkeyPatch, cycle: tuple[float, ...]) -> None:
+    """The plan's calls take 1 s on a fake clock; each other candidate's calls take the
+    seconds of ``cycle`` in turn (a noisy machine: rounds spread around the plan's time)."""
+    _clock(monkeypatch, lambda name, i: 1.0 if name == "planned" else cycle[i % len(cycle)])
+
+
+def test_rounds_that_spread_across_the_threshold_are_a_close_call(db, monkeypatch) -> None:
+    # per-round ratios planned / candidate 1.25, 0.83, 0.77: the median (0.83) is far from 1,
+    # but the rounds lie on both sides of it; five rounds like these cannot decide
+    _spread_clock(monkeypatch, (0.8, 1.2, 1.3))
+    model, x = Branchy().eval(), _x()
+    with monkeypatch.context() as mp:  # as a record cached before close calls were known
+        mp.setattr(guard, "is_close", lambda record, margin: False)
+        first = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=3)
+    assert not first.plan.guard.extended and first.plan.guard.rounds == 3
+    second = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=3)
+    g = second.plan.guard
+    assert g.source == "measured"  # the unsettled cached decision was not reused
+    assert g.extended and g.rounds == 6
+    monkeypatch.setattr(guard, "interleaved", _no_timing)
+    third = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=3)
+    assert third.plan.guard.source == "cache"  # timed longer: settled
 
 
 def test_second_optimize_measures_nothing_not_even_the_guard(db, monkeypatch) -> None:

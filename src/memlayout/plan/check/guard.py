@@ -8,8 +8,10 @@ except a format the plan already runs end to end, interleaved round by round thr
 ``memlayout.timing.interleaved``. The plan is kept unless another candidate is
 faster by more than ``margin`` (default 0: the faster in the median) in the median of the
 per-round ratios ``planned / candidate``. A close call (the best candidate's median within
-``CLOSE`` of the threshold ``1 + margin``) is timed for as many rounds again before it is decided: on a
-noisy machine five rounds cannot tell 2 % apart, and the bar is "never below 0.98x".
+``CLOSE`` of the threshold ``1 + margin``, or its middle half of rounds on both sides of
+it) is timed for as many rounds again before it is decided: on a noisy machine five rounds
+cannot tell 2 % apart, and the bar is "never below 0.98x". A cached record of a close call
+that was not timed longer is measured again.
 
 The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
 autocast dtype and a signature of the captured graphs (every node, its shapes, strides and
@@ -183,17 +185,34 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
 
 
 def is_close(record: Mapping[str, Any], *, margin: float) -> bool:
-    """The best candidate's median ratio (the one ``decide`` weighs) is within ``CLOSE`` of
-    the threshold ``1 + margin``: too near to decide on this many rounds.
+    """Too near to decide on this many rounds: the best candidate's median ratio (the one
+    ``decide`` weighs) is within ``CLOSE`` of the threshold ``1 + margin``, or its rounds
+    spread so that their quartiles lie on both sides of it.
 
     >>> is_close({"ratios": {"all_channels_last": [1.01, 0.99, 1.02]}}, margin=0.0)
     True
     >>> is_close({"ratios": {"all_channels_last": [1.2, 1.1, 1.3], "all_contiguous": [1.0]}},
     ...          margin=0.0)
     False
+    >>> is_close({"ratios": {"all_contiguous": [1.054, 1.282, 0.876, 0.931, 0.89]}}, margin=0.0)
+    True
     """
-    medians = [statistics.median(r) for r in record["ratios"].values() if r]
-    return bool(medians) and abs(max(medians) - (1.0 + margin)) < CLOSE
+    threshold = 1.0 + margin
+    ratios = [r for r in record["ratios"].values() if r]
+    if not ratios:
+        return False
+    best = max(ratios, key=statistics.median)
+    if abs(statistics.median(best) - threshold) < CLOSE:
+        return True
+    if len(best) < 2:
+        return False
+    q1, _, q3 = statistics.quantiles(best, n=4)
+    return q1 <= threshold <= q3
+
+
+def settled(record: Mapping[str, Any], *, margin: float) -> bool:
+    """A (cached) record whose decision stands: not a close call, or one timed longer."""
+    return bool(record.get("extended")) or not is_close(record, margin=margin)
 
 
 def train_step(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
@@ -345,7 +364,8 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
     key = cache_key(measured_on(options.device), options.dtype, signature(
         solution.graphs(), [options.signature_extra, names, skipped, "boundaries"]))
     record = store.get(key, valid_record) if store is not None else None
-    if record is not None and not measured_busy(record):  # a busy machine's: measure again
+    if (record is not None and not measured_busy(record)  # a busy machine's: measure again
+            and settled(record, margin=margin)):
         kept = decide(record, margin=margin)
         return decided(kept, describe(record, kept=kept, margin=margin, source="cache",
                                         skipped=skipped))
