@@ -283,5 +283,8 @@ def shutdown(info: DistInfo, *, together: bool = True) -> None:
     try:
         if together:
             dist.barrier()
+    except RuntimeError as exc:  # a rank already gone: the run's results are out; leave
+        if not _is_comm_failure(exc):
+            raise
     finally:
         dist.destroy_process_group()
