@@ -220,7 +220,8 @@ def _check_values(spec: str, factory: str, module: nn.Module, args: Any,
     meta = meta_weights(module)
     if meta:
         raise ModelSpecError(
-            f"{spec!r}: {factory}() built {meta}: shapes without values, so nothing can run, be measured or verified. Materialize "
+            f"{spec!r}: {factory}() built {meta}: shapes without values, so nothing can run, "
+            "be measured or verified. Materialize "
             f"them in {factory}(), e.g. module.to_empty(device='cpu') then reset_parameters() "
             "per module or load_state_dict from a checkpoint")
     if any(t.is_meta for t in iter_tensors((args, kwargs))):

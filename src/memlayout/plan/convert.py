@@ -60,8 +60,8 @@ def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...], *,
     if weights == PER_CALL:
         _convert_per_call(module)
     if weights != CONVERTED:
-        label = 0
-    if label == 1:
+        label = Label.CONTIGUOUS
+    if label == Label.CHANNELS_LAST:
         if 3 in ranks:  # a 1-d convolution model: Conv1d weights N L C too
             convert_module(module, Format.CHANNELS_LAST_1D)
         convert_module(module, Format.CHANNELS_LAST)

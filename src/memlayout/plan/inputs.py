@@ -22,7 +22,8 @@ def check_materialized(model: nn.Module, inputs: tuple[Any, ...]) -> None:
     meta = meta_weights(model)
     if meta:
         raise PlanError(
-            f"{type(model).__name__} has {meta}: they have shapes but no values, so nothing can be measured or verified. Materialize "
+            f"{type(model).__name__} has {meta}: they have shapes but no values, so nothing "
+            "can be measured or verified. Materialize "
             "the weights first, e.g. model.to_empty(device='cpu') then initialize them "
             "(reset_parameters() per module, or load_state_dict from a checkpoint)")
     if any(t.is_meta for t in iter_tensors(inputs)):

@@ -32,6 +32,7 @@ import torch
 from torch import fx, nn
 
 from memlayout.layout import Format, channels_last_for_rank, is_format, strides_for
+from memlayout.plan.graph import Label
 from memlayout.tensors import to_format
 
 #: ``optimize(weights=...)``: weights of channels-last nodes converted once (default), or
@@ -121,7 +122,7 @@ def store_weights(root: nn.Module, gm: fx.GraphModule, labels: dict[str, int],
     per call. ``storage``: node name -> ``as_is`` / ``per_call`` / ``None``."""
     keep_contiguous(root, ranks)
     for n in gm.graph.nodes:
-        if (n.op == "call_module" and labels.get(n.name) == 1
+        if (n.op == "call_module" and labels.get(n.name) == Label.CHANNELS_LAST
                 and storage.get(n.name) == PER_CALL):
             convert_per_call(root.get_submodule(n.target))
     return root
@@ -133,7 +134,7 @@ def storage_counts(labels: dict[str, int], storage: dict[str, str | None]) -> di
     counts = {AS_IS: 0, PER_CALL: 0}
     for name, label in labels.items():
         kind = storage.get(name)
-        if label == 1 and kind in counts:
+        if label == Label.CHANNELS_LAST and kind in counts:
             counts[kind] += 1
     return counts
 

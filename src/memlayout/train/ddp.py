@@ -282,7 +282,7 @@ def shutdown(info: DistInfo, *, together: bool = True) -> None:
         return
     try:
         if together:
-            dist.barrier()
+            barrier(info)
     except RuntimeError as exc:  # a rank already gone: the run's results are out; leave
         if not _is_comm_failure(exc):
             raise

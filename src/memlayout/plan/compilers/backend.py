@@ -332,7 +332,7 @@ def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
         return type(value)(to_label(v, label, ranks) for v in value)
     if not isinstance(value, torch.Tensor) or value.dim() not in ranks:
         return value
-    if label == 0:
+    if label == Label.CONTIGUOUS:
         return value.contiguous()
     if value.dim() == 3:
         return value.transpose(1, 2).contiguous().transpose(1, 2)

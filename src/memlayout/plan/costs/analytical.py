@@ -11,10 +11,7 @@ from torch import fx
 
 from memlayout.plan.capture.trace import is_convolution
 from memlayout.plan.costs.table import ConversionCost
-from memlayout.plan.graph import (
-    META_KEY,
-    ValueMeta,
-)
+from memlayout.plan.graph import META_KEY, Label, ValueMeta
 
 _FLOPS = 5e10  # flop/s of a dense convolution, contiguous
 
@@ -34,7 +31,7 @@ def analytical_seconds(gm: fx.GraphModule, n: fx.Node, label: int) -> float:
         reads, dense = work  # input values each output element reads; groups == 1
         numel = math.prod(meta.layout_tensors[0].shape)
         flops = 2.0 * numel * reads
-        return flops / _FLOPS * (_CL_CONV_GAIN if label == 1 and dense else 1.0)
+        return flops / _FLOPS * (_CL_CONV_GAIN if label == Label.CHANNELS_LAST and dense else 1.0)
     return meta.nbytes / _BANDWIDTH
 
 
