@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from memlayout import machine
-from memlayout.machine import CpuIsa
+import memlayout.plan.check.guard as guard
+from memlayout import machine, timing
+from memlayout.machine import Conditions, CpuIsa
 
 #: an AVX-512 Xeon without AMX: ATen dispatches to AVX512, oneDNN has avx512f but no bf16 units
 AVX512 = CpuIsa("AVX512", frozenset({"avx2", "avx512f"}))
@@ -25,3 +28,30 @@ def openvino_has_bf16() -> bool:
     import openvino as ov
 
     return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def fake_guard_clock(monkeypatch: pytest.MonkeyPatch, seconds_of: Callable[[str, int], float]) -> None:
+    """The ``i``-th call of the guard's candidate ``name`` (a whole model, or one of the
+    backend's ways to run a graph) takes ``seconds_of(name, i)`` on a fake clock."""
+    now, calls = [0.0], {}
+
+    def fake_interleaved(fns, **kwargs):
+        def advancing(name, fn):
+            def call():
+                i = calls[name] = calls.get(name, -1) + 1
+                now[0] += seconds_of(name, i)
+                return fn()
+            return call
+        return timing.interleaved({n: advancing(n, f) for n, f in fns.items()},
+                                  clock=lambda: now[0], **kwargs)
+
+    monkeypatch.setattr(guard, "interleaved", fake_interleaved)
+    # the clock is fake: the cost table's prediction (real timings) cannot agree with it
+    monkeypatch.setattr(guard, "SUSPECT", float("inf"))
+    fake_load(monkeypatch, load=0.0)  # the clock is fake: so is the machine's load
+
+
+def fake_load(monkeypatch: pytest.MonkeyPatch, *, load: float) -> None:
+    """``Conditions.now()`` reports ``load`` on 2 CPUs (busy above 2)."""
+    monkeypatch.setattr(Conditions, "now",
+                        classmethod(lambda cls: cls(load, 2, 1, "PASSIVE", "now")))

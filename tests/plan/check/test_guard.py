@@ -4,21 +4,19 @@ decision follows from what goes in, not from this machine's speed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
 import memlayout
 import memlayout.plan.check.guard as guard
 import memlayout.plan.costs.measure as costs
-from memlayout import timing
-from memlayout.machine import Conditions
 from memlayout.plan.capture.regions import capture
 from memlayout.plan.graph import Label
 from memlayout.plan.report.records import RatioRange
 from memlayout.plan.solve import regions as solve_regions
 from memlayout.plan.solve.mincut import Solution
+from tests.support.machine import fake_guard_clock as _clock
+from tests.support.machine import fake_load as _machine
 from tests.support.models import Branchy, Features
 from tests.support.models import batch as _x
 
@@ -28,33 +26,6 @@ def _fake_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float],
     """Whole-model calls of candidate ``name`` take ``seconds[name]`` (else ``default``) on a
     fake clock; everything else about the timing is the real one."""
     _clock(monkeypatch, lambda name, _call: seconds.get(name, default))
-
-
-def _clock(monkeypatch: pytest.MonkeyPatch, seconds_of: Callable[[str, int], float]) -> None:
-    """The ``i``-th whole-model call of candidate ``name`` takes ``seconds_of(name, i)`` on a
-    fake clock."""
-    now, calls = [0.0], {}
-
-    def fake_interleaved(fns, **kwargs):
-        def advancing(name, fn):
-            def call():
-                i = calls[name] = calls.get(name, -1) + 1
-                now[0] += seconds_of(name, i)
-                return fn()
-            return call
-        return timing.interleaved({n: advancing(n, f) for n, f in fns.items()},
-                                  clock=lambda: now[0], **kwargs)
-
-    monkeypatch.setattr(guard, "interleaved", fake_interleaved)
-    # the clock is fake: the cost table's prediction (real timings) cannot agree with it
-    monkeypatch.setattr(guard, "SUSPECT", float("inf"))
-    _machine(monkeypatch, load=0.0)  # the clock is fake: so is the machine's load
-
-
-def _machine(monkeypatch: pytest.MonkeyPatch, *, load: float) -> None:
-    """``Conditions.now()`` reports ``load`` on 2 CPUs (busy above 2)."""
-    monkeypatch.setattr(Conditions, "now",
-                        classmethod(lambda cls: cls(load, 2, 1, "PASSIVE", "now")))
 
 
 def _no_timing(*args, **kwargs):

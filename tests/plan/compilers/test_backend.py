@@ -20,9 +20,11 @@ from torch import nn
 
 import memlayout
 from memlayout.errors import PlanError
+from memlayout.plan.check import guard
 from memlayout.plan.compilers import backend as b
-from memlayout.plan.compilers.backend_report import AS_GIVEN, COMPILED, EAGER
+from memlayout.plan.compilers.backend_report import AS_GIVEN, COMPILED, EAGER, INDUCTOR_OWN
 from memlayout.plan.compilers.compiled import inductor_layout_decision
+from tests.support.machine import fake_guard_clock
 
 
 class Broken(nn.Module):
@@ -181,6 +183,76 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
                                device=x.device) is False
     assert b.inductor_rule(torch.fx.symbolic_trace(model), [x], dtype=None, train=True,
                            device=x.device) == rule
+
+
+def _spied_inner(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Inductor replaced by the graph run as it is (Inductor itself is not what the test is
+    about); returns the config patches of every compile asked for, in order."""
+    asked: list[dict] = []
+
+    def inner(gm, example_inputs, options, dtype, device, patches=b.PLAN_STANDS, planned=True):
+        asked.append(dict(patches))
+        return gm.forward
+    monkeypatch.setattr(b, "_inner", inner)
+    return asked
+
+
+@pytest.mark.parametrize("fastest", [COMPILED, EAGER, INDUCTOR_OWN])
+def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed(
+        monkeypatch, tmp_path, fastest):
+    """Convolutions made slow channels-last (the cost cache scaled) are planned contiguous,
+    where Inductor's rule (stated: on) puts them channels-last. The compiled plan is timed
+    against the plan run eagerly and against Inductor's own layouts, on a fake clock where
+    ``fastest`` takes half the time: that one runs, and the report gives the ratios. A second
+    compile reads the decision from the cache, times nothing, and compiles Inductor's own
+    only when it is the one kept."""
+    monkeypatch.setattr(b, "inductor_rule", lambda *args, **kwargs: True)
+    model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=False)
+    asked = _spied_inner(monkeypatch)
+    assert _scale_channels_last(cache, 50.0) >= 2
+    names = {COMPILED: guard.PLANNED, EAGER: EAGER, INDUCTOR_OWN: INDUCTOR_OWN}
+    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == names[fastest] else 1.0)
+    for run in ("measured", "cached"):
+        compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+        (graph,) = memlayout.backend_report(clear=True).graphs
+        assert graph.planned and len(graph.differing) == 2 and graph.ran == fastest
+        timed = dict(graph.timed)
+        assert set(timed) == {EAGER, INDUCTOR_OWN}
+        for how, ratio in timed.items():  # the compiled plan's time over that way's
+            assert ratio == pytest.approx(2.0 if how == fastest else
+                                          (0.5 if fastest == COMPILED else 1.0))
+        own_made = [p for p in asked if p == {}]
+        assert len(own_made) == (1 if run == "measured" or fastest == INDUCTOR_OWN else 0)
+        asked.clear()
+        torch._dynamo.reset()
+        monkeypatch.setattr(guard, "interleaved", _no_timing)
+
+
+def test_where_the_plan_is_inductors_own_choice_it_is_not_timed_against_it(monkeypatch,
+                                                                           tmp_path):
+    """Inductor's rule stated off (convolutions keep their traced strides) and the plan
+    contiguous: the plan is what Inductor would run, so only the eager plan is timed."""
+    monkeypatch.setattr(b, "inductor_rule", lambda *args, **kwargs: False)
+    model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=False)
+    asked = _spied_inner(monkeypatch)
+    _scale_channels_last(cache, 50.0)
+    fake_guard_clock(monkeypatch, lambda name, _i: 1.0)
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+    with torch.no_grad():
+        compiled(x)
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.ran == COMPILED and not graph.differing
+    assert [how for how, _ in graph.timed] == [EAGER] and asked == [b.PLAN_STANDS]
+
+
+def _no_timing(*args, **kwargs):
+    raise AssertionError("timed although the decision is in the cache")
 
 
 def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch, tmp_path):

@@ -137,8 +137,6 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
     conditions before and after (``Conditions`` as a dict), "planned_seconds": the plan's
     median time per call, "spread": the relative spread of its rounds}`` (JSON: the cache
     stores it)."""
-    before = Conditions.now()
-
     def runner(module: nn.Module, xs: tuple[Any, ...]) -> Callable[[], Any]:
         def run() -> Any:
             with torch.no_grad(), autocast(device, dtype):
@@ -146,7 +144,17 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
         return train_step(module, xs, dtype, device) if train else run
 
     own = inputs_of or {}
-    fns = {name: runner(m, own.get(name, inputs)) for name, m in models.items()}
+    return time_steps({name: runner(m, own.get(name, inputs)) for name, m in models.items()},
+                      device=device, rounds=rounds, on_step=on_step, margin=margin)
+
+
+def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, rounds: int,
+               on_step: Callable[[int, str], None] | None = None,
+               margin: float | None = None) -> dict[str, Any]:
+    """Time ``fns[PLANNED]`` and the other steps interleaved, each a whole call as it will run;
+    with ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more. The
+    record :func:`time_candidates` describes."""
+    before = Conditions.now()
     sync = device_sync(str(device))
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
     # sample lasts ~20 ms (one call is mostly timer noise). When one call is long enough the

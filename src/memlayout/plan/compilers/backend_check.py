@@ -1,14 +1,14 @@
 """The backend's checks of one planned graph (L2 plan, compilers): verification against the
 graph run eagerly (outputs, inputs changed in place, in training the gradients; a graph that
 draws random numbers checked with its dropouts off), and the guard that times the compiled
-graph against the planned one run eagerly (``memlayout.plan.compilers.backend``)."""
+graph against the planned one run eagerly and against Inductor's own layouts
+(``memlayout.plan.compilers.backend``)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +17,12 @@ import torch._dynamo.exc
 from torch import fx
 
 from memlayout.dtypes import autocast, dtype_name
+from memlayout.plan.check import guard
 from memlayout.plan.check.training import Step, agree, training_loss
 from memlayout.plan.compilers.backend_graphs import copy_graph, fresh_inputs, op_name
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
 from memlayout.tensors import iter_tensors
-from memlayout.timing import device_sync, interleaved
 
 _RANDOM = frozenset({"dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "dropout1d",
                      "dropout2d", "dropout3d", "feature_dropout", "feature_alpha_dropout",
@@ -138,26 +138,29 @@ def draws_random(gm: fx.GraphModule) -> bool:
     return False
 
 
-def guard_graph(fn: Callable[..., Any], eager: Callable[..., Any], planned: fx.GraphModule,
-                inputs: list[Any], *, store: CostCache | None, rounds: int, train: bool,
-                dtype: torch.dtype | None, device: torch.device) -> float:
-    """The median per-round ratio of the compiled graph's (``fn``) time to the planned graph
-    run eagerly (``eager``; above 1: eager is faster), from ``store`` or timed here."""
+def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
+                planned: fx.GraphModule, inputs: list[Any], *, store: CostCache | None,
+                rounds: int, margin: float, train: bool, dtype: torch.dtype | None,
+                device: torch.device) -> dict[str, Any]:
+    """Time the ways to run one graph interleaved (``candidates``: name -> a function making
+    it; ``PLANNED``: the compiled plan, the one kept unless another is faster by more than
+    ``margin``), or read the record from ``store``; a close call is timed for twice the
+    rounds (``memlayout.plan.check.guard``). A candidate is made only when it is timed. The
+    record of ``guard.time_steps``: ``guard.decide(record, margin=margin)`` names the
+    fastest."""
     key = json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
-                      "train" if train else "infer", _signature(planned, inputs)])
-    cached = store.get(key, _valid_guard) if store is not None else None
-    if cached is not None:
-        return float(cached["ratio"])
-    calls = {"compiled": _timed_step(fn, inputs, train, dtype, device),
-             "eager": _timed_step(eager, inputs, train, dtype, device)}
-    timing = interleaved(calls, rounds=rounds, warmup=1, sync=device_sync(str(device)))
-    if not all(t.ok for t in timing.modes.values()):
-        return 0.0  # eager could not be timed alone: the compiled graph stays
-    ratio = statistics.median(timing.per_round("compiled", "eager"))
-    if store is not None:
-        store.put(key, {"ratio": ratio, "rounds": rounds},
-                  spread=max(t.spread for t in timing.modes.values()))
-    return ratio
+                      "train" if train else "infer", sorted(candidates),
+                      _signature(planned, inputs)])
+    cached = store.get(key, guard.valid_record) if store is not None else None
+    if (cached is not None and not guard.measured_busy(cached)
+            and guard.settled(cached, margin=margin)):
+        return cached
+    steps = {name: _timed_step(make(), inputs, train, dtype, device)
+             for name, make in candidates.items()}
+    record = guard.time_steps(steps, device=device, rounds=rounds, margin=margin)
+    if store is not None and not record["errors"]:
+        guard.save(store, key, record)
+    return record
 
 
 def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
@@ -179,10 +182,6 @@ def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
             torch.autograd.grad(outs, leaves, grads, allow_unused=True)
         return out
     return step
-
-
-def _valid_guard(record: Any) -> bool:
-    return isinstance(record, dict) and isinstance(record.get("ratio"), (int, float))
 
 
 def _signature(gm: fx.GraphModule, inputs: list[Any]) -> str:

@@ -24,7 +24,7 @@ log = logging.getLogger("memlayout.backend")
 #: what ran for a graph
 COMPILED = "inductor"  # Inductor, with the plan standing (its layout optimization off)
 EAGER = "eager"  # the planned graph run eagerly (inner="eager", or it measured faster)
-INDUCTOR_OWN = "inductor (its own layouts)"  # not planned, or a plan that failed verification
+INDUCTOR_OWN = "inductor (its own layouts)"  # not planned, a plan dropped, or that measured faster
 AS_GIVEN = "eager (as given)"  # inner="eager", not planned
 
 
@@ -70,9 +70,9 @@ class GraphRecord:
     ``INDUCTOR_OWN``, ``AS_GIVEN``); ``inductor_rule``: Inductor's whole-graph decision
     (``True``: channels-last for every 2-d convolution; ``None``: this torch cannot say);
     ``verification``: how the graph was checked and the worst relative error; ``fallback``:
-    why the plan was dropped (a mismatch), else ``""``; ``eager_vs_compiled``: the median
-    per-round ratio of the compiled graph's time to the planned graph's run eagerly (above 1:
-    eager was faster), when both were timed."""
+    why the plan was dropped (a mismatch), else ``""``; ``timed``: for each other way the
+    guard timed (the plan run eagerly, Inductor's own layouts), the median per-round ratio
+    of the compiled plan's time to that way's (above 1: that way was faster)."""
 
     graph: str
     train: bool
@@ -89,7 +89,7 @@ class GraphRecord:
     verification: str = ""
     max_error: float | None = None
     fallback: str = ""
-    eager_vs_compiled: float | None = None
+    timed: tuple[tuple[str, float], ...] = ()
     plan_seconds: float = 0.0
     compile_seconds: float = 0.0
 
@@ -114,8 +114,9 @@ class GraphRecord:
             text += f"; plan dropped: {self.fallback}"
         elif self.verification:
             text += f"; verified ({self.verification}, worst relative error {self.max_error:.2g})"
-        if self.eager_vs_compiled is not None:
-            text += f"; compiled / eager time {self.eager_vs_compiled:.3g}"
+        if self.timed:
+            text += "; compiled plan's time over " + ", ".join(
+                f"{how}'s {ratio:.3g}" for how, ratio in self.timed)
         return text
 
 
