@@ -148,7 +148,9 @@ def test_a_plan_uniform_end_to_end_runs_as_that_eager_model(db, monkeypatch) -> 
     _fake_clock(monkeypatch, {"planned": 1.0})
     _plan_all_contiguous(monkeypatch)
     model, x = Features().eval(), _x()
-    opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2)
+    # padding off: on an AVX-512 CPU (16 floats a vector) the 8-channel convolutions are
+    # padding candidates, and one padded where that measured faster (real timings) is steered
+    opt = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=2, padding=False)
     assert opt.plan.guard.kept == "planned" and opt.plan.guard.skipped == ("all_contiguous",)
     # the original modules, the model's own forward: only the root converts, on entry
     assert [p for p, m in opt.named_modules() if "forward" in m.__dict__] == [""]

@@ -159,7 +159,11 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
     _measure_into(cache, model, x, train=True)
     assert _scale_channels_last(cache, 50.0) >= 2
     ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
-    compiled = torch.compile(ours, backend=memlayout.backend(cache=cache, guard=False))
+    # the guard times the compiled plan (made the fastest on a fake clock) against the plan
+    # eager and Inductor's own layouts, both compiled and run for real inside the backend's
+    # call: a training step, forward and backward
+    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == guard.PLANNED else 1.0)
+    compiled = torch.compile(ours, backend=memlayout.backend(cache=cache, rounds=1))
     out, grads = _train_step(compiled, x)
     want, want_grads = _train_step(theirs, x)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
@@ -175,9 +179,12 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
     assert all(c.inductor == "channels_last" for c in graph.differing)
     assert all(c.planned == "contiguous" and c.timed and c.seconds[1] > 10 * c.seconds[0]
                for c in graph.convolutions)
+    assert {how for how, _ in graph.timed} == ({EAGER, INDUCTOR_OWN} if rule else {EAGER})
     assert "measured" in memlayout.backend_report().render()
-    # both convolutions, at every call (the check's and the step's)
-    assert len(fed) >= 2 and all(t.is_contiguous() and w.is_contiguous() for t, w in fed)
+    # both convolutions, at every call of the graph that runs
+    fed.clear()
+    compiled(x)
+    assert len(fed) == 2 and all(t.is_contiguous() and w.is_contiguous() for t, w in fed)
     with inductor_config.patch(layout_optimization=False):  # the switch the plan relies on
         assert b.inductor_rule(torch.fx.symbolic_trace(model), [x], dtype=None, train=True,
                                device=x.device) is False
@@ -190,7 +197,8 @@ def _spied_inner(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     about); returns the config patches of every compile asked for, in order."""
     asked: list[dict] = []
 
-    def inner(gm, example_inputs, options, dtype, device, patches=b.PLAN_STANDS, planned=True):
+    def inner(gm, example_inputs, options, dtype, device, patches=b.PLAN_STANDS,
+              backward_now=True):
         asked.append(dict(patches))
         return gm.forward
     monkeypatch.setattr(b, "_inner", inner)

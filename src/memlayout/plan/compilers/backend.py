@@ -284,7 +284,8 @@ def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphMo
 
     def own() -> Callable[..., Any]:
         if INDUCTOR_OWN not in made:
-            made[INDUCTOR_OWN] = _unplanned(gm, example_inputs, options, dtype, device)[0]
+            made[INDUCTOR_OWN] = _unplanned(gm, example_inputs, options, dtype, device,
+                                            backward_now=True)[0]  # timed here
         return made[INDUCTOR_OWN]
 
     makers: dict[str, Callable[[], Callable[..., Any]]] = {
@@ -483,9 +484,12 @@ def inductor_rule(gm: fx.GraphModule, inputs: list[Any], *, dtype: torch.dtype |
 
 def _inner(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
            dtype: torch.dtype | None, device: torch.device,
-           patches: Mapping[str, Any] = PLAN_STANDS, planned: bool = True) -> Callable[..., Any]:
+           patches: Mapping[str, Any] = PLAN_STANDS,
+           backward_now: bool = True) -> Callable[..., Any]:
     """``gm`` compiled by the inner compiler (Inductor with ``patches``), or run eagerly;
-    ``planned``: a plan to verify (its backward compiled with the forward)."""
+    ``backward_now``: the backward compiled with the forward, for a graph run before Dynamo
+    runs it (verified, timed by the guard): compiled lazily, it would be at its first
+    backward, inside the backend's call, where Inductor's compile context is already open."""
     if options.inner == "eager":
         return _eager(gm, options, device)
     from torch._inductor.compile_fx import compile_fx
@@ -495,20 +499,20 @@ def _inner(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
         from torch._inductor import list_mode_options
 
         config = {**list_mode_options(options.mode), **config}
-    # the plan's backward compiled now, with the forward (it is verified before Dynamo runs
-    # the graph; compiled lazily it would be at the first backward, inside that check)
-    backward_now = torch._functorch.config.patch(force_non_lazy_backward_lowering=planned)
-    with _autocast_for(options, device, dtype), backward_now:
+    eager_backward = torch._functorch.config.patch(force_non_lazy_backward_lowering=backward_now)
+    with _autocast_for(options, device, dtype), eager_backward:
         return compile_fx(gm, example_inputs, config_patches=config or None)
 
 
 def _unplanned(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
-               dtype: torch.dtype | None, device: torch.device) -> tuple[Callable[..., Any], str]:
-    """``gm`` as Inductor compiles it with its own layouts (or as given, run eagerly)."""
+               dtype: torch.dtype | None, device: torch.device,
+               backward_now: bool = False) -> tuple[Callable[..., Any], str]:
+    """``gm`` as Inductor compiles it with its own layouts (or as given, run eagerly);
+    ``backward_now`` as for ``_inner``."""
     if options.inner == "eager":
         return _eager(gm, options, device), AS_GIVEN
-    return (_inner(gm, example_inputs, options, dtype, device, patches={}, planned=False),
-            INDUCTOR_OWN)
+    return (_inner(gm, example_inputs, options, dtype, device, patches={},
+                   backward_now=backward_now), INDUCTOR_OWN)
 
 
 def _eager(gm: fx.GraphModule, options: Backend, device: torch.device) -> Callable[..., Any]:
