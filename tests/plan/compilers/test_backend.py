@@ -16,6 +16,7 @@ import sqlite3
 import pytest
 import torch
 import torch._dynamo
+import torchvision
 from torch import nn
 
 import memlayout
@@ -134,6 +135,44 @@ def test_eager_inner_plans_every_subgraph_and_trains_as_the_model_does(tmp_path)
     torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=1e-2)
     infer = [g for g in memlayout.backend_report().graphs if not g.train and g.convolutions]
     assert infer and all(g.dtype == "bf16" for g in infer)
+
+
+class Random(nn.Module):
+    """Stochastic depth (a ``bernoulli_`` draw per sample, as torchvision's EfficientNet
+    does), and, with ``noisy``, noise drawn like the activation (``rand_like``: in memory
+    order, so its values depend on the layout)."""
+
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        self.noisy = noisy
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.depth = torchvision.ops.StochasticDepth(0.5, "row")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        y = y + self.depth(y)
+        return y + torch.rand_like(y) if self.noisy else y
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_graph_that_draws_random_numbers_is_compared_from_one_seed(tmp_path, noisy):
+    """Stochastic depth draws the same from the same seed in either layout: the training
+    graph is verified, gradients included. Noise drawn like a channels-last activation does
+    not: that graph is not compared, and the report says so (rather than claiming it)."""
+    model, x = Random(noisy).train(), torch.randn(4, 3, 8, 8)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=True)
+    _scale_channels_last(cache, 0.02)  # the convolution wants channels-last
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+        cache=cache, inner="eager", guard=False))
+    compiled(x).sum().backward()
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.planned and not graph.fallback and graph.convolutions[0].planned == "channels_last"
+    if noisy:
+        assert graph.verification.startswith("not compared") and graph.max_error is None
+    else:
+        assert graph.verification.endswith("from one random seed") and graph.max_error < 1e-3
+    assert graph.verification in memlayout.backend_report().render()
 
 
 def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, tmp_path):

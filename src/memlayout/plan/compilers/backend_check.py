@@ -66,23 +66,31 @@ def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: li
                   names: list[str], *, train: bool, dtype: torch.dtype | None,
                   device: torch.device) -> GraphCheck:
     """The planned graph against the original, both eager with their dropouts off (a mask
-    depends on the layout it is drawn in, and Inductor's random stream is not eager's); a
-    graph that draws other random numbers is not compared."""
+    depends on the layout it is drawn in, and Inductor's random stream is not eager's). A
+    graph that draws other random numbers (stochastic depth's ``bernoulli_``) runs both from
+    one seed: where its draws do not depend on layout they agree; where they differ the
+    graph is not compared, and the check says so."""
     calm = [_without_dropout(g) for g in (reference, planned)]
-    if any(draws_random(g) for g in calm):
-        return GraphCheck(True, "not compared: the graph draws random numbers", None)
-    how = "the plan vs the graph, eagerly, dropout off" + (", gradients" if train else "")
-    want, got = (_step(g, inputs, names, train=train, dtype=dtype, device=device) for g in calm)
-    ok, worst, what, _ = agree(want, got, dtype)
+    random = any(draws_random(g) for g in calm)
+    how = ("the plan vs the graph, eagerly, dropout off" + (", gradients" if train else "")
+           + (", from one random seed" if random else ""))
+
+    def run(g: fx.GraphModule, xs: list[Any], run_dtype: torch.dtype | None) -> Step:
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return _step(g, xs, names, train=train, dtype=run_dtype, device=device)
+
+    ok, worst, what, _ = agree(*(run(g, inputs, dtype) for g in calm), dtype)
     if ok:
         return GraphCheck(True, how, worst)
     wide = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             for x in inputs]
-    exact, error64, _, _ = agree(
-        *(_step(g, wide, names, train=train, dtype=None, device=device) for g in calm),
-        torch.float32)
+    exact, error64, _, _ = agree(*(run(g, wide, None) for g in calm), torch.float32)
     if exact:
         return GraphCheck(True, f"{how}; rounding only (float64: {error64:.2g})", worst)
+    if random:
+        return GraphCheck(True, "not compared: the graph draws random numbers that differ by "
+                          f"layout (first in the {what})", None)
     return GraphCheck(False, f"{how}, first in the {what}", worst)
 
 

@@ -112,8 +112,10 @@ class GraphRecord:
                 f"Inductor's rule ({rule}); ran by {self.ran}")
         if self.fallback:
             text += f"; plan dropped: {self.fallback}"
-        elif self.verification:
+        elif self.max_error is not None:
             text += f"; verified ({self.verification}, worst relative error {self.max_error:.2g})"
+        elif self.verification:
+            text += f"; {self.verification}"
         if self.timed:
             text += "; compiled plan's time over " + ", ".join(
                 f"{how}'s {ratio:.3g}" for how, ratio in self.timed)
