@@ -23,9 +23,8 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    not eager's). A mismatch drops the plan: the graph is compiled by Inductor with its own
    layouts, with a :class:`BackendWarning`;
 5. ``guard``: the compiled plan timed, interleaved (a training step: forward and backward),
-   against the planned graph run eagerly and, where the plan puts some convolution in
-   another format than Inductor's own rule would, against the graph compiled by Inductor
-   with its own layouts (what ``torch.compile`` alone runs); another runs only where it is
+   against the planned graph run eagerly and against the graph compiled by Inductor with
+   its own layouts (what ``torch.compile`` alone runs); another runs only where it is
    faster by more than ``GUARD_MARGIN``, and a close call is timed twice as long
    (``memlayout.plan.check.guard``). So a measured plan that loses as a whole graph never
    costs the user Inductor's speed. The decision is cached with the costs.
@@ -276,10 +275,12 @@ def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphMo
              device: torch.device) -> tuple[Callable[..., Any], str, tuple[tuple[str, float], ...]]:
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
     the plan compiled (``fn``, kept unless another is faster by more than ``GUARD_MARGIN``),
-    the plan run eagerly, and, where some convolution's planned format is not the one
-    Inductor's own rule gives it (or the rule is unknown), ``gm`` compiled by Inductor with
-    its own layouts: what ``torch.compile`` alone would run. Returns the function, what runs
-    it and each other way's median ratio (the compiled plan's time over its)."""
+    the plan run eagerly, and ``gm`` compiled by Inductor with its own layouts: what
+    ``torch.compile`` alone would run. That one is timed even where every convolution's
+    planned format is the one Inductor's rule gives it: the layouts between them (attention,
+    normalization, conversions) differ too, and can cost more than the convolutions save.
+    Returns the function, what runs it and each other way's median ratio (the compiled
+    plan's time over its)."""
     made: dict[str, Callable[..., Any]] = {}
 
     def own() -> Callable[..., Any]:
@@ -289,9 +290,8 @@ def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphMo
         return made[INDUCTOR_OWN]
 
     makers: dict[str, Callable[[], Callable[..., Any]]] = {
-        guard.PLANNED: lambda: fn, EAGER: lambda: _eager(eager_graph, options, device)}
-    if rule is None or any(c.differs for c in planned.convolutions):
-        makers[INDUCTOR_OWN] = own
+        guard.PLANNED: lambda: fn, EAGER: lambda: _eager(eager_graph, options, device),
+        INDUCTOR_OWN: own}
     store = _open_cache(options.cache)
     try:
         record = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
