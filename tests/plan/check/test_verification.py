@@ -36,6 +36,9 @@ def test_a_rounding_level_mismatch_on_a_list_of_images_passes_through_float64(
     from memlayout.plan import compare as v
 
     monkeypatch.setitem(v.TOLERANCE, torch.float32, (1e-9, 1e-12))
+    # a difference of rounding only, stated: on some CPUs the two layouts' convolutions
+    # agree to the bit, and a float32 round trip through 1.0 loses what float64 keeps
+    corrupt_the_plan_at(monkeypatch, "body", lambda out: (out + 1.0) - 1.0)
     opt = optimize(Images().eval(), _images(), measure=False, cache=False, memory=False,
                    output_format=None)
     record = opt.plan.verification

@@ -16,6 +16,7 @@ from torch import nn
 import memlayout
 from memlayout import runtimes
 from memlayout.errors import MemlayoutError
+from memlayout.plan.compare import compare
 from memlayout.plan.compilers import compiled as c
 from memlayout.plan.report.plan import Plan
 from tests.support.machine import openvino_has_bf16
@@ -167,7 +168,7 @@ def test_a_runtime_in_bf16_is_its_own_bf16_verified_at_bf16_tolerance(monkeypatc
         want = net(x)
     got = fast(x)
     assert got.dtype == torch.float32  # fp32 out of the runtime, bf16 inside
-    ok, err, _ = c.compare(want, got, torch.bfloat16)
+    ok, err, _ = compare(want, got, torch.bfloat16)
     assert ok, err
 
 
