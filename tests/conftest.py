@@ -47,3 +47,18 @@ def one_member_group(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and the memlayout backend's report empty before and after the test
+    (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")`` in a module that compiles)."""
+    import torch._dynamo
+
+    import memlayout
+
+    torch._dynamo.reset()
+    memlayout.backend_report(clear=True)
+    yield
+    torch._dynamo.reset()
+
