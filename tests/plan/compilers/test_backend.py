@@ -135,18 +135,20 @@ def test_eager_inner_plans_every_subgraph_and_trains_as_the_model_does(tmp_path)
 class Random(nn.Module):
     """Stochastic depth (a ``bernoulli_`` draw per sample, as torchvision's EfficientNet
     does), and, with ``noisy``, noise drawn like the activation (``rand_like``: in memory
-    order, so its values depend on the layout)."""
+    order, so its values depend on the layout), between two convolutions (both planned
+    channels-last, what lies between them is too)."""
 
     def __init__(self, noisy: bool) -> None:
         super().__init__()
         self.noisy = noisy
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.depth = torchvision.ops.StochasticDepth(0.5, "row")
+        self.out = nn.Conv2d(8, 8, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
         y = y + self.depth(y)
-        return y + torch.rand_like(y) if self.noisy else y
+        return self.out(y + torch.rand_like(y) if self.noisy else y)
 
 
 @pytest.mark.parametrize("noisy", [False, True])
@@ -157,12 +159,13 @@ def test_a_graph_that_draws_random_numbers_is_compared_from_one_seed(tmp_path, n
     model, x = Random(noisy).train(), torch.randn(4, 3, 8, 8)
     cache = str(tmp_path / "costs.sqlite")
     _measure_into(cache, model, x, train=True)
-    _scale_channels_last(cache, 0.02)  # the convolution wants channels-last
+    assert _scale_channels_last(cache, 0.02) == 2  # the convolutions want channels-last
     compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
         cache=cache, inner="eager", guard=False))
     compiled(x).sum().backward()
     (graph,) = memlayout.backend_report().graphs
-    assert graph.planned and not graph.fallback and graph.convolutions[0].planned == "channels_last"
+    assert graph.planned and not graph.fallback
+    assert [c.planned for c in graph.convolutions] == ["channels_last"] * 2
     if noisy:
         assert graph.verification.startswith("not compared") and graph.max_error is None
     else:
