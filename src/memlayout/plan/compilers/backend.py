@@ -27,7 +27,9 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    its own layouts (what ``torch.compile`` alone runs); another runs only where it is
    faster by more than ``GUARD_MARGIN``, and a close call is timed twice as long
    (``memlayout.plan.check.guard``). So a measured plan that loses as a whole graph never
-   costs the user Inductor's speed. The decision is cached with the costs.
+   costs the user Inductor's speed. The decision is cached with the costs, and a graph
+   decided before builds only the way that runs (the plan is neither compiled nor verified
+   where Inductor's own was kept; where the eager plan was, that is what is verified).
 
 Parameters are graph inputs here (Dynamo lifts them), so a weight planned in another format
 than it is stored in is converted on every call, and in training its gradient is converted
@@ -69,7 +71,12 @@ from memlayout.errors import MemlayoutError, PlanError, first_line
 from memlayout.plan.capture.regions import propagate
 from memlayout.plan.check import guard
 from memlayout.plan.check.semantics import mutates_in_place
-from memlayout.plan.compilers.backend_check import GraphCheck, guard_graph, verify_graph
+from memlayout.plan.compilers.backend_check import (
+    GraphCheck,
+    cached_guard,
+    guard_graph,
+    verify_graph,
+)
 from memlayout.plan.compilers.backend_graphs import (
     VIEWS,
     NotPlanned,
@@ -233,20 +240,32 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         return fn
     plan_seconds = time.perf_counter() - start
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
+    record = {**head, "planned": True, "inductor_rule": rule,
+              "convolutions": planned.convolutions, "conversions": planned.conversions,
+              "measured": planned.table.measured, "cached": planned.table.cached,
+              "plan_seconds": plan_seconds}
+    # the guard decided this graph before (the cost cache): build only what will run
+    known = _known_decision(eager_graph, inputs, options, train=train, dtype=dtype,
+                            device=device)
+    kept = guard.decide(known, margin=GUARD_MARGIN) if known is not None else None
+    if kept == INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
+        fn = _unplanned(gm, example_inputs, options, dtype, device)[0]
+        RECORDS.add(GraphRecord(**record, ran=INDUCTOR_OWN, timed=_timed(known),
+                                verification="the plan not run (Inductor's own layouts kept, "
+                                "as timed before)",
+                                compile_seconds=time.perf_counter() - start - plan_seconds))
+        return fn
     try:
-        fn = _inner(planned.graph, example_inputs, options, dtype, device)
+        fn = (_eager(eager_graph, options, device) if kept == EAGER
+              else _inner(planned.graph, example_inputs, options, dtype, device))
         check = verify_graph(gm, eager_graph, fn, inputs, train=train, dtype=dtype,
-                             device=device, compiled=options.inner != "eager")
+                             device=device, compiled=options.inner != "eager" and kept != EAGER)
     except _DYNAMO_SIGNALS:
         raise
     except Exception as exc:  # the plan does not compile or run: Inductor's own instead
         check = GraphCheck(False, f"compiling the plan failed ({type(exc).__name__}: "
                        f"{first_line(exc)})", None)
     compile_seconds = time.perf_counter() - start - plan_seconds
-    record = {**head, "planned": True, "inductor_rule": rule,
-              "convolutions": planned.convolutions, "conversions": planned.conversions,
-              "measured": planned.table.measured, "cached": planned.table.cached,
-              "plan_seconds": plan_seconds}
     if not check.ok:
         problem = check.how + ("" if check.error is None
                                else f": relative error {check.error:.3g}")
@@ -260,18 +279,45 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                 compile_seconds=compile_seconds))
         return fn
     ran, timed = (EAGER if options.inner == "eager" else COMPILED), ()
-    if ran == COMPILED and options.guard and options.measure:
-        fn, ran, timed = _fastest(fn, gm, eager_graph, example_inputs, inputs, planned, rule,
-                                  options, train=train, dtype=dtype, device=device)
+    if kept is not None:
+        ran, timed = (EAGER if kept == EAGER else COMPILED), _timed(known)
+    elif ran == COMPILED and options.guard and options.measure:
+        fn, ran, timed = _fastest(fn, gm, eager_graph, example_inputs, inputs, options,
+                                  train=train, dtype=dtype, device=device)
     RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how, max_error=check.error,
                             timed=timed,
                             compile_seconds=time.perf_counter() - start - plan_seconds))
     return fn
 
 
+#: the ways the guard times a planned graph: the compiled plan, the plan eagerly, Inductor's own
+WAYS = [guard.PLANNED, EAGER, INDUCTOR_OWN]
+
+
+def _known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Backend, *,
+                    train: bool, dtype: torch.dtype | None,
+                    device: torch.device) -> dict[str, Any] | None:
+    """The guard's cached record for this planned graph, if the guard runs and one stands."""
+    if options.inner == "eager" or not (options.guard and options.measure):
+        return None
+    store = _open_cache(options.cache)
+    if store is None:
+        return None
+    try:
+        return cached_guard(WAYS, eager_graph, inputs, store=store, margin=GUARD_MARGIN,
+                            train=train, dtype=dtype, device=device)
+    finally:
+        store.close()
+
+
+def _timed(record: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    """Each other way's median ratio in a guard record (the compiled plan's time over its)."""
+    return tuple((name, statistics.median(r)) for name, r in record["ratios"].items() if r)
+
+
 def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
-             example_inputs: list[Any], inputs: list[Any], planned: _Planned,
-             rule: bool | None, options: Backend, *, train: bool, dtype: torch.dtype | None,
+             example_inputs: list[Any], inputs: list[Any], options: Backend, *,
+             train: bool, dtype: torch.dtype | None,
              device: torch.device) -> tuple[Callable[..., Any], str, tuple[tuple[str, float], ...]]:
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
     the plan compiled (``fn``, kept unless another is faster by more than ``GUARD_MARGIN``),
@@ -299,7 +345,7 @@ def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphMo
     finally:
         if store is not None:
             store.close()
-    timed = tuple((name, statistics.median(r)) for name, r in record["ratios"].items() if r)
+    timed = _timed(record)
     kept = guard.decide(record, margin=GUARD_MARGIN)
     if kept == EAGER:
         return _eager(eager_graph, options, device), EAGER, timed

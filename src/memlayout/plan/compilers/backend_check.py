@@ -146,29 +146,49 @@ def draws_random(gm: fx.GraphModule) -> bool:
     return False
 
 
+def cached_guard(names: list[str], planned: fx.GraphModule, inputs: list[Any], *,
+                 store: CostCache, margin: float, train: bool, dtype: torch.dtype | None,
+                 device: torch.device) -> dict[str, Any] | None:
+    """The guard's record for these ways (``names``) of running ``planned`` on ``inputs``,
+    when ``store`` holds one that stands (measured on a quiet machine, not a close call left
+    unsettled); else ``None``."""
+    record = store.get(_guard_key(names, planned, inputs, train=train, dtype=dtype,
+                                  device=device), guard.valid_record)
+    if record is None or guard.measured_busy(record) or not guard.settled(record,
+                                                                          margin=margin):
+        return None
+    return record
+
+
 def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
                 planned: fx.GraphModule, inputs: list[Any], *, store: CostCache | None,
                 rounds: int, margin: float, train: bool, dtype: torch.dtype | None,
                 device: torch.device) -> dict[str, Any]:
     """Time the ways to run one graph interleaved (``candidates``: name -> a function making
     it; ``PLANNED``: the compiled plan, the one kept unless another is faster by more than
-    ``margin``), or read the record from ``store``; a close call is timed for twice the
-    rounds (``memlayout.plan.check.guard``). A candidate is made only when it is timed. The
-    record of ``guard.time_steps``: ``guard.decide(record, margin=margin)`` names the
-    fastest."""
-    key = json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
-                      "train" if train else "infer", sorted(candidates),
-                      _signature(planned, inputs)])
-    cached = store.get(key, guard.valid_record) if store is not None else None
-    if (cached is not None and not guard.measured_busy(cached)
-            and guard.settled(cached, margin=margin)):
-        return cached
+    ``margin``), or read the record from ``store`` (``cached_guard``); a close call is timed
+    for twice the rounds (``memlayout.plan.check.guard``). A candidate is made only when it
+    is timed. The record of ``guard.time_steps``: ``guard.decide(record, margin=margin)``
+    names the fastest."""
+    names = list(candidates)
+    where = dict(train=train, dtype=dtype, device=device)
+    if store is not None:
+        cached = cached_guard(names, planned, inputs, store=store, margin=margin, **where)
+        if cached is not None:
+            return cached
     steps = {name: _timed_step(make(), inputs, train, dtype, device)
              for name, make in candidates.items()}
     record = guard.time_steps(steps, device=device, rounds=rounds, margin=margin)
     if store is not None and not record["errors"]:
-        guard.save(store, key, record)
+        guard.save(store, _guard_key(names, planned, inputs, **where), record)
     return record
+
+
+def _guard_key(names: list[str], planned: fx.GraphModule, inputs: list[Any], *, train: bool,
+               dtype: torch.dtype | None, device: torch.device) -> str:
+    return json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
+                       "train" if train else "infer", sorted(names),
+                       _signature(planned, inputs)])
 
 
 def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
