@@ -70,7 +70,6 @@ from memlayout.dtypes import autocast, dtype_name, parse_dtype
 from memlayout.errors import MemlayoutError, PlanError, first_line
 from memlayout.plan.capture.regions import propagate
 from memlayout.plan.check import guard
-from memlayout.plan.check.semantics import mutates_in_place
 from memlayout.plan.compilers.backend_check import (
     GraphCheck,
     cached_guard,
@@ -78,14 +77,15 @@ from memlayout.plan.compilers.backend_check import (
     verify_graph,
 )
 from memlayout.plan.compilers.backend_graphs import (
-    VIEWS,
     NotPlanned,
     copy_graph,
     fresh_inputs,
     is_dynamic,
     module_path,
+    mutated_aliases,
     op_name,
     real_inputs,
+    refuse_module_state,
 )
 from memlayout.plan.compilers.backend_report import (
     AS_GIVEN,
@@ -267,17 +267,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                        f"{first_line(exc)})", None)
     compile_seconds = time.perf_counter() - start - plan_seconds
     if not check.ok:
-        problem = check.how + ("" if check.error is None
-                               else f": relative error {check.error:.3g}")
-        warnings.warn(f"memlayout backend: the plan of graph {head['graph']} was dropped "
-                      f"({problem}); the graph is compiled with Inductor's own layouts "
-                      "instead. Please report this with the model", BackendWarning,
-                      stacklevel=2)
-        fn, ran = _unplanned(gm, example_inputs, options, dtype, device)
-        RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how,
-                                max_error=check.error, fallback=problem,
-                                compile_seconds=compile_seconds))
-        return fn
+        return _dropped(gm, example_inputs, options, dtype, device, check, record,
+                        compile_seconds)
     ran, timed = (EAGER if options.inner == "eager" else COMPILED), ()
     if kept is not None:
         ran, timed = (EAGER if kept == EAGER else COMPILED), _timed(known)
@@ -287,6 +278,21 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how, max_error=check.error,
                             timed=timed,
                             compile_seconds=time.perf_counter() - start - plan_seconds))
+    return fn
+
+
+def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
+             dtype: torch.dtype | None, device: torch.device, check: GraphCheck,
+             record: dict[str, Any], compile_seconds: float) -> Callable[..., Any]:
+    """A plan that failed verification (or did not compile): the graph as Inductor compiles
+    it with its own layouts, a warning, and the record saying why."""
+    problem = check.how + ("" if check.error is None else f": relative error {check.error:.3g}")
+    warnings.warn(f"memlayout backend: the plan of graph {record['graph']} was dropped "
+                  f"({problem}); the graph is compiled with Inductor's own layouts instead. "
+                  "Please report this with the model", BackendWarning, stacklevel=3)
+    fn, ran = _unplanned(gm, example_inputs, options, dtype, device)
+    RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how, max_error=check.error,
+                            fallback=problem, compile_seconds=compile_seconds))
     return fn
 
 
@@ -370,9 +376,9 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     except MemlayoutError as exc:
         raise NotPlanned(f"the graph does not run on real tensors: {first_line(exc)}") from exc
     mark_spatial(work)
-    for n in _mutated_aliases(work):  # converting these would lose a write someone reads
+    for n in mutated_aliases(work):  # converting these would lose a write someone reads
         n.meta[META_KEY] = dataclasses.replace(n.meta[META_KEY], label=None)
-    _refuse_module_state(work, ranks)
+    refuse_module_state(work, ranks)
     if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS
                for n in work.graph.nodes):
         raise NotPlanned("no image-like value: no layout to choose")
@@ -423,54 +429,6 @@ def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
     return value.contiguous(memory_format=fmt)
 
 
-
-
-def _mutated_aliases(gm: fx.GraphModule) -> set[fx.Node]:
-    """Values a node writes into in place (directly or through a view) that someone else
-    reads, or that are graph inputs, with their views. Dynamo's graphs are not functional:
-    a conversion is a copy, and a write into a converted copy would not reach the other
-    readers (``batched = x.new_zeros(...); batched[..., :h, :w].copy_(x)``, then ``batched``
-    read by a convolution and returned)."""
-    def writes(n: fx.Node) -> bool:
-        return mutates_in_place(gm, n) or (n.op == "call_function" and op_name(n) == "setitem")
-
-    def is_view(n: fx.Node) -> bool:
-        return (n.op in ("call_function", "call_method") and op_name(n) in VIEWS
-                and bool(n.args) and isinstance(n.args[0], fx.Node))
-
-    protected: set[fx.Node] = set()
-    for m in gm.graph.nodes:
-        target = m.args[0] if m.args and m.op in ("call_function", "call_method") else None
-        if not isinstance(target, fx.Node) or not writes(m):
-            continue
-        root = target
-        while is_view(root):
-            root = root.args[0]
-        family, todo = {root}, [root]
-        while todo:  # every view of the written tensor, transitively
-            for u in todo.pop().users:
-                if is_view(u) and u not in family:
-                    family.add(u)
-                    todo.append(u)
-        readers = {u for a in family for u in a.users} - family - {m}
-        if readers or root.op == "placeholder":
-            protected |= family
-    return protected
-
-
-def _refuse_module_state(gm: fx.GraphModule, ranks: tuple[int, ...]) -> None:
-    """A graph that reads layout tensors as module attributes (``call_module``, ``get_attr``;
-    Dynamo with ``inline_inbuilt_nn_modules`` off) is not planned: rewriting converts such
-    tensors in place, and they are the user's."""
-    for n in gm.graph.nodes:
-        meta = n.meta.get(META_KEY)
-        if n.op == "call_module" and any(
-                p.dim() in ranks for p in gm.get_submodule(str(n.target)).parameters()):
-            raise NotPlanned(f"{n.target} is called as a module, its weights are not graph "
-                              "inputs (torch._dynamo.config.inline_inbuilt_nn_modules=True "
-                              "lifts them)")
-        if n.op == "get_attr" and meta is not None and meta.label is not None:
-            raise NotPlanned(f"{n.target} is an image-like tensor held by the graph itself")
 
 
 def _convolutions(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int],

@@ -1,6 +1,7 @@
 """What the backend reads off a Dynamo graph (L2 plan, compilers): real inputs for its
-example ones, whether its sizes are symbolic, copies of it, and the names and module paths of
-its nodes (``memlayout.plan.compilers.backend``)."""
+example ones, whether its sizes are symbolic, copies of it, the names and module paths of
+its nodes, the values written in place that a conversion would lose, and the module state it
+must not plan (``memlayout.plan.compilers.backend``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch._dynamo.exc
 from torch import fx
 
 from memlayout.errors import MemlayoutError
+from memlayout.plan.check.semantics import mutates_in_place
+from memlayout.plan.graph import META_KEY
 
 VIEWS = frozenset({"getitem", "view", "reshape", "narrow", "select", "slice", "permute",
                     "transpose", "unsqueeze", "squeeze", "expand", "as_strided", "unbind",
@@ -103,3 +106,51 @@ def module_path(n: fx.Node) -> str:
 
 class NotPlanned(MemlayoutError):
     """Why a graph is compiled without a plan (a fact about the graph, not a failure)."""
+
+
+def mutated_aliases(gm: fx.GraphModule) -> set[fx.Node]:
+    """Values a node writes into in place (directly or through a view) that someone else
+    reads, or that are graph inputs, with their views. Dynamo's graphs are not functional:
+    a conversion is a copy, and a write into a converted copy would not reach the other
+    readers (``batched = x.new_zeros(...); batched[..., :h, :w].copy_(x)``, then ``batched``
+    read by a convolution and returned)."""
+    def writes(n: fx.Node) -> bool:
+        return mutates_in_place(gm, n) or (n.op == "call_function" and op_name(n) == "setitem")
+
+    def is_view(n: fx.Node) -> bool:
+        return (n.op in ("call_function", "call_method") and op_name(n) in VIEWS
+                and bool(n.args) and isinstance(n.args[0], fx.Node))
+
+    protected: set[fx.Node] = set()
+    for m in gm.graph.nodes:
+        target = m.args[0] if m.args and m.op in ("call_function", "call_method") else None
+        if not isinstance(target, fx.Node) or not writes(m):
+            continue
+        root = target
+        while is_view(root):
+            root = root.args[0]
+        family, todo = {root}, [root]
+        while todo:  # every view of the written tensor, transitively
+            for u in todo.pop().users:
+                if is_view(u) and u not in family:
+                    family.add(u)
+                    todo.append(u)
+        readers = {u for a in family for u in a.users} - family - {m}
+        if readers or root.op == "placeholder":
+            protected |= family
+    return protected
+
+
+def refuse_module_state(gm: fx.GraphModule, ranks: tuple[int, ...]) -> None:
+    """A graph that reads layout tensors as module attributes (``call_module``, ``get_attr``;
+    Dynamo with ``inline_inbuilt_nn_modules`` off) is not planned: rewriting converts such
+    tensors in place, and they are the user's."""
+    for n in gm.graph.nodes:
+        meta = n.meta.get(META_KEY)
+        if n.op == "call_module" and any(
+                p.dim() in ranks for p in gm.get_submodule(str(n.target)).parameters()):
+            raise NotPlanned(f"{n.target} is called as a module, its weights are not graph "
+                              "inputs (torch._dynamo.config.inline_inbuilt_nn_modules=True "
+                              "lifts them)")
+        if n.op == "get_attr" and meta is not None and meta.label is not None:
+            raise NotPlanned(f"{n.target} is an image-like tensor held by the graph itself")
