@@ -23,8 +23,10 @@ import memlayout
 from memlayout.errors import PlanError
 from memlayout.plan.check import guard
 from memlayout.plan.compilers import backend as b
+from memlayout.plan.compilers import backend_check
 from memlayout.plan.compilers.backend_report import AS_GIVEN, COMPILED, EAGER, INDUCTOR_OWN
 from memlayout.plan.compilers.compiled import inductor_layout_decision
+from memlayout.plan.costs.cache import CostCache
 from tests.support.machine import fake_guard_clock
 
 
@@ -250,8 +252,10 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     against the plan run eagerly and against Inductor's own layouts, on a fake clock where
     ``fastest`` takes half the time: that one runs, and the report gives the ratios. A second
     compile reads the decision from the cache, times nothing, and builds only the way kept:
-    the compiled plan, Inductor's own, or nothing compiled at all for the eager plan."""
-    monkeypatch.setattr(b, "inductor_rule", lambda *args, **kwargs: True)
+    the compiled plan, Inductor's own, or nothing compiled at all for the eager plan.
+    Inductor's rule is asked once: later compiles of the graph read it from the cache."""
+    rules = []
+    monkeypatch.setattr(b, "inductor_rule", lambda *args, **kwargs: rules.append(1) or True)
     model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
     cache = str(tmp_path / "costs.sqlite")
     _measure_into(cache, model, x, train=False)
@@ -272,9 +276,13 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
                                           (0.5 if fastest == COMPILED else 1.0))
         built = {COMPILED: [b.PLAN_STANDS], EAGER: [], INDUCTOR_OWN: [{}]}[fastest]
         assert asked == ([b.PLAN_STANDS, {}] if run == "measured" else built)
+        # the compiled plan was verified by the first compile; the eager plan is not that
+        assert ("verified before" in graph.verification) == (
+            run == "cached" and fastest == COMPILED)
         asked.clear()
         torch._dynamo.reset()
         monkeypatch.setattr(guard, "interleaved", _no_timing)
+    assert len(rules) == 1
 
 
 def test_inductors_own_is_timed_even_where_every_convolution_agrees_with_its_rule(
@@ -300,6 +308,41 @@ def test_inductors_own_is_timed_even_where_every_convolution_agrees_with_its_rul
 
 def _no_timing(*args, **kwargs):
     raise AssertionError("timed although the decision is in the cache")
+
+
+def test_a_passing_verification_is_kept_and_a_failing_one_is_checked_again(monkeypatch, tmp_path):
+    """A plan verified once (same graph, rewrite, input metadata, way of running it) is not run
+    again, and says so; a plan that failed is checked again on every compile."""
+    calls = []
+    real = backend_check.verify_graph
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["compiled"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend_check, "verify_graph", counted)
+    model = _plain().eval()
+    reference = torch.fx.symbolic_trace(model)
+    wrong = torch.fx.symbolic_trace(nn.Sequential(model, Scale(1.5)))
+    inputs, store = [torch.randn(2, 3, 8, 8)], CostCache(tmp_path / "costs.sqlite")
+    where = dict(store=store, train=False, dtype=None, device=torch.device("cpu"))
+    for planned, ok in ((wrong, False), (wrong, False), (reference, True), (reference, True)):
+        check = backend_check.verify_once(reference, planned, planned.forward, inputs,
+                                          way=EAGER, compiled=False, **where)
+        assert check.ok == ok
+    assert len(calls) == 3 and "verified before" in check.how
+    check = backend_check.verify_once(reference, reference, reference.forward, inputs,
+                                      way="inductor default", compiled=True, **where)
+    assert check.ok and "verified before" not in check.how and calls[-1] is True
+
+
+class Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
 
 
 def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch, tmp_path):

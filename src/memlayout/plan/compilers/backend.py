@@ -21,7 +21,10 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    in training) is checked as the planned graph against the original, both eager with their
    dropouts off (a mask depends on the layout it is drawn in, and Inductor's random stream is
    not eager's). A mismatch drops the plan: the graph is compiled by Inductor with its own
-   layouts, with a :class:`BackendWarning`;
+   layouts, with a :class:`BackendWarning`. A passing verdict is kept in the cost cache
+   (keyed by the graph's code, the rewrite's, the inputs' shapes, strides and dtypes, how the
+   plan runs, and torch): the same graph planned the same way is not run again, and its
+   record says "verified before";
 5. ``guard``: the compiled plan timed, interleaved (a training step: forward and backward),
    against the planned graph run eagerly and against the graph compiled by Inductor with
    its own layouts (what ``torch.compile`` alone runs); another runs only where it is
@@ -30,6 +33,7 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    costs the user Inductor's speed. The decision is cached with the costs, and a graph
    decided before builds only the way that runs (the plan is neither compiled nor verified
    where Inductor's own was kept; where the eager plan was, that is what is verified).
+   Inductor's rule for the report (``inductor_rule``, a trace to aten) is cached the same way.
 
 Parameters are graph inputs here (Dynamo lifts them), so a weight planned in another format
 than it is stored in is converted on every call, and in training its gradient is converted
@@ -54,6 +58,7 @@ torch.Size([2, 8, 14, 14])
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
 import warnings
@@ -73,8 +78,10 @@ from memlayout.plan.check import guard
 from memlayout.plan.compilers.backend_check import (
     GraphCheck,
     cached_guard,
+    graph_signature,
     guard_graph,
     verify_graph,
+    verify_once,
 )
 from memlayout.plan.compilers.backend_graphs import (
     NotPlanned,
@@ -99,7 +106,7 @@ from memlayout.plan.compilers.backend_report import (
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import measure_costs
-from memlayout.plan.costs.table import CostTable
+from memlayout.plan.costs.table import CostTable, measured_on
 from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, LABELS, META_KEY, Label, Request
 from memlayout.plan.solve.formulate import formulate
 from memlayout.plan.solve.regions import solve_labels
@@ -218,7 +225,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     dtype = options.run_dtype(device)
     head = {"graph": str(gm.meta.get("dynamo_compile_id", "?")), "train": train,
             "dtype": dtype_name(dtype), "dynamic": is_dynamic(gm)}
-    rule = inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
+    rule = _rule(gm, inputs, options, dtype=dtype, train=train, device=device)
     try:
         planned = plan_graph(gm, inputs, options, train=train, dtype=dtype, device=device,
                              rule=rule)
@@ -255,16 +262,22 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                 "as timed before)",
                                 compile_seconds=time.perf_counter() - start - plan_seconds))
         return fn
+    compiled = options.inner != "eager" and kept != EAGER
+    store = _open_cache(options.cache)
     try:
-        fn = (_eager(eager_graph, options, device) if kept == EAGER
-              else _inner(planned.graph, example_inputs, options, dtype, device))
-        check = verify_graph(gm, eager_graph, fn, inputs, train=train, dtype=dtype,
-                             device=device, compiled=options.inner != "eager" and kept != EAGER)
+        fn = (_inner(planned.graph, example_inputs, options, dtype, device) if compiled
+              else _eager(eager_graph, options, device))
+        check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train, dtype=dtype,
+                            device=device, compiled=compiled,
+                            way=f"inductor {options.mode or 'default'}" if compiled else EAGER)
     except _DYNAMO_SIGNALS:
         raise
     except Exception as exc:  # the plan does not compile or run: Inductor's own instead
         check = GraphCheck(False, f"compiling the plan failed ({type(exc).__name__}: "
                        f"{first_line(exc)})", None)
+    finally:
+        if store is not None:
+            store.close()
     compile_seconds = time.perf_counter() - start - plan_seconds
     if not check.ok:
         return _dropped(gm, example_inputs, options, dtype, device, check, record,
@@ -481,6 +494,32 @@ def inductor_rule(gm: fx.GraphModule, inputs: list[Any], *, dtype: torch.dtype |
         return bool(decide(aten, is_inference=not train))
     except Exception:  # an untraceable graph or a changed internal: no answer, not a failure
         return None
+
+
+def _rule(gm: fx.GraphModule, inputs: list[Any], options: Backend, *,
+          dtype: torch.dtype | None, train: bool, device: torch.device) -> bool | None:
+    """``inductor_rule``, read from the cost cache where this graph's (same code, input
+    shapes, strides and dtypes, torch and Inductor layout config) was found before: it
+    traces the graph to aten, which is most of a cached compile's planning time."""
+    store = _open_cache(options.cache)
+    if store is None:
+        return inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
+    from torch._inductor import config
+
+    key = json.dumps(["backend-rule", measured_on(device), torch.__version__, str(dtype),
+                      "train" if train else "infer", config.layout_optimization,
+                      config.force_layout_optimization, torch.backends.mkldnn.enabled,
+                      graph_signature(gm, inputs)])
+    try:
+        found = store.get(key, lambda r: isinstance(r, dict) and r.get("rule") in (True, False,
+                                                                                    None))
+        if found is not None:
+            return found["rule"]
+        rule = inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
+        store.put(key, {"rule": rule}, is_noisy=False)
+        return rule
+    finally:
+        store.close()
 
 
 # ---------------------------------------------------------------- compiling

@@ -1,6 +1,7 @@
 """The backend's checks of one planned graph (L2 plan, compilers): verification against the
 graph run eagerly (outputs, inputs changed in place, in training the gradients; a graph that
-draws random numbers checked with its dropouts off), and the guard that times the compiled
+draws random numbers checked with its dropouts off; a passing verdict kept in the cost cache,
+so a graph and plan are checked once), and the guard that times the compiled
 graph against the planned one run eagerly and against Inductor's own layouts
 (``memlayout.plan.compilers.backend``)."""
 
@@ -60,6 +61,39 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
         return GraphCheck(True, f"{how}; beyond {dtype_name(dtype)} tolerance only by rounding "
                       f"(the rewrite in float64: {error64:.2g})", worst)
     return GraphCheck(False, f"{how}, first in the {what}", worst)
+
+
+def verify_once(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable[..., Any],
+                inputs: list[Any], *, store: CostCache | None, way: str, train: bool,
+                dtype: torch.dtype | None, device: torch.device,
+                compiled: bool = True) -> GraphCheck:
+    """``verify_graph``, once per graph and plan: a plan that passed before (``store`` holds
+    its verdict for this graph, this rewrite, the same input shapes, strides and dtypes, this
+    ``way`` of running it and this torch on this machine) is not run again; its check says
+    so. A failed check is never kept: the next compile checks again."""
+    key = _verdict_key(reference, planned, inputs, way=way, train=train, dtype=dtype,
+                       device=device)
+    before = store.get(key, _valid_verdict) if store is not None else None
+    if before is not None:
+        return GraphCheck(True, f"{before['how']} (verified before: this graph, plan and torch)",
+                          before["error"])
+    check = verify_graph(reference, planned, fn, inputs, train=train, dtype=dtype,
+                         device=device, compiled=compiled)
+    if check.ok and store is not None:
+        store.put(key, {"how": check.how, "error": check.error}, is_noisy=False)
+    return check
+
+
+def _verdict_key(reference: fx.GraphModule, planned: fx.GraphModule, inputs: list[Any], *,
+                 way: str, train: bool, dtype: torch.dtype | None, device: torch.device) -> str:
+    return json.dumps(["backend-verified", measured_on(device), torch.__version__, str(dtype),
+                       "train" if train else "infer", way, graph_signature(reference, inputs),
+                       graph_signature(planned, inputs)])
+
+
+def _valid_verdict(record: Any) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("how"), str)
+            and (record.get("error") is None or isinstance(record["error"], (int, float))))
 
 
 def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: list[Any],
@@ -188,7 +222,7 @@ def _guard_key(names: list[str], planned: fx.GraphModule, inputs: list[Any], *, 
                dtype: torch.dtype | None, device: torch.device) -> str:
     return json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
                        "train" if train else "infer", sorted(names),
-                       _signature(planned, inputs)])
+                       graph_signature(planned, inputs)])
 
 
 def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
@@ -212,8 +246,8 @@ def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
     return step
 
 
-def _signature(gm: fx.GraphModule, inputs: list[Any]) -> str:
-    """A hash of the planned graph's code and its inputs' shapes, strides and dtypes."""
+def graph_signature(gm: fx.GraphModule, inputs: list[Any]) -> str:
+    """A hash of a graph's code and its inputs' shapes, strides and dtypes."""
     h = hashlib.sha256(gm.code.encode())
     for x in inputs:
         if isinstance(x, torch.Tensor):
