@@ -25,7 +25,9 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    (keyed by the graph's code, the rewrite's, the inputs' shapes, strides and dtypes, how the
    plan runs, and torch): the same graph planned the same way is not run again, and its
    record says "verified before";
-5. ``guard``: the compiled plan timed, interleaved (a training step: forward and backward),
+5. ``guard``: the compiled plan timed, interleaved (a training step: forward, and backward
+   into ``.grad``, so a weight gradient the plan leaves channels-last pays its copy into the
+   parameter's strides, as in training),
    against the planned graph run eagerly and against the graph compiled by Inductor with
    its own layouts (what ``torch.compile`` alone runs); another runs only where it is
    faster by more than ``GUARD_MARGIN``, and a close call is timed twice as long
@@ -69,6 +71,7 @@ from typing import Any
 
 import torch
 import torch._dynamo.exc
+import torch._functorch.config
 from torch import fx, nn
 
 from memlayout.dtypes import autocast, dtype_name, parse_dtype
@@ -542,7 +545,10 @@ def _inner(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
         from torch._inductor import list_mode_options
 
         config = {**list_mode_options(options.mode), **config}
-    eager_backward = torch._functorch.config.patch(force_non_lazy_backward_lowering=backward_now)
+    functorch = torch._functorch.config
+    # a torch without the option compiles the backward lazily, as it always did
+    eager_backward = (functorch.patch(force_non_lazy_backward_lowering=backward_now)
+                      if hasattr(functorch, "force_non_lazy_backward_lowering") else _Nothing())
     with _autocast_for(options, device, dtype), eager_backward:
         return compile_fx(gm, example_inputs, config_patches=config or None)
 

@@ -220,15 +220,19 @@ def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
 
 def _guard_key(names: list[str], planned: fx.GraphModule, inputs: list[Any], *, train: bool,
                dtype: torch.dtype | None, device: torch.device) -> str:
+    # the key names how a training step is timed: its gradients go into .grad (_timed_step)
     return json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
-                       "train" if train else "infer", sorted(names),
+                       "train into .grad" if train else "infer", sorted(names),
                        graph_signature(planned, inputs)])
 
 
 def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
                 dtype: torch.dtype | None, device: torch.device) -> Callable[[], Any]:
     """One call of ``fn`` (in training: forward and backward for a fixed output gradient)
-    on copies of ``inputs`` made once."""
+    on copies of ``inputs`` made once. The backward accumulates into each input's ``.grad``
+    (cleared after the step), as a training step does: a gradient that comes out in other
+    strides than its parameter's (a weight the plan converted) is copied into the
+    parameter's by autograd's layout contract, and that copy is part of the step's time."""
     xs = fresh_inputs(inputs)
     leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
     grads: list[torch.Tensor] = []
@@ -241,7 +245,9 @@ def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
         if train and outs and leaves:
             if not grads:
                 grads.extend(torch.randn_like(t) for t in outs)
-            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+            torch.autograd.backward(outs, grads, inputs=leaves)
+            for x in leaves:
+                x.grad = None
         return out
     return step
 
