@@ -502,8 +502,8 @@ def inductor_rule(gm: fx.GraphModule, inputs: list[Any], *, dtype: torch.dtype |
 def _rule(gm: fx.GraphModule, inputs: list[Any], options: Backend, *,
           dtype: torch.dtype | None, train: bool, device: torch.device) -> bool | None:
     """``inductor_rule``, read from the cost cache where this graph's (same code, input
-    shapes, strides and dtypes, torch and Inductor layout config) was found before: it
-    traces the graph to aten, which is most of a cached compile's planning time."""
+    shapes, strides and dtypes, torch and Inductor layout config) was found before: asking
+    it traces the graph to aten, a large part of a cached compile."""
     store = _open_cache(options.cache)
     if store is None:
         return inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
