@@ -79,13 +79,18 @@ def _scale_channels_last(cache: str, factor: float) -> int:
 
 
 def _measure_into(cache: str, model: nn.Module, x: torch.Tensor, *, train: bool) -> None:
-    """Run the backend once on ``model`` (eagerly) so its costs land in ``cache``."""
+    """Run the backend once on ``model`` (eagerly) so its costs land in ``cache``; its
+    verification verdict is removed, so the test's own compile verifies its plan."""
     work = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
         cache=cache, inner="eager", guard=False, rounds=1))
     with torch.set_grad_enabled(train):
         work(x)
     torch._dynamo.reset()
     memlayout.backend_report(clear=True)
+    db = sqlite3.connect(cache)
+    with db:
+        assert db.execute("DELETE FROM entries WHERE kind = 'backend-verified'").rowcount == 1
+    db.close()
 
 
 def test_the_entry_point_registers_the_backend_and_bad_options_say_what_to_do():
