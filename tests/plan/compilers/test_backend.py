@@ -89,7 +89,7 @@ def _measure_into(cache: str, model: nn.Module, x: torch.Tensor, *, train: bool)
     memlayout.backend_report(clear=True)
     db = sqlite3.connect(cache)
     with db:
-        assert db.execute("DELETE FROM entries WHERE kind = 'backend-verified'").rowcount == 1
+        assert db.execute("DELETE FROM entries WHERE kind = 'backend-verified'").rowcount >= 1
     db.close()
 
 
@@ -344,8 +344,7 @@ def test_a_passing_verification_is_kept_and_a_failing_one_is_checked_again(monke
 def test_the_guards_training_step_pays_for_gradients_in_other_strides():
     """A weight the plan converts to channels-last gets a channels-last gradient, which a
     training step copies into the parameter's strides (autograd's layout contract, as the
-    gradient goes into ``.grad``); the step the guard times makes that copy too, and leaves
-    no gradient behind."""
+    gradient goes into ``.grad``); the step the guard times makes that copy too."""
     w, x = torch.randn(8, 3, 3, 3, requires_grad=True), torch.randn(2, 3, 8, 8)
     cl = torch.channels_last
 
