@@ -91,7 +91,6 @@ from memlayout.plan.compilers.backend_graphs import (
     copy_graph,
     fresh_inputs,
     is_dynamic,
-    module_path,
     mutated_aliases,
     op_name,
     real_inputs,
@@ -105,6 +104,7 @@ from memlayout.plan.compilers.backend_report import (
     RECORDS,
     ConvolutionChoice,
     GraphRecord,
+    convolution_choices,
 )
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
@@ -121,10 +121,6 @@ INNER_COMPILERS = ("inductor", "eager")
 #: the planned graph run eagerly replaces the compiled one only when faster by more than this
 GUARD_MARGIN = 0.02
 PLAN_STANDS = {"layout_optimization": False}
-
-_CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-                           "conv_transpose3d", "convolution", "_convolution"})
-
 
 #: Dynamo's control flow (trace again, skip the frame): raised through, never a failure
 _DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
@@ -407,7 +403,7 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
             store.close()
     form = formulate(work, table, input_label=None, output_label=Request.KEEP)
     labels = solve_labels(form.integer)
-    convolutions = _convolutions(work, table, labels, rule)
+    convolutions = convolution_choices(work, table, labels, rule)
     _, made = rewrite(nn.Module(), work, form, labels)
     if is_dynamic(gm):
         _traced_conversions(work)
@@ -443,37 +439,6 @@ def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
         return value.transpose(1, 2).contiguous().transpose(1, 2)
     fmt = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
     return value.contiguous(memory_format=fmt)
-
-
-
-
-def _convolutions(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int],
-                  rule: bool | None) -> tuple[ConvolutionChoice, ...]:
-    """Each convolution's choice: planned label, Inductor's (channels-last for a 2-d one when
-    its rule is on, else the strides as traced) and measured seconds."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or op_name(n) not in _CONVOLUTIONS or not n.args:
-            continue
-        source = n.args[0]
-        meta = source.meta.get(META_KEY) if isinstance(source, fx.Node) else None
-        if meta is None or not meta.tensors:
-            continue
-        shape = meta.tensors[0].shape
-        traced = meta.label if meta.label in LABELS else None
-        planned = labels.get(n.name, traced)
-        inductor = None if rule is None else (1 if rule and len(shape) == 4 else traced)
-        cost = table.nodes.get(n.name)
-        out.append(ConvolutionChoice(
-            module_path(n), op_name(n), tuple(shape), _text(planned, meta.label), _text(inductor),
-            cost.seconds if cost is not None else None, bool(cost and cost.timed)))
-    return tuple(out)
-
-
-def _text(label: int | None, traced: Any = None) -> str | None:
-    if label is None:
-        return Label.EITHER.text if traced is Label.EITHER else None
-    return Label(label).text
 
 
 def inductor_rule(gm: fx.GraphModule, inputs: list[Any], *, dtype: torch.dtype | None,

@@ -17,9 +17,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from torch import fx
+
+from memlayout.plan.compilers.backend_graphs import module_path, op_name
+from memlayout.plan.costs.table import CostTable
+from memlayout.plan.graph import LABELS, META_KEY, Label
 
 log = logging.getLogger("memlayout.backend")
+
+CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                          "conv_transpose3d", "convolution", "_convolution"})
 
 #: what ran for a graph
 COMPILED = "inductor"  # Inductor, with the plan standing (its layout optimization off)
@@ -59,6 +70,38 @@ class ConvolutionChoice:
                                                         strict=True)]
             text += f"; {kind} " + ", ".join(parts)
         return text
+
+
+
+def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int],
+                  rule: bool | None) -> tuple[ConvolutionChoice, ...]:
+    """Each convolution's choice: planned label, Inductor's (channels-last for a 2-d one when
+    its rule is on, else the strides as traced) and measured seconds."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or op_name(n) not in CONVOLUTIONS or not n.args:
+            continue
+        source = n.args[0]
+        meta = source.meta.get(META_KEY) if isinstance(source, fx.Node) else None
+        if meta is None or not meta.tensors:
+            continue
+        shape = meta.tensors[0].shape
+        traced = meta.label if meta.label in LABELS else None
+        planned = labels.get(n.name, traced)
+        inductor = None if rule is None else (1 if rule and len(shape) == 4 else traced)
+        cost = table.nodes.get(n.name)
+        out.append(ConvolutionChoice(
+            module_path(n), op_name(n), tuple(shape), label_text(planned, meta.label), label_text(inductor),
+            cost.seconds if cost is not None else None, bool(cost and cost.timed)))
+    return tuple(out)
+
+
+def label_text(label: int | None, traced: Any = None) -> str | None:
+    """A label's format name (``None``: no definite format; ``either`` where the traced
+    value is ambiguous)."""
+    if label is None:
+        return Label.EITHER.text if traced is Label.EITHER else None
+    return Label(label).text
 
 
 @dataclass(frozen=True)
