@@ -259,7 +259,8 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     ``fastest`` takes half the time: that one runs, and the report gives the ratios. A second
     compile reads the decision from the cache, times nothing, and builds only the way kept:
     the compiled plan, Inductor's own, or nothing compiled at all for the eager plan.
-    Inductor's rule is asked once: later compiles of the graph read it from the cache."""
+    Inductor's rule is asked once: later compiles of the graph read it from the cache, which
+    each compile of the graph opens once, for all it reads and writes."""
     rules = []
     monkeypatch.setattr(b, "inductor_rule", lambda *args, **kwargs: rules.append(1) or True)
     model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
@@ -267,6 +268,8 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     _measure_into(cache, model, x, train=False)
     asked = _spied_inner(monkeypatch)
     assert _scale_channels_last(cache, 50.0) >= 2
+    opened, cost_cache = [], b.CostCache
+    monkeypatch.setattr(b, "CostCache", lambda *a, **k: opened.append(a) or cost_cache(*a, **k))
     names = {COMPILED: guard.PLANNED, EAGER: EAGER, INDUCTOR_OWN: INDUCTOR_OWN}
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == names[fastest] else 1.0)
     for run in ("measured", "cached"):
@@ -284,7 +287,9 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
         assert asked == ([b.PLAN_STANDS, {}] if run == "measured" else built)
         if fastest == COMPILED:  # verified by the first compile, read by the second
             assert ("verified before" in graph.verification) == (run == "cached")
+        assert len(opened) == 1
         asked.clear()
+        opened.clear()
         torch._dynamo.reset()
         monkeypatch.setattr(guard, "interleaved", _no_timing)
     assert len(rules) == 1

@@ -209,25 +209,34 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
                   options: Backend) -> Callable[..., Any]:
     """Plan ``gm`` (one of Dynamo's graphs, ``example_inputs`` as Dynamo gives them) and
     compile it with ``options.inner``; record the decision in ``memlayout.backend_report()``.
-    The caller's random number generators are left as they were (planning runs the graph)."""
+    The caller's random number generators are left as they were (planning runs the graph).
+    The cost cache (``options.cache``) is opened once for the graph: its costs, Inductor's
+    rule, the verdict and the guard's decision are all read and written there."""
     inputs = real_inputs(example_inputs)
     device = device_of(inputs)
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        return _compile_graph(gm, example_inputs, inputs, device, options)
+    store = _open_cache(options.cache)
+    try:
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
+                                   else []):
+            return _compile_graph(gm, example_inputs, inputs, device, options, store)
+    finally:
+        if store is not None:
+            store.close()
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
-                   device: torch.device, options: Backend) -> Callable[..., Any]:
+                   device: torch.device, options: Backend,
+                   store: CostCache | None) -> Callable[..., Any]:
     start = time.perf_counter()
     train = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
     dtype = options.run_dtype(device)
     head = {"graph": str(gm.meta.get("dynamo_compile_id", "?")), "train": train,
             "dtype": dtype_name(dtype), "dynamic": is_dynamic(gm)}
-    rule = _rule(gm, inputs, options, dtype=dtype, train=train, device=device)
+    rule = _rule(gm, inputs, store, dtype=dtype, train=train, device=device)
     try:
         planned = plan_graph(gm, inputs, options, train=train, dtype=dtype, device=device,
-                             rule=rule)
+                             rule=rule, store=store)
     except _DYNAMO_SIGNALS:
         raise
     except NotPlanned as exc:
@@ -251,7 +260,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
               "measured": planned.table.measured, "cached": planned.table.cached,
               "plan_seconds": plan_seconds}
     # the guard decided this graph before (the cost cache): build only what will run
-    known = _known_decision(eager_graph, inputs, options, train=train, dtype=dtype,
+    known = _known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
                             device=device)
     kept = guard.decide(known, margin=GUARD_MARGIN) if known is not None else None
     if kept == INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
@@ -262,7 +271,6 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                 compile_seconds=time.perf_counter() - start - plan_seconds))
         return fn
     compiled = options.inner != "eager" and kept != EAGER
-    store = _open_cache(options.cache)
     try:
         fn = (_inner(planned.graph, example_inputs, options, dtype, device) if compiled
               else _eager(eager_graph, options, device))
@@ -274,9 +282,6 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     except Exception as exc:  # the plan does not compile or run: Inductor's own instead
         check = GraphCheck(False, f"compiling the plan failed ({type(exc).__name__}: "
                        f"{first_line(exc)})", None)
-    finally:
-        if store is not None:
-            store.close()
     compile_seconds = time.perf_counter() - start - plan_seconds
     if not check.ok:
         return _dropped(gm, example_inputs, options, dtype, device, check, record,
@@ -285,7 +290,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     if kept is not None:
         ran, timed = (EAGER if kept == EAGER else COMPILED), _timed(known)
     elif ran == COMPILED and options.guard and options.measure:
-        fn, ran, timed = _fastest(fn, gm, eager_graph, example_inputs, inputs, options,
+        fn, ran, timed = _fastest(fn, gm, eager_graph, example_inputs, inputs, options, store,
                                   train=train, dtype=dtype, device=device)
     RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how, max_error=check.error,
                             timed=timed,
@@ -312,20 +317,14 @@ def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
 WAYS = [guard.PLANNED, EAGER, INDUCTOR_OWN]
 
 
-def _known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Backend, *,
-                    train: bool, dtype: torch.dtype | None,
+def _known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Backend,
+                    store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
                     device: torch.device) -> dict[str, Any] | None:
     """The guard's cached record for this planned graph, if the guard runs and one stands."""
-    if options.inner == "eager" or not (options.guard and options.measure):
+    if options.inner == "eager" or not (options.guard and options.measure) or store is None:
         return None
-    store = _open_cache(options.cache)
-    if store is None:
-        return None
-    try:
-        return cached_guard(WAYS, eager_graph, inputs, store=store, margin=GUARD_MARGIN,
-                            train=train, dtype=dtype, device=device)
-    finally:
-        store.close()
+    return cached_guard(WAYS, eager_graph, inputs, store=store, margin=GUARD_MARGIN,
+                        train=train, dtype=dtype, device=device)
 
 
 def _timed(record: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
@@ -334,7 +333,8 @@ def _timed(record: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
 
 
 def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
-             example_inputs: list[Any], inputs: list[Any], options: Backend, *,
+             example_inputs: list[Any], inputs: list[Any], options: Backend,
+             store: CostCache | None, *,
              train: bool, dtype: torch.dtype | None,
              device: torch.device) -> tuple[Callable[..., Any], str, tuple[tuple[str, float], ...]]:
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
@@ -356,13 +356,8 @@ def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphMo
     makers: dict[str, Callable[[], Callable[..., Any]]] = {
         guard.PLANNED: lambda: fn, EAGER: lambda: _eager(eager_graph, options, device),
         INDUCTOR_OWN: own}
-    store = _open_cache(options.cache)
-    try:
-        record = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
-                             margin=GUARD_MARGIN, train=train, dtype=dtype, device=device)
-    finally:
-        if store is not None:
-            store.close()
+    record = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
+                         margin=GUARD_MARGIN, train=train, dtype=dtype, device=device)
     timed = _timed(record)
     kept = guard.decide(record, margin=GUARD_MARGIN)
     if kept == EAGER:
@@ -377,9 +372,10 @@ def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphMo
 
 def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train: bool,
                dtype: torch.dtype | None, device: torch.device,
-               rule: bool | None = None) -> _Planned:
+               rule: bool | None = None, store: CostCache | None = None) -> _Planned:
     """The plan of one Dynamo graph on real ``inputs``: a rewritten copy of ``gm`` (``gm``
-    itself is not changed). ``NotPlanned`` says why a graph has nothing to plan."""
+    itself is not changed), its costs measured into ``store`` (none: all measured).
+    ``NotPlanned`` says why a graph has nothing to plan."""
     work = copy_graph(gm)
     ranks = CONV1D_RANKS if any(op_name(n) in ("conv1d", "conv_transpose1d")
                                 for n in work.graph.nodes) else BASE_RANKS
@@ -394,13 +390,9 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS
                for n in work.graph.nodes):
         raise NotPlanned("no image-like value: no layout to choose")
-    store = _open_cache(options.cache) if options.measure else None
-    try:
-        table = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype, measure=options.measure,
-                              cache=store, rounds=options.rounds, train=train, device=device)
-    finally:
-        if store is not None:
-            store.close()
+    table = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype, measure=options.measure,
+                          cache=store if options.measure else None, rounds=options.rounds,
+                          train=train, device=device)
     form = formulate(work, table, input_label=None, output_label=Request.KEEP)
     labels = solve_labels(form.integer)
     convolutions = convolution_choices(work, table, labels, rule)
@@ -464,12 +456,11 @@ def inductor_rule(gm: fx.GraphModule, inputs: list[Any], *, dtype: torch.dtype |
         return None
 
 
-def _rule(gm: fx.GraphModule, inputs: list[Any], options: Backend, *,
+def _rule(gm: fx.GraphModule, inputs: list[Any], store: CostCache | None, *,
           dtype: torch.dtype | None, train: bool, device: torch.device) -> bool | None:
     """``inductor_rule``, read from the cost cache where this graph's (same code, input
     shapes, strides and dtypes, torch and Inductor layout config) was found before: asking
     it traces the graph to aten, a large part of a cached compile."""
-    store = _open_cache(options.cache)
     if store is None:
         return inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
     from torch._inductor import config
@@ -478,16 +469,12 @@ def _rule(gm: fx.GraphModule, inputs: list[Any], options: Backend, *,
                       "train" if train else "infer", config.layout_optimization,
                       config.force_layout_optimization, torch.backends.mkldnn.enabled,
                       graph_signature(gm, inputs)])
-    try:
-        found = store.get(key, lambda r: isinstance(r, dict) and r.get("rule") in (True, False,
-                                                                                    None))
-        if found is not None:
-            return found["rule"]
-        rule = inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
-        store.put(key, {"rule": rule}, is_noisy=False)
-        return rule
-    finally:
-        store.close()
+    found = store.get(key, lambda r: isinstance(r, dict) and r.get("rule") in (True, False, None))
+    if found is not None:
+        return found["rule"]
+    rule = inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
+    store.put(key, {"rule": rule}, is_noisy=False)
+    return rule
 
 
 # ---------------------------------------------------------------- compiling
