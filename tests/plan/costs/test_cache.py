@@ -211,6 +211,7 @@ def test_each_entry_records_its_conditions_and_noise(db) -> None:
     assert a.taken_at == QUIET.taken_at
     later = CostCache(db, conditions=lambda: QUIET)
     assert later.get('["node", "a"]') is not None and later.get('["node", "b"]') is None
+    assert later.entry('["guard", "c"]').noisy  # taken quiet, spread anyway: reused, said noisy
     busy_later = CostCache(db, conditions=lambda: BUSY)  # busy now: reused, said noisy
     assert busy_later.entry('["node", "b"]').noisy
 

@@ -5,9 +5,12 @@ Every entry stores, beside its record, the machine's fingerprint (``machine.fing
 CPU model, threads, torch version, OpenMP wait policy; part of the primary key, so another
 machine's or thread count's numbers are never read), the load average against the cores, the
 relative spread of its rounds and when it was taken. An entry measured while the machine was
-busy, or whose rounds spread more than ``machine.SPREAD_LIMIT``, is *noisy*: read on a quiet
-machine it is a miss (measured again and overwritten); read on a busy one it is returned and
-said to be noisy (:class:`Entry`), so noisy and quiet numbers are never mixed silently.
+busy, or whose rounds spread more than ``machine.SPREAD_LIMIT``, is *noisy*, and said to be
+when read (:class:`Entry`), so noisy and quiet numbers are never mixed silently. One taken on
+a busy machine and read on a quiet one is a miss (measured again and overwritten). One taken
+on a quiet machine that spread anyway (taken again before it was stored) is reused: its
+spread is the op's own, and measuring it again would move a plan by noise alone, and with it
+every decision keyed by the plan.
 
 The cache can never stop a run, and never touches a file memlayout did not create. A cache
 file carries memlayout's SQLite ``application_id``; a file without it (another application's
@@ -26,9 +29,12 @@ fails the reader's check, is a miss (one warning).
 >>> first = CostCache(path, conditions=lambda: quiet)
 >>> first.put('["node", "conv"]', {"s": 0.5}, spread=0.1)
 >>> first.put('["node", "relu"]', {"s": 0.1}, spread=8.5)  # its rounds spread 850 %
+>>> busy = Conditions(load_average=9.0, cpu_count=2, threads=2, omp_wait_policy="PASSIVE")
+>>> first.put('["node", "add"]', {"s": 0.2}, spread=0.1, conditions=busy)
 >>> later = CostCache(path, conditions=lambda: quiet)  # the next run, on a quiet machine
->>> later.get('["node", "conv"]'), later.get('["node", "relu"]')  # the noisy one: measure again
-({'s': 0.5}, None)
+>>> later.get('["node", "conv"]'), later.entry('["node", "relu"]').noisy
+({'s': 0.5}, True)
+>>> later.get('["node", "add"]')  # taken busy, read quiet: measure again
 """
 
 from __future__ import annotations
@@ -102,6 +108,12 @@ class Entry:
     spread: float | None  # (max - min) / median of its rounds; ``None``: not a timing
     noisy: bool  # busy machine or spread above ``machine.SPREAD_LIMIT``
     taken_at: str  # UTC, ISO 8601
+
+    @property
+    def taken_busy(self) -> bool:
+        """Taken while the load average was above the core count."""
+        return (self.load_average is not None and self.cpu_count is not None
+                and self.load_average > self.cpu_count)
 
 
 @dataclass(frozen=True)
@@ -265,8 +277,8 @@ class CostCache:
 
     def entry(self, key: str, check: Callable[[Any], bool] | None = None) -> Entry | None:
         """The entry under ``key`` for this machine's fingerprint, or ``None``: missing,
-        refreshed, not valid (``check(value)`` false or not JSON), or noisy while the machine
-        is quiet now (measure it again)."""
+        refreshed, not valid (``check(value)`` false or not JSON), or taken on a busy machine
+        while this one is quiet now (measure it again)."""
         if not self.usable or (self.refresh and key not in self._written):
             return None
         assert self._db is not None
@@ -288,7 +300,8 @@ class CostCache:
             self._warn(f"memlayout: a record of unexpected shape in the measurement cache "
                        f"{self.path} ({kind_of(key)}) was ignored and is measured again")
             return None
-        if found.noisy and key not in self._written and not self._conditions().busy:
+        if (found.noisy and found.taken_busy and key not in self._written
+                and not self._conditions().busy):
             return None  # a busy machine's number, read on a quiet one: measure it again
         return found
 

@@ -17,7 +17,7 @@ one still spread that far, or taken while the machine was busy (load above the c
 Measurements are cached (``memlayout.plan.costs.cache``), keyed by device name, torch version,
 autocast dtype, op, shapes, strides and dtype, and the machine's fingerprint, with the
 conditions they were taken under: a second plan of the same model measures nothing, except what
-was noisy, when the machine is quiet now. ``measure=False`` runs each layout node once per format (formats only) and
+was taken on a busy machine, when this one is quiet now. ``measure=False`` runs each layout node once per format (formats only) and
 uses an analytical cost model (``memlayout.plan.costs.analytical``) instead of timing; the records
 and which nodes are layout nodes are in ``memlayout.plan.costs.table``.
 """
