@@ -415,10 +415,18 @@ def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch,
     assert graph.ran == AS_GIVEN and "relative error" in graph.fallback
 
 
-def test_dynamic_shapes_plan_at_the_example_and_serve_other_sizes(tmp_path):
+def test_dynamic_shapes_plan_at_the_example_and_serve_other_sizes(monkeypatch, tmp_path):
     """``dynamic=True``: one graph for every size, planned at the first example's sizes;
     with channels-last made cheap the plan converts (conversions traced with symbolic
-    sizes), and Inductor compiles it."""
+    sizes), and Inductor compiles it. The report's Inductor rule for the dynamic graph is
+    the decision Inductor's own compile of it makes."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.graph import GraphLowering
+
+    decided, decide = [], GraphLowering.decide_layout_opt
+    monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(
+        lambda gm, *, is_inference: decided.append(decide(gm, is_inference=is_inference))
+        or decided[-1]))
     model, x = _plain().eval(), torch.randn(2, 3, 12, 14)  # H != W: no duck-sized guard
     cache = str(tmp_path / "costs.sqlite")
     _measure_into(cache, model, x, train=False)
@@ -432,6 +440,11 @@ def test_dynamic_shapes_plan_at_the_example_and_serve_other_sizes(tmp_path):
     assert graph.dynamic and graph.planned and graph.ran == COMPILED and not graph.fallback
     assert graph.conversions > 0
     assert all(c.planned == "channels_last" for c in graph.convolutions)
+    decided.clear()
+    # Inductor with its own layouts, compiled (a cached compile asks no rule)
+    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
+        torch.compile(copy.deepcopy(model), dynamic=True)(x)
+    assert decided and graph.inductor_rule is decided[0]
 
 
 def test_the_bench_mode_trains_through_the_backend_and_says_what_it_did(monkeypatch):

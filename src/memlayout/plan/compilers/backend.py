@@ -59,6 +59,7 @@ torch.Size([2, 8, 14, 14])
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -233,7 +234,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     dtype = options.run_dtype(device)
     head = {"graph": str(gm.meta.get("dynamo_compile_id", "?")), "train": train,
             "dtype": dtype_name(dtype), "dynamic": is_dynamic(gm)}
-    rule = _rule(gm, inputs, store, dtype=dtype, train=train, device=device)
+    rule = _rule(gm, example_inputs, inputs, store, dtype=dtype, train=train, device=device)
     try:
         planned = plan_graph(gm, inputs, options, train=train, dtype=dtype, device=device,
                              rule=rule, store=store)
@@ -433,36 +434,46 @@ def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
     return value.contiguous(memory_format=fmt)
 
 
-def inductor_rule(gm: fx.GraphModule, inputs: list[Any], *, dtype: torch.dtype | None,
+def inductor_rule(gm: fx.GraphModule, example_inputs: list[Any], *, dtype: torch.dtype | None,
                   train: bool, device: torch.device) -> bool | None:
     """Inductor's whole-graph layout decision for ``gm`` under the current config:
     ``True`` when it would require channels-last for every 2-d convolution; ``None`` when
     this torch cannot say (the internal ``GraphLowering.decide_layout_opt`` missing, or the
-    graph not traceable to aten)."""
+    graph not traceable to aten). ``gm`` is traced to aten on ``example_inputs`` as Dynamo
+    gives them, in Dynamo's own fake mode and shape env (its symbolic sizes, and only
+    those, symbolic: what Inductor decides on; guards suppressed, so asking adds none to
+    Dynamo's); real inputs (outside Dynamo) in a fake mode of their own, sizes static."""
     try:
+        from torch._guards import detect_fake_mode
         from torch._inductor.graph import GraphLowering
+        from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
         from torch.fx.experimental.proxy_tensor import make_fx
 
         decide = GraphLowering.decide_layout_opt
     except (ImportError, AttributeError):
         return None
     try:
-        # outside Dynamo's tracing context: its fake mode and shape env are the graph's own
-        with torch._guards.tracing(None), torch.no_grad(), autocast(device, dtype):
-            aten = make_fx(gm, tracing_mode="symbolic" if is_dynamic(gm) else "fake",
-                           _allow_non_fake_inputs=True)(*fresh_inputs(inputs))
+        mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(x, static_shapes=True)
+                 if isinstance(x, torch.Tensor) and not is_fake(x) else x
+                 for x in example_inputs]
+        quiet = (mode.shape_env.suppress_guards() if mode.shape_env is not None
+                 else contextlib.nullcontext())
+        with mode, quiet, torch.no_grad(), autocast(device, dtype):
+            aten = make_fx(gm, tracing_mode="real")(*fakes)  # "real": the inputs as given
         return bool(decide(aten, is_inference=not train))
     except Exception:  # an untraceable graph or a changed internal: no answer, not a failure
         return None
 
 
-def _rule(gm: fx.GraphModule, inputs: list[Any], store: CostCache | None, *,
-          dtype: torch.dtype | None, train: bool, device: torch.device) -> bool | None:
+def _rule(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
+          store: CostCache | None, *, dtype: torch.dtype | None, train: bool,
+          device: torch.device) -> bool | None:
     """``inductor_rule``, read from the cost cache where this graph's (same code, input
     shapes, strides and dtypes, torch and Inductor layout config) was found before: asking
     it traces the graph to aten, a large part of a cached compile."""
     if store is None:
-        return inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
+        return inductor_rule(gm, example_inputs, dtype=dtype, train=train, device=device)
     from torch._inductor import config
 
     key = json.dumps(["backend-rule", measured_on(device), torch.__version__, str(dtype),
@@ -472,7 +483,7 @@ def _rule(gm: fx.GraphModule, inputs: list[Any], store: CostCache | None, *,
     found = store.get(key, lambda r: isinstance(r, dict) and r.get("rule") in (True, False, None))
     if found is not None:
         return found["rule"]
-    rule = inductor_rule(gm, inputs, dtype=dtype, train=train, device=device)
+    rule = inductor_rule(gm, example_inputs, dtype=dtype, train=train, device=device)
     store.put(key, {"rule": rule}, is_noisy=False)
     return rule
 
@@ -500,7 +511,8 @@ def _inner(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
     functorch = torch._functorch.config
     # a torch without the option compiles the backward lazily, as it always did
     eager_backward = (functorch.patch(force_non_lazy_backward_lowering=backward_now)
-                      if hasattr(functorch, "force_non_lazy_backward_lowering") else _Nothing())
+                      if hasattr(functorch, "force_non_lazy_backward_lowering")
+                      else contextlib.nullcontext())
     with _autocast_for(options, device, dtype), eager_backward:
         return compile_fx(gm, example_inputs, config_patches=config or None)
 
@@ -530,18 +542,10 @@ def _eager(gm: fx.GraphModule, options: Backend, device: torch.device) -> Callab
 def _autocast_for(options: Backend, device: torch.device, dtype: torch.dtype | None) -> Any:
     """The autocast an explicit ``options.dtype`` asks for (fp32: autocast off); none else."""
     if options.dtype is None:
-        return _Nothing()
+        return contextlib.nullcontext()
     if dtype is None:
         return torch.autocast(device.type, enabled=False)
     return autocast(device, dtype)
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # ---------------------------------------------------------------- the cost cache

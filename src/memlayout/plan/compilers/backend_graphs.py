@@ -70,8 +70,6 @@ def fresh_inputs(inputs: list[Any]) -> list[Any]:
             if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
-
-
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` over the same attributes (its own graph and node meta)."""
     graph = fx.Graph()
