@@ -181,6 +181,40 @@ def test_a_graph_that_draws_random_numbers_is_compared_from_one_seed(tmp_path, n
     assert graph.verification in memlayout.backend_report().render()
 
 
+@pytest.mark.parametrize("batch_norm", [False, True])
+def test_asking_inductors_rule_adds_no_guard_and_writes_nothing_of_dynamos(monkeypatch,
+                                                                          batch_norm):
+    """Asked of a dynamic graph, the rule answers, adds no guard to Dynamo's shape env (the
+    graph's recompiles stay Dynamo's) and leaves Dynamo's example inputs untouched by what
+    the graph writes in place (batch norm's running statistics). Convolutions alone trace
+    in Dynamo's own fake mode; a training batch norm reads its momentum as a value there
+    (a float Dynamo passes as a tensor), so it is traced on real inputs instead."""
+    from torch._guards import detect_fake_mode
+
+    layers = [nn.Conv2d(3, 8, 3)] + ([nn.BatchNorm2d(8)] if batch_norm else [nn.ReLU()])
+    model, asked, real_traces = nn.Sequential(*layers).train(), [], []
+    on_real = b._on_real_inputs
+    monkeypatch.setattr(b, "_on_real_inputs",
+                        lambda *a, **k: real_traces.append(1) or on_real(*a, **k))
+
+    def state(example_inputs):
+        env = detect_fake_mode(example_inputs).shape_env
+        return len(env.guards), [x._version for x in example_inputs
+                                 if isinstance(x, torch.Tensor)]
+
+    def backend(gm, example_inputs):
+        before = state(example_inputs)
+        rule = b.inductor_rule(gm, example_inputs, dtype=None, train=True,
+                               device=torch.device("cpu"))
+        asked.append((rule, before, state(example_inputs)))
+        return gm.forward
+
+    torch.compile(model, dynamic=True, backend=backend)(torch.randn(2, 3, 9, 11))
+    ((rule, before, after),) = asked
+    assert rule is not None and before == after
+    assert len(real_traces) == int(batch_norm)
+
+
 def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, tmp_path):
     """Convolutions made slow channels-last (the costs in the cache scaled) are planned
     contiguous; Inductor's rule on this CPU is channels-last. Inductor keeps the plan (its

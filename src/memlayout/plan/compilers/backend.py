@@ -439,31 +439,58 @@ def inductor_rule(gm: fx.GraphModule, example_inputs: list[Any], *, dtype: torch
     """Inductor's whole-graph layout decision for ``gm`` under the current config:
     ``True`` when it would require channels-last for every 2-d convolution; ``None`` when
     this torch cannot say (the internal ``GraphLowering.decide_layout_opt`` missing, or the
-    graph not traceable to aten). ``gm`` is traced to aten on ``example_inputs`` as Dynamo
-    gives them, in Dynamo's own fake mode and shape env (its symbolic sizes, and only
-    those, symbolic: what Inductor decides on; guards suppressed, so asking adds none to
-    Dynamo's); real inputs (outside Dynamo) in a fake mode of their own, sizes static."""
+    graph not traceable to aten). ``gm`` is traced to aten in Dynamo's own fake mode and
+    shape env (``_in_dynamos_mode``: fast, and symbolic where Dynamo's sizes are, as
+    Inductor sees them); a graph that does not trace there (one that reads a value, such as
+    a float Dynamo passes as a tensor) is traced on real inputs of its sizes instead."""
     try:
-        from torch._guards import detect_fake_mode
         from torch._inductor.graph import GraphLowering
-        from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
         from torch.fx.experimental.proxy_tensor import make_fx
 
         decide = GraphLowering.decide_layout_opt
     except (ImportError, AttributeError):
         return None
+    for trace in (_in_dynamos_mode, _on_real_inputs):
+        try:
+            aten = trace(make_fx, gm, example_inputs, dtype=dtype, device=device)
+            return bool(decide(aten, is_inference=not train))
+        except Exception:  # untraceable this way, or a changed internal: the next, or no answer
+            continue
+    return None
+
+
+def _in_dynamos_mode(make_fx: Callable[..., Any], gm: fx.GraphModule,
+                     example_inputs: list[Any], *, dtype: torch.dtype | None,
+                     device: torch.device) -> fx.GraphModule:
+    """``gm`` traced to aten on new fake tensors of ``example_inputs``' sizes and strides in
+    Dynamo's fake mode (a fake mode of their own outside Dynamo), guards suppressed so the
+    trace adds none to Dynamo's, and nothing the graph writes in place touching its inputs;
+    a real tensor the graph holds (an attribute) read as fake."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    quiet = (mode.shape_env.suppress_guards() if mode.shape_env is not None
+             else contextlib.nullcontext())
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
     try:
-        mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-        fakes = [mode.from_tensor(x, static_shapes=True)
-                 if isinstance(x, torch.Tensor) and not is_fake(x) else x
-                 for x in example_inputs]
-        quiet = (mode.shape_env.suppress_guards() if mode.shape_env is not None
-                 else contextlib.nullcontext())
         with mode, quiet, torch.no_grad(), autocast(device, dtype):
-            aten = make_fx(gm, tracing_mode="real")(*fakes)  # "real": the inputs as given
-        return bool(decide(aten, is_inference=not train))
-    except Exception:  # an untraceable graph or a changed internal: no answer, not a failure
-        return None
+            fakes = [torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+                     if isinstance(x, torch.Tensor) else x for x in example_inputs]
+            return make_fx(gm, tracing_mode="real")(*fakes)  # "real": the inputs as given
+    finally:
+        mode.allow_non_fake_inputs = allowed
+
+
+def _on_real_inputs(make_fx: Callable[..., Any], gm: fx.GraphModule,
+                    example_inputs: list[Any], *, dtype: torch.dtype | None,
+                    device: torch.device) -> fx.GraphModule:
+    """``gm`` traced to aten from real inputs made of ``example_inputs`` (``real_inputs``),
+    outside Dynamo's tracing context, every size symbolic in a dynamic graph."""
+    inputs = fresh_inputs(real_inputs(example_inputs))
+    with torch._guards.tracing(None), torch.no_grad(), autocast(device, dtype):
+        return make_fx(gm, tracing_mode="symbolic" if is_dynamic(gm) else "fake",
+                       _allow_non_fake_inputs=True)(*inputs)
 
 
 def _rule(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
