@@ -59,8 +59,7 @@ class Conditions:
     @property
     def busy(self) -> bool:
         """More runnable jobs than cores: timings are not to be trusted beyond their direction."""
-        return (self.load_average is not None and self.cpu_count is not None
-                and self.load_average > self.cpu_count)
+        return overloaded(self.load_average, self.cpu_count)
 
     @property
     def spinning(self) -> bool:
@@ -84,6 +83,15 @@ class Conditions:
         load = "unknown" if self.load_average is None else f"{self.load_average:.1f}"
         return (f"load {load} on {self.cpu_count or '?'} CPUs, {self.threads} threads, "
                 f"OMP_WAIT_POLICY={self.omp_wait_policy or 'unset'}")
+
+
+def overloaded(load_average: float | None, cpu_count: int | None) -> bool:
+    """A load average above the core count (either unknown: not overloaded).
+
+    >>> overloaded(2.5, 2), overloaded(1.5, 2), overloaded(None, 2)
+    (True, False, False)
+    """
+    return load_average is not None and cpu_count is not None and load_average > cpu_count
 
 
 def noisy(spread: float | None) -> bool:

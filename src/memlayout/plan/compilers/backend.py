@@ -445,29 +445,28 @@ def inductor_rule(gm: fx.GraphModule, example_inputs: list[Any], *, dtype: torch
     a float Dynamo passes as a tensor) is traced on real inputs of its sizes instead."""
     try:
         from torch._inductor.graph import GraphLowering
-        from torch.fx.experimental.proxy_tensor import make_fx
 
         decide = GraphLowering.decide_layout_opt
     except (ImportError, AttributeError):
         return None
     for trace in (_in_dynamos_mode, _on_real_inputs):
         try:
-            aten = trace(make_fx, gm, example_inputs, dtype=dtype, device=device)
+            aten = trace(gm, example_inputs, dtype=dtype, device=device)
             return bool(decide(aten, is_inference=not train))
         except Exception:  # untraceable this way, or a changed internal: the next, or no answer
             continue
     return None
 
 
-def _in_dynamos_mode(make_fx: Callable[..., Any], gm: fx.GraphModule,
-                     example_inputs: list[Any], *, dtype: torch.dtype | None,
-                     device: torch.device) -> fx.GraphModule:
+def _in_dynamos_mode(gm: fx.GraphModule, example_inputs: list[Any], *,
+                     dtype: torch.dtype | None, device: torch.device) -> fx.GraphModule:
     """``gm`` traced to aten on new fake tensors of ``example_inputs``' sizes and strides in
     Dynamo's fake mode (a fake mode of their own outside Dynamo), guards suppressed so the
     trace adds none to Dynamo's, and nothing the graph writes in place touching its inputs;
     a real tensor the graph holds (an attribute) read as fake."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     mode = detect_fake_mode(example_inputs) or FakeTensorMode()
     quiet = (mode.shape_env.suppress_guards() if mode.shape_env is not None
@@ -482,11 +481,12 @@ def _in_dynamos_mode(make_fx: Callable[..., Any], gm: fx.GraphModule,
         mode.allow_non_fake_inputs = allowed
 
 
-def _on_real_inputs(make_fx: Callable[..., Any], gm: fx.GraphModule,
-                    example_inputs: list[Any], *, dtype: torch.dtype | None,
-                    device: torch.device) -> fx.GraphModule:
+def _on_real_inputs(gm: fx.GraphModule, example_inputs: list[Any], *,
+                    dtype: torch.dtype | None, device: torch.device) -> fx.GraphModule:
     """``gm`` traced to aten from real inputs made of ``example_inputs`` (``real_inputs``),
     outside Dynamo's tracing context, every size symbolic in a dynamic graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     inputs = fresh_inputs(real_inputs(example_inputs))
     with torch._guards.tracing(None), torch.no_grad(), autocast(device, dtype):
         return make_fx(gm, tracing_mode="symbolic" if is_dynamic(gm) else "fake",

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memlayout.machine import SPREAD_LIMIT, Conditions, fingerprint, noisy
+from memlayout.machine import SPREAD_LIMIT, Conditions, fingerprint, noisy, overloaded
 
 SCHEMA = 2  # ``PRAGMA user_version`` of a cache file this code reads
 #: ``PRAGMA application_id`` of every cache file memlayout creates ("MLay"): only a file that
@@ -112,8 +112,7 @@ class Entry:
     @property
     def taken_busy(self) -> bool:
         """Taken while the load average was above the core count."""
-        return (self.load_average is not None and self.cpu_count is not None
-                and self.load_average > self.cpu_count)
+        return overloaded(self.load_average, self.cpu_count)
 
 
 @dataclass(frozen=True)
