@@ -70,7 +70,7 @@ from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import CpuIsa
 from memlayout.plan.compare import compare as compare_outputs
-from memlayout.plan.compilers.backend_report import BackendReport
+from memlayout.plan.compilers.backend_report import COMPILED, EAGER, BackendReport
 from memlayout.plan.compilers.backend_report import backend_report as report_backend
 from memlayout.plan.compilers.compiled import compile as plan_and_compile
 from memlayout.plan.inputs import example_inputs_of
@@ -266,14 +266,17 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
 
 def _backend_note(report: BackendReport, inner: str) -> str:
     """What the backend did on the first call: graphs, how they ran, the convolutions whose
-    format differs from Inductor's rule."""
+    format differs from Inductor's rule, the weights the plans that run convert per call."""
     ran = ", ".join(f"{sum(g.ran == how for g in report.graphs)} {how}"
                     for how in dict.fromkeys(g.ran for g in report.graphs))
     differ = [c.where for _, c in report.differing]
     shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
+    weights = [size for g in report.graphs if g.ran in (COMPILED, EAGER)
+               for _, size in g.converted_weights]
     return (f"torch.compile(backend=memlayout.backend(inner={inner!r})): "
             f"{len(report.graphs)} graphs ({ran}); {len(differ)} convolutions differ from "
-            f"Inductor's rule{': ' + shown if differ else ''}; first call = plan + compile time")
+            f"Inductor's rule{': ' + shown if differ else ''}; {len(weights)} weights "
+            f"({sum(weights) / 1e6:.3g} MB) converted per call; first call = plan + compile time")
 
 
 def _input_format(args: tuple[Any, ...]) -> str:

@@ -271,6 +271,42 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
                            device=x.device) == rule
 
 
+def test_the_report_names_the_weights_a_plan_converts_on_every_call(tmp_path):
+    """Convolutions made fast channels-last (the cached costs scaled) are planned so. A
+    model stored contiguous hands Dynamo its weights contiguous, and the plan converts them
+    on every call: the report names them with their bytes. Stored channels-last, the same
+    plan converts none."""
+    cache = str(tmp_path / "costs.sqlite")
+    x = torch.randn(2, 3, 12, 12)
+    stored = {fmt: _plain().to(memory_format=fmt)
+              for fmt in (torch.contiguous_format, torch.channels_last)}
+    for model in stored.values():
+        _measure_into(cache, model, x, train=True)
+    assert _scale_channels_last(cache, 0.01) >= 2
+    named = {}
+    for fmt, model in stored.items():
+        compiled = torch.compile(model, backend=memlayout.backend(cache=cache, inner="eager",
+                                                                  rounds=1))
+        _train_step(compiled, x)
+        report = memlayout.backend_report(clear=True)
+        (graph,) = report.graphs
+        torch._dynamo.reset()
+        assert [c.planned for c in graph.convolutions] == ["channels_last"] * 2
+        params = dict(model.named_parameters())
+        # what the model's own strides say a channels-last convolution has to convert
+        want = {f"{c.where}.weight": params[f"{c.where}.weight"].nbytes
+                for c in graph.convolutions
+                if not params[f"{c.where}.weight"].is_contiguous(memory_format=torch.channels_last)}
+        assert dict(graph.converted_weights) == want
+        named[fmt] = want
+        if want:
+            assert f"{len(want)} of them weights" in graph.headline()
+            assert "converted on every call and back" in graph.headline()
+            assert ", ".join(sorted(want)) in report.render()
+    assert set(named[torch.contiguous_format]) == {"0.weight", "2.weight"}
+    assert named[torch.channels_last] == {}
+
+
 def _spied_inner(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Inductor replaced by the graph run as it is (Inductor itself is not what the test is
     about); returns the config patches of every compile asked for, in order."""
@@ -495,6 +531,8 @@ def test_the_bench_mode_trains_through_the_backend_and_says_what_it_did(monkeypa
     assert len(graphs) >= 2 and all(g.dtype == "bf16" for g in graphs if g.convolutions)
     assert prepared.note.startswith("torch.compile(backend=memlayout.backend(inner='eager')): "
                                     f"{len(graphs)} graphs")
+    converted = sum(len(g.converted_weights) for g in graphs)
+    assert f"{converted} weights" in prepared.note
 
 
 class Padded(nn.Module):

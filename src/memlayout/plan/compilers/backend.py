@@ -89,6 +89,7 @@ from memlayout.plan.compilers.backend_check import (
 )
 from memlayout.plan.compilers.backend_graphs import (
     NotPlanned,
+    converted_weights,
     copy_graph,
     fresh_inputs,
     is_dynamic,
@@ -197,13 +198,14 @@ memlayout_backend = Backend()
 
 @dataclass(frozen=True)
 class _Planned:
-    """A graph's plan: the rewritten copy, its costs, the labels, the conversions made and
-    each convolution's choice."""
+    """A graph's plan: the rewritten copy, its costs, the conversions made, each
+    convolution's choice and the weights converted on every call (name, bytes)."""
 
     graph: fx.GraphModule
     table: CostTable
     conversions: int
     convolutions: tuple[ConvolutionChoice, ...]
+    weights: tuple[tuple[str, int], ...] = ()
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
@@ -258,6 +260,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     record = {**head, "planned": True, "inductor_rule": rule,
               "convolutions": planned.convolutions, "conversions": planned.conversions,
+              "converted_weights": planned.weights,
               "measured": planned.table.measured, "cached": planned.table.cached,
               "plan_seconds": plan_seconds}
     # the guard decided this graph before (the cost cache): build only what will run
@@ -398,9 +401,10 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     labels = solve_labels(form.integer)
     convolutions = convolution_choices(work, table, labels, rule)
     _, made = rewrite(nn.Module(), work, form, labels)
+    weights = converted_weights(work, inputs, [value for value, _, _ in made])
     if is_dynamic(gm):
         _traced_conversions(work)
-    return _Planned(work, table, len(made), convolutions)
+    return _Planned(work, table, len(made), convolutions, weights)
 
 
 def _traced_conversions(gm: fx.GraphModule) -> None:

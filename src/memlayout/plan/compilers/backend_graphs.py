@@ -96,10 +96,45 @@ def module_path(n: fx.Node) -> str:
     stack = n.meta.get("nn_module_stack") or {}
     if not stack:
         return n.name
-    path = re.sub(r"^L\['[^']*'\]\.?", "", str(list(stack.values())[-1][0]))
-    path = path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
-    return path or n.name
+    return source_path(str(list(stack.values())[-1][0])) or n.name
 
+
+def input_name(n: fx.Node) -> str:
+    """What a graph input is in the user's model (``layer1.0.conv1.weight``), from the
+    source Dynamo recorded for it; else its node name."""
+    source = getattr(getattr(n.meta.get("grapharg"), "source", None), "name", None)
+    return (source_path(source) if isinstance(source, str) else "") or n.name
+
+
+def source_path(source: str) -> str:
+    """A Dynamo source as a dotted path: the frame's local and the module containers dropped.
+
+    >>> source_path("L['self']._modules['layer1']._modules['0']._parameters['weight']")
+    'layer1.0.weight'
+    >>> source_path("L['self'].__dict__['_modules']['down'][2].conv1")
+    'down.2.conv1'
+    """
+    path = re.sub(r"^L\['[^']*'\]", "", source)
+    path = re.sub(r"\.?(?:__dict__\['_(?:modules|parameters|buffers)'\]"
+                  r"|(?:__dict__\.)?_(?:modules|parameters|buffers)(?=\[))", "", path)
+    path = path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    return path.strip(".")
+
+
+
+def converted_weights(gm: fx.GraphModule, inputs: list[Any],
+                      converted: list[str]) -> tuple[tuple[str, int], ...]:
+    """``(name, bytes)`` of each parameter among the graph inputs named in ``converted`` (the
+    values a plan converts): a weight stored in another format than the plan runs it in,
+    converted on every call (in training its gradient back too)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: dict[str, int] = {}
+    for n, value in zip(placeholders, inputs, strict=False):
+        source = getattr(getattr(n.meta.get("grapharg"), "source", None), "name", "")
+        if n.name in converted and isinstance(value, torch.Tensor) and (
+                isinstance(value, torch.nn.Parameter) or "_parameters" in str(source)):
+            out[input_name(n)] = value.numel() * value.element_size()
+    return tuple(sorted(out.items()))
 
 
 class NotPlanned(MemlayoutError):

@@ -113,7 +113,9 @@ class GraphRecord:
     ``INDUCTOR_OWN``, ``AS_GIVEN``); ``inductor_rule``: Inductor's whole-graph decision
     (``True``: channels-last for every 2-d convolution; ``None``: this torch cannot say);
     ``verification``: how the graph was checked and the worst relative error; ``fallback``:
-    why the plan was dropped (a mismatch), else ``""``; ``timed``: for each other way the
+    why the plan was dropped (a mismatch), else ``""``; ``converted_weights``: ``(name,
+    bytes)`` of each parameter the plan converts on every call (stored in another format than
+    it runs in; in training its gradient is converted back too); ``timed``: for each other way the
     guard timed (the plan run eagerly, Inductor's own layouts), the median per-round ratio
     of the compiled plan's time to that way's (above 1: that way was faster)."""
 
@@ -127,6 +129,7 @@ class GraphRecord:
     inductor_rule: bool | None = None
     convolutions: tuple[ConvolutionChoice, ...] = ()
     conversions: int = 0
+    converted_weights: tuple[tuple[str, int], ...] = ()
     measured: int = 0
     cached: int = 0
     verification: str = ""
@@ -150,8 +153,13 @@ class GraphRecord:
         cl = sum(c.planned == "channels_last" for c in self.convolutions)
         rule = {True: "channels_last for every 2-d convolution", False: "strides as traced",
                 None: "unknown"}[self.inductor_rule]
+        weights = ""
+        if self.converted_weights:
+            megabytes = sum(size for _, size in self.converted_weights) / 1e6
+            weights = (f" ({len(self.converted_weights)} of them weights, {megabytes:.3g} MB, "
+                       f"converted on every call{' and back' if self.train else ''})")
         text = (f"{head}{cl} of {len(self.convolutions)} convolutions channels_last, "
-                f"{self.conversions} conversions, {len(self.differing)} differ from "
+                f"{self.conversions} conversions{weights}, {len(self.differing)} differ from "
                 f"Inductor's rule ({rule}); ran by {self.ran}")
         if self.fallback:
             text += f"; plan dropped: {self.fallback}"
@@ -185,6 +193,10 @@ class BackendReport:
         for g in self.graphs:
             lines.append(g.headline())
             lines.extend("  " + c.describe() for c in g.differing)
+            if g.converted_weights:
+                lines.append("  weights stored in another format than the plan runs them in "
+                             "(stored in it, they would be converted once): "
+                             + ", ".join(name for name, _ in g.converted_weights))
         return "\n".join(lines)
 
     def __str__(self) -> str:
