@@ -22,7 +22,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from memlayout.layout import Format, check_rank, formats_of, is_format, strides_for
+from memlayout.layout import (
+    Format,
+    check_rank,
+    formats_for_rank,
+    formats_of,
+    is_format,
+    strides_for,
+)
 
 FormatAnswer = Format | frozenset[Format] | None
 M = TypeVar("M", bound=nn.Module)
@@ -90,7 +97,9 @@ def to_format(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     Returns ``t`` itself when the strides already match. When ``t`` is already dense in ``fmt``
     but carries non-canonical strides on size-1 dims (where ``t.contiguous(memory_format=...)``
     is a no-op), returns a restrided view: no data moves. Otherwise copies once. Autograd flows
-    through all three.
+    through all three; through the copy, the gradient comes back in ``t``'s own format (a
+    copy back, :class:`_CopyToFormat`), so the op that made ``t`` runs its backward with its
+    tensors in one format, as in a model never converted.
 
     >>> to_format(torch.empty(4, 1, 4, 4), Format.CHANNELS_LAST).stride()
     (16, 1, 4, 1)
@@ -107,8 +116,61 @@ def to_format(t: torch.Tensor, fmt: Format) -> torch.Tensor:
         return t
     if is_format(shape, current, fmt):
         return t.as_strided(shape, target, t.storage_offset())
+    if t.requires_grad and torch.is_grad_enabled():
+        return _CopyToFormat.apply(t, target)
     out = torch.empty_strided(shape, target, dtype=t.dtype, device=t.device)
     return out.copy_(t)
+
+
+def to_memory_format(t: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """``t.contiguous(memory_format=memory_format)`` (symbolic sizes welcome) whose gradient
+    comes back in ``t``'s own memory format, as :func:`to_format`'s does.
+
+    >>> to_memory_format(torch.empty(2, 3, 4, 4), torch.channels_last).stride()
+    (48, 1, 12, 3)
+    """
+    if t.requires_grad and torch.is_grad_enabled() and not t.is_contiguous(
+            memory_format=memory_format):
+        return _ContiguousTo.apply(t, memory_format)
+    return t.contiguous(memory_format=memory_format)
+
+
+class _ContiguousTo(torch.autograd.Function):
+    """``contiguous(memory_format)`` whose backward returns the gradient in the source's
+    suggested memory format (see :class:`_CopyToFormat`)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+        ctx.source = t.suggest_memory_format()
+        return t.contiguous(memory_format=memory_format)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.contiguous(memory_format=ctx.source), None
+
+
+class _CopyToFormat(torch.autograd.Function):
+    """A copy of a tensor into ``strides`` whose backward copies the gradient back into the
+    source's format (its canonical strides; contiguous for a source dense in none).
+
+    Autograd's own copy hands the gradient back in the copy's strides, so the op that made
+    the source would run its backward on a gradient in another format than its saved
+    tensors: a mix no plan measured, which can be slower, and which some kernels get wrong
+    (torch's CPU ``instance_norm`` backward at batch size 1, for one, given a channels-last
+    gradient for a contiguous input). A plan counts a conversion's copy both ways, and this
+    is that copy."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+        shape = tuple(t.shape)
+        ctx.source = next((f for f in formats_for_rank(len(shape))
+                           if is_format(shape, tuple(t.stride()), f)), Format.CONTIGUOUS)
+        out = torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device)
+        return out.copy_(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return to_format(grad, ctx.source), None
 
 
 def _applies(t: torch.Tensor, fmt: Format) -> bool:

@@ -61,6 +61,35 @@ def test_to_format_is_differentiable():
     assert torch.equal(x.grad, torch.arange(x.numel(), dtype=x.dtype).reshape(x.shape))
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 6, 6), (1, 4, 6, 6, 6), (2, 3, 5, 5)])
+def test_a_conversions_gradient_comes_back_in_the_sources_format(shape):
+    """The op before a conversion runs its backward with its tensors in one format, as in
+    the model never converted: an instance norm at batch size 1 (a torch CPU kernel that
+    mishandles a channels-last gradient for a contiguous input) gets the gradient the
+    unconverted model gets."""
+    fmt = Format.CHANNELS_LAST if len(shape) == 4 else Format.CHANNELS_LAST_3D
+    x, upstream = torch.randn(shape), torch.randn(shape)
+    seen = []
+
+    def grad(convert: bool) -> torch.Tensor:
+        leaf = x.clone().requires_grad_(True)
+        y = nn.functional.instance_norm(leaf, eps=1e-5)
+        y.register_hook(lambda g: seen.append(g.stride()))
+        if convert:
+            y = to_format(y, fmt)
+        (out,) = torch.autograd.grad(torch.relu(y), leaf, upstream)
+        return out
+
+    want = grad(False)
+    torch.testing.assert_close(grad(True), want, rtol=1e-5, atol=1e-6)
+    assert seen[-1] == strides_for(shape, Format.CONTIGUOUS)  # the source's own strides
+    # from a channels-last source, back in channels-last
+    source = to_format(torch.randn(shape), fmt).requires_grad_(True)
+    source.register_hook(lambda g: seen.append(g.stride()))  # before AccumulateGrad restrides
+    to_format(source, Format.CONTIGUOUS).backward(torch.ones(shape))
+    assert seen[-1] == strides_for(shape, fmt)
+
+
 def test_to_format_rank_error_names_shape_and_allowed():
     with pytest.raises(LayoutError) as info:
         to_format(torch.empty(2, 3, 4), Format.CHANNELS_LAST)

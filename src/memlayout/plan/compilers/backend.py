@@ -117,7 +117,7 @@ from memlayout.plan.solve.formulate import formulate
 from memlayout.plan.solve.regions import solve_labels
 from memlayout.plan.steer.rewrite import rewrite
 from memlayout.spatial import mark_spatial
-from memlayout.tensors import device_of
+from memlayout.tensors import device_of, to_memory_format
 
 INNER_COMPILERS = ("inductor", "eager")
 #: the planned graph run eagerly replaces the compiled one only when faster by more than this
@@ -431,11 +431,11 @@ def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
     if not isinstance(value, torch.Tensor) or value.dim() not in ranks:
         return value
     if label == Label.CONTIGUOUS:
-        return value.contiguous()
+        return to_memory_format(value, torch.contiguous_format)
     if value.dim() == 3:
         return value.transpose(1, 2).contiguous().transpose(1, 2)
     fmt = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
-    return value.contiguous(memory_format=fmt)
+    return to_memory_format(value, fmt)
 
 
 def inductor_rule(gm: fx.GraphModule, example_inputs: list[Any], *, dtype: torch.dtype | None,
