@@ -121,7 +121,6 @@ def source_path(source: str) -> str:
     return path.strip(".")
 
 
-
 def converted_weights(gm: fx.GraphModule, inputs: list[Any],
                       converted: list[str]) -> tuple[tuple[str, int], ...]:
     """``(name, bytes)`` of each parameter among the graph inputs named in ``converted`` (the
