@@ -129,19 +129,21 @@ def to_memory_format(t: torch.Tensor, memory_format: torch.memory_format) -> tor
     >>> to_memory_format(torch.empty(2, 3, 4, 4), torch.channels_last).stride()
     (48, 1, 12, 3)
     """
-    if t.requires_grad and torch.is_grad_enabled() and not t.is_contiguous(
-            memory_format=memory_format):
-        return _ContiguousTo.apply(t, memory_format)
+    if (t.requires_grad and torch.is_grad_enabled() and not torch.jit.is_tracing()
+            and not t.is_contiguous(memory_format=memory_format)):
+        return _ContiguousTo.apply(t, memory_format)  # a jit trace keeps torch's own op
     return t.contiguous(memory_format=memory_format)
 
 
 class _ContiguousTo(torch.autograd.Function):
     """``contiguous(memory_format)`` whose backward returns the gradient in the source's
-    suggested memory format (see :class:`_CopyToFormat`)."""
+    memory format (contiguous for a source dense in none; see :class:`_CopyToFormat`)."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
-        ctx.source = t.suggest_memory_format()
+        last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+        ctx.source = (last if last is not None and not t.is_contiguous()
+                      and t.is_contiguous(memory_format=last) else torch.contiguous_format)
         return t.contiguous(memory_format=memory_format)
 
     @staticmethod

@@ -12,6 +12,8 @@ from torch import nn
 
 from memlayout import Format, LayoutError, convert_batch, convert_module, format_of, to_format
 from memlayout.layout import formats_for_rank, strides_for
+from memlayout.plan.steer import boundary
+from memlayout.tensors import to_memory_format
 from tests.support.formats import TORCH_FORMATS, torch_formats
 from tests.support.strategies import strided_tensors
 
@@ -70,19 +72,24 @@ def test_a_conversions_gradient_comes_back_in_the_sources_format(shape):
     fmt = Format.CHANNELS_LAST if len(shape) == 4 else Format.CHANNELS_LAST_3D
     x, upstream = torch.randn(shape), torch.randn(shape)
     seen = []
+    # the plan's conversion, and the steering's at module boundaries
+    converters = {"to_format": lambda t: to_format(t, fmt),
+                  "to_memory_format": lambda t: to_memory_format(t, TORCH_FORMATS[fmt]),
+                  "boundary": lambda t: boundary.to_label(t, 1)}
 
-    def grad(convert: bool) -> torch.Tensor:
+    def grad(convert=None) -> torch.Tensor:
         leaf = x.clone().requires_grad_(True)
         y = nn.functional.instance_norm(leaf, eps=1e-5)
         y.register_hook(lambda g: seen.append(g.stride()))
-        if convert:
-            y = to_format(y, fmt)
+        if convert is not None:
+            y = convert(y)
         (out,) = torch.autograd.grad(torch.relu(y), leaf, upstream)
         return out
 
-    want = grad(False)
-    torch.testing.assert_close(grad(True), want, rtol=1e-5, atol=1e-6)
-    assert seen[-1] == strides_for(shape, Format.CONTIGUOUS)  # the source's own strides
+    want = grad()
+    for convert in converters.values():
+        torch.testing.assert_close(grad(convert), want, rtol=1e-5, atol=1e-6)
+        assert seen[-1] == strides_for(shape, Format.CONTIGUOUS)  # the source's own strides
     # from a channels-last source, back in channels-last
     source = to_format(torch.randn(shape), fmt).requires_grad_(True)
     source.register_hook(lambda g: seen.append(g.stride()))  # before AccumulateGrad restrides

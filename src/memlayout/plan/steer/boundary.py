@@ -5,8 +5,9 @@ A leaf is named by its position among ``torch.utils._pytree``'s leaves of ``(arg
 (or of the output), as the analysis found it (``memlayout.plan.capture.calls``). A leaf is
 converted only when it is a tensor of the rank it had when planned; a call whose arguments
 are shaped otherwise (other keyword arguments, say) is left as it comes. A conversion is
-``Tensor.contiguous(memory_format=...)``: a no-op for a tensor already in the format, and an
-op every tracer records with its real strides (``torch.jit.trace``, ``torch.export``,
+``Tensor.contiguous(memory_format=...)`` (``memlayout.tensors.to_memory_format``: in training
+its gradient comes back in the source's format): a no-op for a tensor already in the format,
+and an op every tracer records with its real strides (``torch.jit.trace``, ``torch.export``,
 ``torch.compile``; under ``torch.fx.symbolic_trace`` it is one ``call_function`` node).
 
 >>> b = Boundary(inputs=((0, 1, 4),))
@@ -25,7 +26,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from memlayout.tensors import iter_tensors, map_tensors
+from memlayout.tensors import iter_tensors, map_tensors, to_memory_format
 
 #: ``(leaf position, label, rank)``: convert that leaf to the label's format for its rank
 Leaf = tuple[int, int, int]
@@ -102,12 +103,12 @@ def to_label(t: torch.Tensor, label: int) -> torch.Tensor:
         if label and t.stride(1) != 1 and t.size(1) > 1:
             return t.transpose(1, 2).contiguous().transpose(1, 2)
         if not label and not t.is_contiguous():
-            return t.contiguous()
+            return to_memory_format(t, torch.contiguous_format)
         return t
     fmt = _MEMORY_FORMATS.get((int(label), t.dim()))
     if fmt is None or t.is_contiguous(memory_format=fmt):
         return t
-    return t.contiguous(memory_format=fmt)
+    return to_memory_format(t, fmt)  # its gradient comes back in t's format
 
 
 _MEMORY_FORMATS = {(0, 4): torch.contiguous_format, (0, 5): torch.contiguous_format,
