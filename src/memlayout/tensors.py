@@ -116,8 +116,8 @@ def to_format(t: torch.Tensor, fmt: Format) -> torch.Tensor:
         return t
     if is_format(shape, current, fmt):
         return t.as_strided(shape, target, t.storage_offset())
-    if t.requires_grad and torch.is_grad_enabled():
-        return _CopyToFormat.apply(t, target)
+    if t.requires_grad and torch.is_grad_enabled() and not torch.jit.is_tracing():
+        return _CopyToFormat.apply(t, target)  # a jit trace keeps torch's own ops
     out = torch.empty_strided(shape, target, dtype=t.dtype, device=t.device)
     return out.copy_(t)
 

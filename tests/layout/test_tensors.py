@@ -97,6 +97,14 @@ def test_a_conversions_gradient_comes_back_in_the_sources_format(shape):
     assert seen[-1] == strides_for(shape, fmt)
 
 
+def test_a_jit_trace_of_a_conversion_in_grad_mode_records_torchs_own_ops():
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    for convert in (lambda t: to_format(t, Format.CHANNELS_LAST),
+                    lambda t: to_memory_format(t, torch.channels_last)):
+        traced = torch.jit.trace(convert, (x,))
+        assert "PythonOp" not in str(traced.graph)  # no Python autograd function in it
+
+
 def test_to_format_rank_error_names_shape_and_allowed():
     with pytest.raises(LayoutError) as info:
         to_format(torch.empty(2, 3, 4), Format.CHANNELS_LAST)
