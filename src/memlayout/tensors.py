@@ -24,8 +24,8 @@ from torch import nn
 
 from memlayout.layout import (
     Format,
+    channels_last_for_rank,
     check_rank,
-    formats_for_rank,
     formats_of,
     is_format,
     strides_for,
@@ -141,7 +141,9 @@ class _ContiguousTo(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
-        last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+        # torch's own check, not ``format_of``: the sizes may be symbolic
+        fmt = channels_last_for_rank(t.dim())
+        last = torch_memory_format(fmt) if fmt is not None else None
         ctx.source = (last if last is not None and not t.is_contiguous()
                       and t.is_contiguous(memory_format=last) else torch.contiguous_format)
         return t.contiguous(memory_format=memory_format)
@@ -164,10 +166,9 @@ class _CopyToFormat(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
-        shape = tuple(t.shape)
-        ctx.source = next((f for f in formats_for_rank(len(shape))
-                           if is_format(shape, tuple(t.stride()), f)), Format.CONTIGUOUS)
-        out = torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device)
+        source = format_of(t)
+        ctx.source = source if isinstance(source, Format) else Format.CONTIGUOUS
+        out = torch.empty_strided(tuple(t.shape), strides, dtype=t.dtype, device=t.device)
         return out.copy_(t)
 
     @staticmethod

@@ -420,8 +420,9 @@ def _traced_conversions(gm: fx.GraphModule) -> None:
 
 def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
     """Every tensor in ``value`` of a rank in ``ranks`` dense in ``label``'s format (1: N L C,
-    channels_last, channels_last_3d by rank; 0: contiguous), by ``contiguous``: a no-op for a
-    tensor already dense in it; other values unchanged.
+    channels_last, channels_last_3d by rank; 0: contiguous), by ``contiguous`` (its gradient
+    back in the source's format, ``to_memory_format``): a no-op for a tensor already dense
+    in it; other values unchanged.
 
     >>> to_label((torch.empty(2, 3, 4, 4), 1), 1, (4, 5))[0].stride()
     (48, 1, 12, 3)

@@ -102,8 +102,14 @@ def module_path(n: fx.Node) -> str:
 def input_name(n: fx.Node) -> str:
     """What a graph input is in the user's model (``layer1.0.conv1.weight``), from the
     source Dynamo recorded for it; else its node name."""
-    source = getattr(getattr(n.meta.get("grapharg"), "source", None), "name", None)
-    return (source_path(source) if isinstance(source, str) else "") or n.name
+    source = _source_name(n)
+    return (source_path(source) if source is not None else "") or n.name
+
+
+def _source_name(n: fx.Node) -> str | None:
+    """The name of the source Dynamo recorded for a placeholder (``L['self']._modules...``)."""
+    name = getattr(getattr(n.meta.get("grapharg"), "source", None), "name", None)
+    return name if isinstance(name, str) else None
 
 
 def source_path(source: str) -> str:
@@ -127,11 +133,11 @@ def converted_weights(gm: fx.GraphModule, inputs: list[Any],
     values a plan converts): a weight stored in another format than the plan runs it in,
     converted on every call (in training its gradient back too)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = set(converted)
     out: dict[str, int] = {}
     for n, value in zip(placeholders, inputs, strict=False):
-        source = getattr(getattr(n.meta.get("grapharg"), "source", None), "name", "")
-        if n.name in converted and isinstance(value, torch.Tensor) and (
-                isinstance(value, torch.nn.Parameter) or "_parameters" in str(source)):
+        if n.name in names and isinstance(value, torch.Tensor) and (
+                isinstance(value, torch.nn.Parameter) or "_parameters" in (_source_name(n) or "")):
             out[input_name(n)] = value.numel() * value.element_size()
     return tuple(sorted(out.items()))
 
