@@ -119,7 +119,8 @@ def _strides_for_order(shape: Shape, order: tuple[int, ...], clamp: bool = True)
     step = 1
     for d in reversed(order):
         strides[d] = step
-        step *= max(shape[d], 1) if clamp else shape[d]
+        # not ``*=``: under a jit trace sizes are traced values, and ``*=`` updates one in place
+        step = step * (max(shape[d], 1) if clamp else shape[d])
     return tuple(strides)
 
 

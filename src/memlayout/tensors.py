@@ -122,35 +122,53 @@ def to_format(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     return out.copy_(t)
 
 
-def to_memory_format(t: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
-    """``t.contiguous(memory_format=memory_format)`` (symbolic sizes welcome) whose gradient
-    comes back in ``t``'s own memory format, as :func:`to_format`'s does.
+def to_dense(t: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``t`` dense in ``fmt`` by torch's own ops (``contiguous(memory_format=...)``; for
+    CHANNELS_LAST_1D, N L C in memory, a ``contiguous`` between two transposes), ``t`` itself
+    when it already is: sizes may be symbolic (a Dynamo graph's), strides on size-1 dims are
+    left as torch leaves them. Its gradient comes back in ``t``'s own format, as
+    :func:`to_format`'s does.
 
-    >>> to_memory_format(torch.empty(2, 3, 4, 4), torch.channels_last).stride()
+    >>> to_dense(torch.empty(2, 3, 4, 4), Format.CHANNELS_LAST).stride()
     (48, 1, 12, 3)
+    >>> to_dense(torch.empty(2, 3, 4), Format.CHANNELS_LAST_1D).stride()
+    (12, 1, 3)
     """
-    if (t.requires_grad and torch.is_grad_enabled() and not torch.jit.is_tracing()
-            and not t.is_contiguous(memory_format=memory_format)):
-        return _ContiguousTo.apply(t, memory_format)  # a jit trace keeps torch's own op
-    return t.contiguous(memory_format=memory_format)
+    check_rank(t.dim(), fmt)
+    if _dense_in(t, fmt):
+        return t
+    if t.requires_grad and torch.is_grad_enabled() and not torch.jit.is_tracing():
+        return _DenseIn.apply(t, fmt)  # a jit trace keeps torch's own ops
+    return _make_dense(t, fmt)
 
 
-class _ContiguousTo(torch.autograd.Function):
-    """``contiguous(memory_format)`` whose backward returns the gradient in the source's
-    memory format (contiguous for a source dense in none; see :class:`_CopyToFormat`)."""
+def _dense_in(t: torch.Tensor, fmt: Format) -> bool:
+    # torch's own check, not ``format_of``: the sizes may be symbolic
+    if fmt is Format.CHANNELS_LAST_1D:
+        return t.transpose(1, 2).is_contiguous()
+    return t.is_contiguous(memory_format=_TORCH_FORMATS[fmt])
+
+
+def _make_dense(t: torch.Tensor, fmt: Format) -> torch.Tensor:
+    if fmt is Format.CHANNELS_LAST_1D:
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.contiguous(memory_format=_TORCH_FORMATS[fmt])
+
+
+class _DenseIn(torch.autograd.Function):
+    """:func:`to_dense`'s copy, whose backward returns the gradient dense in the source's
+    format (contiguous for a source dense in none; see :class:`_CopyToFormat`)."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
-        # torch's own check, not ``format_of``: the sizes may be symbolic
-        fmt = channels_last_for_rank(t.dim())
-        last = torch_memory_format(fmt) if fmt is not None else None
-        ctx.source = (last if last is not None and not t.is_contiguous()
-                      and t.is_contiguous(memory_format=last) else torch.contiguous_format)
-        return t.contiguous(memory_format=memory_format)
+    def forward(ctx: Any, t: torch.Tensor, fmt: Format) -> torch.Tensor:
+        last = channels_last_for_rank(t.dim())
+        ctx.source = (last if last is not None and not t.is_contiguous() and _dense_in(t, last)
+                      else Format.CONTIGUOUS)
+        return _make_dense(t, fmt)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.contiguous(memory_format=ctx.source), None
+        return to_dense(grad, ctx.source), None
 
 
 class _CopyToFormat(torch.autograd.Function):

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from torch import nn
 
 from memlayout import Format, LayoutError, convert_batch, convert_module, format_of, to_format
-from memlayout.layout import formats_for_rank, strides_for
+from memlayout.layout import channels_last_for_rank, formats_for_rank, strides_for
+from memlayout.plan.compilers import backend
 from memlayout.plan.steer import boundary
-from memlayout.tensors import to_memory_format
+from memlayout.tensors import to_dense
 from tests.support.formats import TORCH_FORMATS, torch_formats
 from tests.support.strategies import strided_tensors
 
@@ -63,19 +64,20 @@ def test_to_format_is_differentiable():
     assert torch.equal(x.grad, torch.arange(x.numel(), dtype=x.dtype).reshape(x.shape))
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 6, 6), (1, 4, 6, 6, 6), (2, 3, 5, 5)])
+@pytest.mark.parametrize("shape", [(1, 4, 6, 6), (1, 4, 6, 6, 6), (2, 3, 5, 5), (1, 4, 6)])
 def test_a_conversions_gradient_comes_back_in_the_sources_format(shape):
     """The op before a conversion runs its backward with its tensors in one format, as in
     the model never converted: an instance norm at batch size 1 (a torch CPU kernel that
     mishandles a channels-last gradient for a contiguous input) gets the gradient the
     unconverted model gets."""
-    fmt = Format.CHANNELS_LAST if len(shape) == 4 else Format.CHANNELS_LAST_3D
+    fmt = channels_last_for_rank(len(shape))
     x, upstream = torch.randn(shape), torch.randn(shape)
     seen = []
-    # the plan's conversion, and the steering's at module boundaries
+    # the plan's conversion, the steering's at module boundaries, the backend's in a graph
     converters = {"to_format": lambda t: to_format(t, fmt),
-                  "to_memory_format": lambda t: to_memory_format(t, TORCH_FORMATS[fmt]),
-                  "boundary": lambda t: boundary.to_label(t, 1)}
+                  "to_dense": lambda t: to_dense(t, fmt),
+                  "boundary": lambda t: boundary.to_label(t, 1),
+                  "backend": lambda t: backend.to_label(t, 1, (len(shape),))}
 
     def grad(convert=None) -> torch.Tensor:
         leaf = x.clone().requires_grad_(True)
@@ -100,9 +102,12 @@ def test_a_conversions_gradient_comes_back_in_the_sources_format(shape):
 def test_a_jit_trace_of_a_conversion_in_grad_mode_records_torchs_own_ops():
     x = torch.randn(2, 3, 4, 4, requires_grad=True)
     for convert in (lambda t: to_format(t, Format.CHANNELS_LAST),
-                    lambda t: to_memory_format(t, torch.channels_last)):
-        traced = torch.jit.trace(convert, (x,))
+                    lambda t: to_dense(t, Format.CHANNELS_LAST),
+                    lambda t: to_dense(t[..., 0], Format.CHANNELS_LAST_1D)):
+        traced = torch.jit.trace(convert, (x,), check_trace=False)
         assert "PythonOp" not in str(traced.graph)  # no Python autograd function in it
+        replayed, direct = traced(x), convert(x)
+        assert torch.equal(replayed, direct) and replayed.stride() == direct.stride()
 
 
 def test_to_format_rank_error_names_shape_and_allowed():

@@ -117,7 +117,7 @@ from memlayout.plan.solve.formulate import formulate
 from memlayout.plan.solve.regions import solve_labels
 from memlayout.plan.steer.rewrite import rewrite
 from memlayout.spatial import mark_spatial
-from memlayout.tensors import device_of, to_memory_format
+from memlayout.tensors import device_of, to_dense
 
 INNER_COMPILERS = ("inductor", "eager")
 #: the planned graph run eagerly replaces the compiled one only when faster by more than this
@@ -421,7 +421,7 @@ def _traced_conversions(gm: fx.GraphModule) -> None:
 def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
     """Every tensor in ``value`` of a rank in ``ranks`` dense in ``label``'s format (1: N L C,
     channels_last, channels_last_3d by rank; 0: contiguous), by ``contiguous`` (its gradient
-    back in the source's format, ``to_memory_format``): a no-op for a tensor already dense
+    back in the source's format, ``to_dense``): a no-op for a tensor already dense
     in it; other values unchanged.
 
     >>> to_label((torch.empty(2, 3, 4, 4), 1), 1, (4, 5))[0].stride()
@@ -431,12 +431,7 @@ def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
         return type(value)(to_label(v, label, ranks) for v in value)
     if not isinstance(value, torch.Tensor) or value.dim() not in ranks:
         return value
-    if label == Label.CONTIGUOUS:
-        return to_memory_format(value, torch.contiguous_format)
-    if value.dim() == 3:
-        return value.transpose(1, 2).contiguous().transpose(1, 2)
-    fmt = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
-    return to_memory_format(value, fmt)
+    return to_dense(value, Label(label).format(value.dim()))
 
 
 def inductor_rule(gm: fx.GraphModule, example_inputs: list[Any], *, dtype: torch.dtype | None,

@@ -5,8 +5,8 @@ A leaf is named by its position among ``torch.utils._pytree``'s leaves of ``(arg
 (or of the output), as the analysis found it (``memlayout.plan.capture.calls``). A leaf is
 converted only when it is a tensor of the rank it had when planned; a call whose arguments
 are shaped otherwise (other keyword arguments, say) is left as it comes. A conversion is
-``Tensor.contiguous(memory_format=...)`` (``memlayout.tensors.to_memory_format``: in training
-its gradient comes back in the source's format): a no-op for a tensor already in the format,
+``Tensor.contiguous(memory_format=...)`` (``memlayout.tensors.to_dense``: in training its
+gradient comes back in the source's format): a no-op for a tensor already in the format,
 and an op every tracer records with its real strides (``torch.jit.trace``, ``torch.export``,
 ``torch.compile``; under ``torch.fx.symbolic_trace`` it is one ``call_function`` node).
 
@@ -26,7 +26,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from memlayout.tensors import iter_tensors, map_tensors, to_memory_format
+from memlayout.plan.graph import Label
+from memlayout.tensors import iter_tensors, map_tensors, to_dense
 
 #: ``(leaf position, label, rank)``: convert that leaf to the label's format for its rank
 Leaf = tuple[int, int, int]
@@ -99,20 +100,10 @@ def to_label(t: torch.Tensor, label: int) -> torch.Tensor:
     >>> to_label(torch.zeros(2, 4, 8), 1).stride()
     (32, 1, 4)
     """
-    if t.dim() == 3:  # channels_last_1d: N L C in memory, no torch memory format for it
-        if label and t.stride(1) != 1 and t.size(1) > 1:
-            return t.transpose(1, 2).contiguous().transpose(1, 2)
-        if not label and not t.is_contiguous():
-            return to_memory_format(t, torch.contiguous_format)
+    if t.dim() not in (3, 4, 5):
         return t
-    fmt = _MEMORY_FORMATS.get((int(label), t.dim()))
-    if fmt is None or t.is_contiguous(memory_format=fmt):
-        return t
-    return to_memory_format(t, fmt)  # its gradient comes back in t's format
+    return to_dense(t, Label(label).format(t.dim()))  # its gradient comes back in t's format
 
-
-_MEMORY_FORMATS = {(0, 4): torch.contiguous_format, (0, 5): torch.contiguous_format,
-                   (1, 4): torch.channels_last, (1, 5): torch.channels_last_3d}
 
 # Under torch.fx.symbolic_trace a steered module's conversion is one node, not a trace of its
 # stride checks (which a Proxy cannot answer).
