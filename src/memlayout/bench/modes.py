@@ -266,17 +266,22 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
 
 def _backend_note(report: BackendReport, inner: str) -> str:
     """What the backend did on the first call: graphs, how they ran, the convolutions whose
-    format differs from Inductor's rule, the weights the plans that run convert per call."""
+    format differs from Inductor's rule, the weights the plans that run convert per call, and
+    how much slower the guard timed Inductor's own layouts where they were."""
     ran = ", ".join(f"{sum(g.ran == how for g in report.graphs)} {how}"
                     for how in dict.fromkeys(g.ran for g in report.graphs))
     differ = [c.where for _, c in report.differing]
     shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
     weights = [size for g in report.graphs if g.ran in (COMPILED, EAGER)
                for _, size in g.converted_weights]
+    slower = [s for g in report.graphs if (s := g.own_layouts_slower) is not None]
+    own = (f"; the guard timed Inductor's own layouts at up to {max(slower):.3g}x the compiled "
+           "plan's time" if slower else "")
     return (f"torch.compile(backend=memlayout.backend(inner={inner!r})): "
             f"{len(report.graphs)} graphs ({ran}); {len(differ)} convolutions differ from "
             f"Inductor's rule{': ' + shown if differ else ''}; {len(weights)} weights "
-            f"({sum(weights) / 1e6:.3g} MB) converted per call; first call = plan + compile time")
+            f"({sum(weights) / 1e6:.3g} MB) converted per call{own}; "
+            "first call = plan + compile time")
 
 
 def _input_format(args: tuple[Any, ...]) -> str:

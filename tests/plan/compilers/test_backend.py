@@ -535,6 +535,53 @@ def test_the_bench_mode_trains_through_the_backend_and_says_what_it_did(monkeypa
     assert f"{converted} weights" in prepared.note
 
 
+def test_the_report_says_where_inductors_own_layouts_were_timed_slower_with_no_differing_conv():
+    """A graph whose guard timed Inductor's own layouts slower than the compiled plan by more
+    than the margin, every convolution in its rule's format: the report says the difference
+    lies between convolutions. Within the margin it says nothing."""
+    from memlayout.plan.compilers.backend_report import (
+        COMPILED,
+        GUARD_MARGIN,
+        INDUCTOR_OWN,
+        BackendReport,
+        ConvolutionChoice,
+        GraphRecord,
+    )
+
+    conv = ConvolutionChoice("Mixed_6b.branch_pool.conv", "conv2d", (8, 768, 17, 17),
+                             "channels_last", "channels_last", (1e-3, 1e-3), True)
+    for ratio, says in ((0.41, True), (1 - GUARD_MARGIN / 2, False), (1.3, False)):
+        record = GraphRecord("0/0", False, "bf16", False, True, COMPILED, convolutions=(conv,),
+                             timed=((INDUCTOR_OWN, ratio),))
+        text = BackendReport((record,)).render()
+        assert record.own_layouts_slower == (1 / ratio if says else None)
+        assert (f"Inductor's own layouts took {1 / ratio:.3g}x the compiled plan's time: every "
+                "convolution runs in the format its rule gives" in text) is says
+
+
+def test_the_bench_note_counts_the_weights_of_the_plans_that_run():
+    """Weights count where a plan runs (compiled or eagerly); a graph left to Inductor's own
+    layouts converts none of its plan's. The differing convolutions are named."""
+    from types import SimpleNamespace
+
+    from memlayout.bench.modes import _backend_note
+    from memlayout.plan.compilers.backend_report import COMPILED, EAGER, INDUCTOR_OWN
+
+    graphs = [SimpleNamespace(ran=COMPILED, converted_weights=[("a.weight", 2_000_000)],
+                              own_layouts_slower=None),
+              SimpleNamespace(ran=EAGER, converted_weights=[("b.weight", 500_000)],
+                              own_layouts_slower=None),
+              SimpleNamespace(ran=INDUCTOR_OWN, converted_weights=[("c.weight", 7_000_000)],
+                              own_layouts_slower=None)]
+    differing = [(graphs[0], SimpleNamespace(where="layer1.conv"))]
+    note = _backend_note(SimpleNamespace(graphs=graphs, differing=differing), "inductor")
+    running = [w for g in graphs if g.ran != INDUCTOR_OWN for w in g.converted_weights]
+    assert (f"{len(running)} weights ({sum(size for _, size in running) / 1e6:.3g} MB) "
+            "converted per call") in note
+    assert "3 graphs (1 inductor, 1 eager, 1 inductor (its own layouts))" in note
+    assert "1 convolutions differ from Inductor's rule: layer1.conv" in note
+
+
 class Padded(nn.Module):
     """Images written into a zero batch through a slice, the batch read by a convolution and
     returned (torchvision detection's ``batch_images``): a write in place that a conversion

@@ -102,6 +102,7 @@ from memlayout.plan.compilers.backend_report import (
     AS_GIVEN,
     COMPILED,
     EAGER,
+    GUARD_MARGIN,
     INDUCTOR_OWN,
     RECORDS,
     ConvolutionChoice,
@@ -120,8 +121,6 @@ from memlayout.spatial import mark_spatial
 from memlayout.tensors import device_of, to_dense
 
 INNER_COMPILERS = ("inductor", "eager")
-#: the planned graph run eagerly replaces the compiled one only when faster by more than this
-GUARD_MARGIN = 0.02
 PLAN_STANDS = {"layout_optimization": False}
 
 #: Dynamo's control flow (trace again, skip the frame): raised through, never a failure

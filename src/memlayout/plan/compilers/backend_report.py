@@ -5,7 +5,10 @@ Every graph the backend compiles adds one :class:`GraphRecord` to the process's 
 each convolution whose format differs from Inductor's rule at DEBUG). A record names each
 convolution with its module path, the format the plan gave it, the format Inductor's own rule
 (``GraphLowering.decide_layout_opt``) would have given it and the measured seconds of both:
-the convolutions where the two differ are the ones that made the difference.
+the convolutions where the two differ. Where the guard timed Inductor's own layouts slower
+than the plan with no convolution differing, the record says so: the difference then lies in
+the layouts between convolutions (a concatenation's buffer, a pool's), which Inductor chooses
+as it lowers the graph, not by its rule.
 
 >>> conv = ConvolutionChoice("layer1.0.conv1", "conv2d", (8, 64, 56, 56), "contiguous",
 ...                          "channels_last", (1.0e-3, 2.5e-3), True)
@@ -31,6 +34,9 @@ log = logging.getLogger("memlayout.backend")
 
 CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                           "conv_transpose3d", "convolution", "_convolution"})
+
+#: another way of running a graph replaces the compiled plan only when faster by more than this
+GUARD_MARGIN = 0.02
 
 #: what ran for a graph
 COMPILED = "inductor"  # Inductor, with the plan standing (its layout optimization off)
@@ -144,6 +150,30 @@ class GraphRecord:
         """The convolutions whose planned format differs from Inductor's rule."""
         return tuple(c for c in self.convolutions if c.differs)
 
+    @property
+    def own_layouts_slower(self) -> float | None:
+        """How many times the compiled plan's time Inductor's own layouts took in the guard's
+        timing, where they were slower by more than ``GUARD_MARGIN`` (``None``: not timed,
+        or not that much slower)."""
+        ratio = dict(self.timed).get(INDUCTOR_OWN)
+        if ratio is None or ratio >= 1 - GUARD_MARGIN:
+            return None
+        return 1 / ratio
+
+    def own_layouts_line(self) -> str | None:
+        """What the guard's timing of Inductor's own layouts says, where they were slower."""
+        slower = self.own_layouts_slower
+        if slower is None:
+            return None
+        where = ("the convolutions above differ from its rule; layouts between convolutions "
+                 "may differ too" if self.differing else
+                 "every convolution runs in the format its rule gives, so the difference lies "
+                 "in the layouts between convolutions (a concatenation's buffer, a pool's, an "
+                 "elementwise op's)")
+        return (f"Inductor's own layouts took {slower:.3g}x the compiled plan's time: {where}; "
+                "a per-kernel profile of both names the kernel "
+                "(torch._inductor.config.cpp.enable_kernel_profile on the CPU)")
+
     def headline(self) -> str:
         task = "train" if self.train else "infer"
         shapes = ", dynamic shapes (planned at the example's sizes)" if self.dynamic else ""
@@ -193,6 +223,8 @@ class BackendReport:
         for g in self.graphs:
             lines.append(g.headline())
             lines.extend("  " + c.describe() for c in g.differing)
+            if (own := g.own_layouts_line()) is not None:
+                lines.append("  " + own)
             if g.converted_weights:
                 lines.append("  weights stored in another format than the plan runs them in "
                              "(stored in it, they would be converted once): "
@@ -243,5 +275,5 @@ def _ms(seconds: float | None) -> str:
     return "fails" if seconds is None else f"{seconds * 1e3:.3g} ms"
 
 
-__all__ = ["AS_GIVEN", "COMPILED", "EAGER", "INDUCTOR_OWN", "BackendReport", "ConvolutionChoice",
+__all__ = ["AS_GIVEN", "COMPILED", "EAGER", "GUARD_MARGIN", "INDUCTOR_OWN", "BackendReport", "ConvolutionChoice",
            "GraphRecord", "backend_report"]
