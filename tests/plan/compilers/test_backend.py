@@ -181,18 +181,37 @@ def test_a_graph_that_draws_random_numbers_is_compared_from_one_seed(tmp_path, n
     assert graph.verification in memlayout.backend_report().render()
 
 
-@pytest.mark.parametrize("batch_norm", [False, True])
-def test_asking_inductors_rule_adds_no_guard_and_writes_nothing_of_dynamos(monkeypatch,
-                                                                          batch_norm):
+class _Pairs(nn.Module):
+    """Sums neighbouring pairs: a reshape whose ``-1`` a trace in the shape env guards on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1, 2).sum(-1)
+
+
+class _Calls(nn.Module):
+    """Counts its calls in a buffer, written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x.relu()
+
+
+@pytest.mark.parametrize("tail", ["pairs", "calls", "batch_norm"])
+def test_asking_inductors_rule_adds_no_guard_and_writes_nothing_of_dynamos(monkeypatch, tail):
     """Asked of a dynamic graph, the rule answers, adds no guard to Dynamo's shape env (the
-    graph's recompiles stay Dynamo's) and leaves Dynamo's example inputs untouched by what
-    the graph writes in place (batch norm's running statistics). Convolutions alone trace
-    in Dynamo's own fake mode; a training batch norm reads its momentum as a value there
-    (a float Dynamo passes as a tensor), so it is traced on real inputs instead."""
+    graph's recompiles stay Dynamo's; a reshape's ``-1`` would add some) and leaves Dynamo's
+    example inputs untouched by what the graph writes in place (a buffer, batch norm's
+    running statistics). Most graphs trace in Dynamo's own fake mode; a training batch norm
+    reads its momentum as a value there (a float Dynamo passes as a tensor), so it is traced
+    on real inputs instead."""
     from torch._guards import detect_fake_mode
 
-    layers = [nn.Conv2d(3, 8, 3)] + ([nn.BatchNorm2d(8)] if batch_norm else [nn.ReLU()])
-    model, asked, real_traces = nn.Sequential(*layers).train(), [], []
+    last = {"pairs": _Pairs, "calls": _Calls, "batch_norm": lambda: nn.BatchNorm2d(8)}[tail]
+    model, asked, real_traces = nn.Sequential(nn.Conv2d(3, 8, 3), last()).train(), [], []
     on_real = b._on_real_inputs
     monkeypatch.setattr(b, "_on_real_inputs",
                         lambda *a, **k: real_traces.append(1) or on_real(*a, **k))
@@ -212,7 +231,7 @@ def test_asking_inductors_rule_adds_no_guard_and_writes_nothing_of_dynamos(monke
     torch.compile(model, dynamic=True, backend=backend)(torch.randn(2, 3, 9, 11))
     ((rule, before, after),) = asked
     assert rule is not None and before == after
-    assert len(real_traces) == int(batch_norm)
+    assert len(real_traces) == int(tail == "batch_norm")
 
 
 def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, tmp_path):
