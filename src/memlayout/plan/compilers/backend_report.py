@@ -78,7 +78,6 @@ class ConvolutionChoice:
         return text
 
 
-
 def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int],
                   rule: bool | None) -> tuple[ConvolutionChoice, ...]:
     """Each convolution's choice: planned label, Inductor's (channels-last for a 2-d one when
@@ -275,5 +274,5 @@ def _ms(seconds: float | None) -> str:
     return "fails" if seconds is None else f"{seconds * 1e3:.3g} ms"
 
 
-__all__ = ["AS_GIVEN", "COMPILED", "EAGER", "GUARD_MARGIN", "INDUCTOR_OWN", "BackendReport", "ConvolutionChoice",
-           "GraphRecord", "backend_report"]
+__all__ = ["AS_GIVEN", "COMPILED", "EAGER", "GUARD_MARGIN", "INDUCTOR_OWN", "BackendReport",
+           "ConvolutionChoice", "GraphRecord", "backend_report"]
