@@ -225,8 +225,10 @@ class BackendReport:
             if (own := g.own_layouts_line()) is not None:
                 lines.append("  " + own)
             if g.converted_weights:
-                lines.append("  weights stored in another format than the plan runs them in "
-                             "(stored in it, they would be converted once): "
+                lines.append("  weights stored in another format than the plan runs them in, "
+                             "converted on every call (a model stored channels-last before "
+                             "torch.compile, model.to(memory_format=torch.channels_last), hands "
+                             "over channels-last weights, and is planned with them): "
                              + ", ".join(name for name, _ in g.converted_weights))
         return "\n".join(lines)
 
