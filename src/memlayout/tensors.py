@@ -98,7 +98,7 @@ def to_format(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     but carries non-canonical strides on size-1 dims (where ``t.contiguous(memory_format=...)``
     is a no-op), returns a restrided view: no data moves. Otherwise copies once. Autograd flows
     through all three; through the copy, the gradient comes back in ``t``'s own format (a
-    copy back, :class:`_CopyToFormat`), so the op that made ``t`` runs its backward with its
+    copy back, :class:`_ConvertBack`), so the op that made ``t`` runs its backward with its
     tensors in one format, as in a model never converted.
 
     >>> to_format(torch.empty(4, 1, 4, 4), Format.CHANNELS_LAST).stride()
@@ -117,7 +117,7 @@ def to_format(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     if is_format(shape, current, fmt):
         return t.as_strided(shape, target, t.storage_offset())
     if t.requires_grad and torch.is_grad_enabled() and not torch.jit.is_tracing():
-        return _CopyToFormat.apply(t, target)  # a jit trace keeps torch's own ops
+        return _ConvertBack.apply(t, fmt, False)  # a jit trace keeps torch's own ops
     out = torch.empty_strided(shape, target, dtype=t.dtype, device=t.device)
     return out.copy_(t)
 
@@ -138,7 +138,7 @@ def to_dense(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     if _dense_in(t, fmt):
         return t
     if t.requires_grad and torch.is_grad_enabled() and not torch.jit.is_tracing():
-        return _DenseIn.apply(t, fmt)  # a jit trace keeps torch's own ops
+        return _ConvertBack.apply(t, fmt, True)  # a jit trace keeps torch's own ops
     return _make_dense(t, fmt)
 
 
@@ -155,25 +155,19 @@ def _make_dense(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     return t.contiguous(memory_format=_TORCH_FORMATS[fmt])
 
 
-class _DenseIn(torch.autograd.Function):
-    """:func:`to_dense`'s copy, whose backward returns the gradient dense in the source's
-    format (contiguous for a source dense in none; see :class:`_CopyToFormat`)."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, fmt: Format) -> torch.Tensor:
-        last = channels_last_for_rank(t.dim())
-        ctx.source = (last if last is not None and not t.is_contiguous() and _dense_in(t, last)
-                      else Format.CONTIGUOUS)
-        return _make_dense(t, fmt)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return to_dense(grad, ctx.source), None
+def _source_format(t: torch.Tensor) -> Format:
+    """The format ``t`` is dense in, for its gradient to come back in: its rank's channels-last
+    where it is dense in that and not contiguous, else contiguous (a tensor dense in none
+    included). torch's own checks, not ``format_of``: the sizes may be symbolic."""
+    last = channels_last_for_rank(t.dim())
+    if last is not None and not t.is_contiguous() and _dense_in(t, last):
+        return last
+    return Format.CONTIGUOUS
 
 
-class _CopyToFormat(torch.autograd.Function):
-    """A copy of a tensor into ``strides`` whose backward copies the gradient back into the
-    source's format (its canonical strides; contiguous for a source dense in none).
+class _ConvertBack(torch.autograd.Function):
+    """:func:`to_format` (``dense`` false) or :func:`to_dense` (true) of ``t``, whose backward
+    converts the gradient back into the source's format by the same function.
 
     Autograd's own copy hands the gradient back in the copy's strides, so the op that made
     the source would run its backward on a gradient in another format than its saved
@@ -183,15 +177,13 @@ class _CopyToFormat(torch.autograd.Function):
     is that copy."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
-        source = format_of(t)
-        ctx.source = source if isinstance(source, Format) else Format.CONTIGUOUS
-        out = torch.empty_strided(tuple(t.shape), strides, dtype=t.dtype, device=t.device)
-        return out.copy_(t)
+    def forward(ctx: Any, t: torch.Tensor, fmt: Format, dense: bool) -> torch.Tensor:
+        ctx.source, ctx.dense = _source_format(t), dense
+        return (to_dense if dense else to_format)(t, fmt)  # grad mode is off here: a plain copy
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return to_format(grad, ctx.source), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (to_dense if ctx.dense else to_format)(grad, ctx.source), None, None
 
 
 def _applies(t: torch.Tensor, fmt: Format) -> bool:

@@ -155,9 +155,8 @@ class GraphRecord:
         timing, where they were slower by more than ``GUARD_MARGIN`` (``None``: not timed,
         or not that much slower)."""
         ratio = dict(self.timed).get(INDUCTOR_OWN)
-        if ratio is None or ratio >= 1 - GUARD_MARGIN:
-            return None
-        return 1 / ratio
+        slower = 1 / ratio if ratio else None
+        return slower if slower is not None and slower > 1 + GUARD_MARGIN else None
 
     def own_layouts_line(self) -> str | None:
         """What the guard's timing of Inductor's own layouts says, where they were slower."""
