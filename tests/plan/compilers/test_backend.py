@@ -580,16 +580,17 @@ def test_the_report_says_where_inductors_own_layouts_were_timed_slower_with_no_d
 
 def test_the_bench_note_counts_the_weights_of_the_plans_that_run():
     """Weights count where a plan runs (compiled or eagerly); a graph left to Inductor's own
-    layouts converts none of its plan's. The differing convolutions are named."""
+    layouts converts none of its plan's. The differing convolutions are named, and how much
+    slower the guard timed Inductor's own layouts."""
     from types import SimpleNamespace
 
     from memlayout.bench.modes import _backend_note
     from memlayout.plan.compilers.backend_report import COMPILED, EAGER, INDUCTOR_OWN
 
     graphs = [SimpleNamespace(ran=COMPILED, converted_weights=[("a.weight", 2_000_000)],
-                              own_layouts_slower=None),
+                              own_layouts_slower=1.4),
               SimpleNamespace(ran=EAGER, converted_weights=[("b.weight", 500_000)],
-                              own_layouts_slower=None),
+                              own_layouts_slower=2.5),
               SimpleNamespace(ran=INDUCTOR_OWN, converted_weights=[("c.weight", 7_000_000)],
                               own_layouts_slower=None)]
     differing = [(graphs[0], SimpleNamespace(where="layer1.conv"))]
@@ -599,6 +600,7 @@ def test_the_bench_note_counts_the_weights_of_the_plans_that_run():
             "converted per call") in note
     assert "3 graphs (1 inductor, 1 eager, 1 inductor (its own layouts))" in note
     assert "1 convolutions differ from Inductor's rule: layer1.conv" in note
+    assert "the guard timed Inductor's own layouts at up to 2.5x the compiled plan's time" in note
 
 
 class Padded(nn.Module):
