@@ -231,9 +231,12 @@ def _failed(module: nn.Module, how: str, exc: BaseException) -> str:
 
 
 def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
-              ranks: tuple[int, ...] = BASE_RANKS, device: torch.device | None = None) -> Any:
+              ranks: tuple[int, ...] = BASE_RANKS, device: torch.device | None = None,
+              facts: bool = True) -> Any:
     """Run ``gm`` once on copies of ``inputs`` (no grad, autocast for ``dtype``), storing a
-    :class:`ValueMeta` (for layout ``ranks``) in every node's meta; returns the output (the
+    :class:`ValueMeta` (for layout ``ranks``) in every node's meta and, with ``facts``, its
+    ``calls.RunFacts`` (what finds a graph value among a module call's: a digest of every
+    tensor, so only a plan steered by module calls needs them); returns the output (the
     reference the planned model is verified against)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # an exported graph takes the inputs' leaves (a dict of tensors is several placeholders)
@@ -247,17 +250,18 @@ def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype
     copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
     device = device_of(inputs, gm) if device is None else device
     with torch.no_grad(), autocast(device, dtype):
-        return _MetaProp(gm, ranks).run(*copies)
+        return _MetaProp(gm, ranks, facts).run(*copies)
 
 
 class _MetaProp(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, ranks: tuple[int, ...]) -> None:
+    def __init__(self, gm: fx.GraphModule, ranks: tuple[int, ...], facts: bool) -> None:
         super().__init__(gm)
         self.ranks = ranks
+        self.facts = facts
 
     def run_node(self, n: fx.Node) -> Any:
         inputs = {m.name: self.env[m] for m in n.all_input_nodes if m in self.env}
-        versions = {name: versions_of(v) for name, v in inputs.items()}
+        versions = {name: versions_of(v) for name, v in inputs.items()} if self.facts else {}
         try:
             result = super().run_node(n)
         except CaptureError:
@@ -269,7 +273,8 @@ class _MetaProp(fx.Interpreter):
                 "shape and dtype"
             ) from exc
         n.meta[META_KEY] = value_meta(result, self.ranks)
-        n.meta[RUN_KEY] = run_facts(result, inputs, versions)
+        if self.facts:
+            n.meta[RUN_KEY] = run_facts(result, inputs, versions)
         return result
 
 

@@ -17,7 +17,8 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
 4. verification, once, against the graph run eagerly: outputs, inputs changed in place
    (running statistics) and, in training, the gradient of every input that requires grad,
    within the dtype's tolerance (``memlayout.plan.compare``); where only rounding
-   differs the rewrite is re-checked in float64. A graph that draws random numbers (dropout
+   differs the rewrite is re-checked in float64 (the graph's own casts to float32 made
+   float64 casts: ``memlayout.plan.compare.widen``). A graph that draws random numbers (dropout
    in training) is checked as the planned graph against the original, both eager with their
    dropouts off (a mask depends on the layout it is drawn in, and Inductor's random stream is
    not eager's). A mismatch drops the plan: the graph is compiled by Inductor with its own
@@ -383,7 +384,9 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     ranks = CONV1D_RANKS if any(op_name(n) in ("conv1d", "conv_transpose1d")
                                 for n in work.graph.nodes) else BASE_RANKS
     try:
-        propagate(work, tuple(fresh_inputs(inputs)), dtype=dtype, ranks=ranks, device=device)
+        # no run facts: nothing steers a Dynamo graph by module calls
+        propagate(work, tuple(fresh_inputs(inputs)), dtype=dtype, ranks=ranks, device=device,
+                  facts=False)
     except MemlayoutError as exc:
         raise NotPlanned(f"the graph does not run on real tensors: {first_line(exc)}") from exc
     mark_spatial(work)
