@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from memlayout import dtypes
 from memlayout.dtypes import TOLERANCES, Compared
@@ -66,7 +66,7 @@ def float64_agreement(reference: nn.Module, planned: nn.Module, inputs: tuple[An
     layout changes no value in exact arithmetic: a plan whose outputs differ only by the run
     dtype's rounding (a deep bf16 network, where NHWC and NCHW kernels round differently)
     agrees in float64, a wrong rewrite does not. ``None`` too where a model cannot run in
-    float64 (an exported graph holds the dtype of a cast as traced, ``x.to(torch.float32)``)."""
+    float64 (its own code casts to float32; a traced graph's casts are widened, ``float64``)."""
     xs = float64(inputs)
     try:
         with torch.no_grad():
@@ -81,14 +81,63 @@ def float64_agreement(reference: nn.Module, planned: nn.Module, inputs: tuple[An
 def float64(value: Any) -> Any:
     """A float64 copy of a module (strides kept: ``Tensor.double`` preserves the format) or
     of inputs (floating tensors converted, inside containers too: a detector takes a list of
-    images; others as they are).
+    images; others as they are). In a module's traced graphs (``torch.fx``: Dynamo's, an
+    export's) every cast to a lower float dtype casts to float64 (:func:`widen`).
 
     >>> float64(([torch.zeros(2)], torch.ones(1, dtype=torch.long)))[0][0].dtype
     torch.float64
     """
     if isinstance(value, nn.Module):
-        return copy.deepcopy(value).double()
+        wide = copy.deepcopy(value).double()
+        for m in wide.modules():
+            if isinstance(m, fx.GraphModule):
+                widen(m)
+        return wide
     return tuple(map_tensors(tuple(value), lambda x: x.double() if x.is_floating_point() else x))
+
+
+#: what :func:`widen` casts to float64 instead, and the methods that cast to them
+_NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_NARROW_METHODS = frozenset({"float", "half", "bfloat16"})
+
+
+def widen(gm: fx.GraphModule) -> int:
+    """Make ``gm`` (in place) cast to float64 wherever it casts to float32, float16 or
+    bfloat16: a traced graph holds the dtype of a cast as traced (Dynamo writes
+    ``q.float()`` and ``out.to(dtype)`` as ``float``, ``to(torch.float32)``), so its float64
+    copy would meet a float32 tensor and a float64 weight in one op. Autocast regions keep
+    their dtype (autocast takes no float64). Returns how many nodes changed.
+
+    >>> class Upcast(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return (x.float() * 2).to(torch.float32)
+    >>> gm = fx.symbolic_trace(Upcast())
+    >>> widen(gm), gm(torch.ones(1, dtype=torch.float64)).dtype
+    (2, torch.float64)
+    """
+    found: list[bool] = []
+
+    def wide(a: Any) -> Any:
+        if isinstance(a, torch.dtype) and a in _NARROW:
+            found.append(True)
+            return torch.float64
+        return a
+
+    changed = 0
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or "autocast" in str(n.target):
+            continue
+        found.clear()
+        args, kwargs = fx.node.map_aggregate((n.args, n.kwargs), wide)
+        if found:
+            n.args, n.kwargs = args, kwargs
+        if n.op == "call_method" and n.target in _NARROW_METHODS:
+            n.target = "double"
+            found.append(True)
+        changed += bool(found)
+    if changed:
+        gm.recompile()
+    return changed
 
 
 def detached(value: Any) -> Any:

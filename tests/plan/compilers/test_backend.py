@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import sqlite3
+import warnings
 
 import pytest
 import torch
@@ -502,6 +503,58 @@ def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch,
         torch.testing.assert_close(got, model(x))
     (graph,) = memlayout.backend_report().graphs
     assert graph.ran == AS_GIVEN and "relative error" in graph.fallback
+
+
+class Upcast(nn.Module):
+    """Attention-style code that computes in float32 whatever comes in (``q.float()``, then
+    back to the input's dtype): Dynamo writes both casts as float32. With ``dropout``, the
+    graph draws random numbers too (its check runs apart)."""
+
+    def __init__(self, dropout: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.drop = nn.Dropout(0.5) if dropout else nn.Identity()
+        self.out = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        y = (y.float().softmax(1) * 8).to(x.dtype)
+        return self.out(self.drop(y))
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_a_rounding_difference_is_rechecked_in_float64_through_a_graphs_float32_casts(
+        monkeypatch, dropout):
+    """A plan that differs from the graph only by rounding passes on its float64 re-check,
+    also where the graph casts to float32 (which its float64 copy must not do: the conv after
+    the cast would meet a float32 input and a float64 weight, and the plan be dropped). The
+    rounding is made on purpose: ``(out + 2**22) - 2**22`` rounds float32 to halves, and is
+    exact in float64."""
+    real = b.rewrite
+
+    def rounding(root, gm, form, labels):
+        out = real(root, gm, form, labels)
+        result = next(n for n in gm.graph.nodes if n.op == "output")
+        (value,) = result.args[0]
+        with gm.graph.inserting_before(result):
+            up = gm.graph.call_function(torch.add, (value, 2.0 ** 22))
+            down = gm.graph.call_function(torch.sub, (up, 2.0 ** 22))
+        result.args = ((down,),)
+        gm.recompile()
+        return out
+
+    monkeypatch.setattr(b, "rewrite", rounding)
+    model, x = Upcast(dropout).train(), torch.randn(2, 3, 8, 8)
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+        cache=False, measure=False, inner="eager"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", b.BackendWarning)
+        compiled(x).square().mean().backward()
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.planned and not graph.fallback, graph.fallback
+    assert graph.max_error > 1e-3  # beyond float32's tolerance: the re-check decided
+    assert "float64" in graph.verification and "rounding" in graph.verification
+    assert ("dropout off" in graph.verification) is dropout
 
 
 def test_dynamic_shapes_plan_at_the_example_and_serve_other_sizes(monkeypatch, tmp_path):

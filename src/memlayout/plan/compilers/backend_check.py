@@ -20,6 +20,7 @@ from torch import fx
 from memlayout.dtypes import autocast, dtype_name
 from memlayout.plan.check import guard
 from memlayout.plan.check.training import Step, agree, training_loss
+from memlayout.plan.compare import float64
 from memlayout.plan.compilers.backend_graphs import copy_graph, fresh_inputs, op_name
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
@@ -49,11 +50,10 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
     ok, worst, what, _ = agree(want, got, dtype)
     if ok:
         return GraphCheck(True, how, worst)
-    wide = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in inputs]
+    wide = _wide(inputs)
     try:
-        want64 = _step(reference, wide, names, train=train, dtype=None, device=device)
-        got64 = _step(planned, wide, names, train=train, dtype=None, device=device)
+        want64 = _step(float64(reference), wide, names, train=train, dtype=None, device=device)
+        got64 = _step(float64(planned), wide, names, train=train, dtype=None, device=device)
     except Exception:  # a graph that cannot run in float64: no re-check
         return GraphCheck(False, f"{how}, first in the {what}", worst)
     exact, error64, _, _ = agree(want64, got64, torch.float32)
@@ -117,15 +117,22 @@ def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: li
     ok, worst, what, _ = agree(*(run(g, inputs, dtype) for g in calm), dtype)
     if ok:
         return GraphCheck(True, how, worst)
-    wide = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in inputs]
-    exact, error64, _, _ = agree(*(run(g, wide, None) for g in calm), torch.float32)
+    try:
+        exact, error64, _, _ = agree(*(run(float64(g), _wide(inputs), None) for g in calm),
+                                     torch.float32)
+    except Exception:  # a graph that cannot run in float64: no re-check
+        return GraphCheck(False, f"{how}, first in the {what}", worst)
     if exact:
         return GraphCheck(True, f"{how}; rounding only (float64: {error64:.2g})", worst)
     if random:
         return GraphCheck(True, "not compared: the graph draws random numbers that differ by "
                           f"layout (first in the {what})", None)
     return GraphCheck(False, f"{how}, first in the {what}", worst)
+
+
+def _wide(inputs: list[Any]) -> list[Any]:
+    return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs]
 
 
 def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
