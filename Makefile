@@ -22,7 +22,9 @@ demo: $(STAMP)
 	$(BIN)/memlayout optimize torchvision:resnet18 --batch 2 --image-size 128 --rounds 5
 
 # Two pytest processes: the tests that build peer runtimes (OpenVINO, ONNX Runtime) in-process
-# run apart from the rest. In one process, a later subprocess start segfaulted after them
+# run apart from the rest. The suite runs on two pytest-xdist workers of one torch thread each:
+# most of a test's time is single-threaded Python (tracing, export, Dynamo), so two workers
+# finish it in about two thirds of one two-threaded process's time. In one process, a later subprocess start segfaulted after them
 # (Python's frame stack unmapped under it, in a session of several hundred tests).
 # A third runs the tests marked `isa` again with ATen's kernels held to AVX2, so a machine with
 # AVX-512 checks an AVX2-only CPU's path too; it collects only the files that use the marker
@@ -31,7 +33,7 @@ demo: $(STAMP)
 ISA_TESTS = grep -rl --include='test_*.py' 'mark\.isa' tests
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not runtimes"
+	$(BIN)/python -m pytest -q -n 2 -m "not runtimes"
 	$(BIN)/python -m pytest -q -m runtimes tests
 	if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then \
 		ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m "isa and not runtimes" $$($(ISA_TESTS)); \

@@ -8,8 +8,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Two cores here; keep torch from oversubscribing them when tests run alongside other work.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two cores here; keep torch from oversubscribing them when tests run alongside other work
+# (one thread per pytest-xdist worker: the workers share the cores).
+_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+torch.set_num_threads(1 if _WORKER else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)
