@@ -4,6 +4,15 @@ import os
 # share the two cores, spinning makes 2-thread runs 10-20x slower (resnet18, 32 px, batch 2:
 # 1.06 s vs 0.075 s per forward at load average 9); alone, it changes nothing a test checks.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Inductor's caches do not tell a kernel compiled under ATEN_CPU_CAPABILITY from one compiled
+# without it: on an AVX-512 CPU, kernels cached by a plain run and read back under
+# ATEN_CPU_CAPABILITY=avx2 raised SystemError or computed other values. A run with the
+# capability held keeps a cache of its own.
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor-{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
