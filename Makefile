@@ -22,10 +22,11 @@ demo: $(STAMP)
 	$(BIN)/memlayout optimize torchvision:resnet18 --batch 2 --image-size 128 --rounds 5
 
 # Two pytest processes: the tests that build peer runtimes (OpenVINO, ONNX Runtime) in-process
-# run apart from the rest. The suite runs on two pytest-xdist workers of one torch thread each:
-# most of a test's time is single-threaded Python (tracing, export, Dynamo), so two workers
-# finish it in about two thirds of one two-threaded process's time. In one process, a later subprocess start segfaulted after them
+# run apart from the rest. In one process, a later subprocess start segfaulted after them
 # (Python's frame stack unmapped under it, in a session of several hundred tests).
+# The suite runs on two pytest-xdist workers of one torch thread each: most of a test's time
+# is single-threaded Python (tracing, export, Dynamo), so two workers finish it in about two
+# thirds of one two-threaded process's time.
 # A third runs the tests marked `isa` again with ATen's kernels held to AVX2, so a machine with
 # AVX-512 checks an AVX2-only CPU's path too; it collects only the files that use the marker
 # (collecting the whole suite takes longer than these tests). Only where the CPU has AVX2: ATen
