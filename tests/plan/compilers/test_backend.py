@@ -13,12 +13,13 @@ import copy
 import json
 import sqlite3
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch._dynamo
 import torchvision
-from torch import nn
+from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlayout
@@ -478,22 +479,28 @@ class Scale(nn.Module):
         return x * self.factor
 
 
-def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch, tmp_path):
-    """A rewrite made wrong on purpose: verification catches it, the graph runs as given,
-    outputs are the model's, the report says why."""
+def _rewrite_then(monkeypatch: pytest.MonkeyPatch,
+                  tail: Callable[[fx.Graph, fx.Node], fx.Node]) -> None:
+    """The backend's rewrite, then the planned graph's one output replaced by what ``tail``
+    makes of it (nodes added to the graph before its output)."""
     real = b.rewrite
 
-    def wrong(root, gm, form, labels):
+    def rewrite(root, gm, form, labels):
         out = real(root, gm, form, labels)
         result = next(n for n in gm.graph.nodes if n.op == "output")
         (value,) = result.args[0]
         with gm.graph.inserting_before(result):
-            scaled = gm.graph.call_function(torch.mul, (value, 1.5))
-        result.args = ((scaled,),)
+            result.args = ((tail(gm.graph, value),),)
         gm.recompile()
         return out
 
-    monkeypatch.setattr(b, "rewrite", wrong)
+    monkeypatch.setattr(b, "rewrite", rewrite)
+
+
+def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch, tmp_path):
+    """A rewrite made wrong on purpose: verification catches it, the graph runs as given,
+    outputs are the model's, the report says why."""
+    _rewrite_then(monkeypatch, lambda graph, value: graph.call_function(torch.mul, (value, 1.5)))
     model, x = _plain().eval(), torch.randn(2, 3, 8, 8)
     compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
         cache=False, measure=False, inner="eager"))
@@ -530,20 +537,8 @@ def test_a_rounding_difference_is_rechecked_in_float64_through_a_graphs_float32_
     the cast would meet a float32 input and a float64 weight, and the plan be dropped). The
     rounding is made on purpose: ``(out + 2**22) - 2**22`` rounds float32 to halves, and is
     exact in float64."""
-    real = b.rewrite
-
-    def rounding(root, gm, form, labels):
-        out = real(root, gm, form, labels)
-        result = next(n for n in gm.graph.nodes if n.op == "output")
-        (value,) = result.args[0]
-        with gm.graph.inserting_before(result):
-            up = gm.graph.call_function(torch.add, (value, 2.0 ** 22))
-            down = gm.graph.call_function(torch.sub, (up, 2.0 ** 22))
-        result.args = ((down,),)
-        gm.recompile()
-        return out
-
-    monkeypatch.setattr(b, "rewrite", rounding)
+    _rewrite_then(monkeypatch, lambda graph, value: graph.call_function(
+        torch.sub, (graph.call_function(torch.add, (value, 2.0 ** 22)), 2.0 ** 22)))
     model, x = Upcast(dropout).train(), torch.randn(2, 3, 8, 8)
     compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
         cache=False, measure=False, inner="eager"))

@@ -50,7 +50,7 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
     ok, worst, what, _ = agree(want, got, dtype)
     if ok:
         return GraphCheck(True, how, worst)
-    wide = _wide(inputs)
+    wide = list(float64(inputs))
     try:
         want64 = _step(float64(reference), wide, names, train=train, dtype=None, device=device)
         got64 = _step(float64(planned), wide, names, train=train, dtype=None, device=device)
@@ -118,7 +118,7 @@ def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: li
     if ok:
         return GraphCheck(True, how, worst)
     try:
-        exact, error64, _, _ = agree(*(run(float64(g), _wide(inputs), None) for g in calm),
+        exact, error64, _, _ = agree(*(run(float64(g), list(float64(inputs)), None) for g in calm),
                                      torch.float32)
     except Exception:  # a graph that cannot run in float64: no re-check
         return GraphCheck(False, f"{how}, first in the {what}", worst)
@@ -128,11 +128,6 @@ def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: li
         return GraphCheck(True, "not compared: the graph draws random numbers that differ by "
                           f"layout (first in the {what})", None)
     return GraphCheck(False, f"{how}, first in the {what}", worst)
-
-
-def _wide(inputs: list[Any]) -> list[Any]:
-    return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in inputs]
 
 
 def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
