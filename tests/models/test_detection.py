@@ -33,6 +33,22 @@ def images(batch: int) -> tuple[list[torch.Tensor]]:
     return ([torch.rand(3, SIZE, SIZE * 3 // 4 if i % 2 else SIZE) for i in range(batch)],)
 
 
+def targets(images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """What a training step takes beside ``images``: two objects in each image (a box a third
+    of its size, its class, its mask), at places drawn from a fixed seed."""
+    draw = torch.Generator().manual_seed(1)
+    out = []
+    for image in images:
+        h, w = image.shape[1:]
+        corner = torch.rand(2, 2, generator=draw) * torch.tensor([w / 2, h / 2])
+        boxes = torch.cat([corner, corner + torch.tensor([w / 3, h / 3])], dim=1)
+        masks = torch.zeros(2, h, w, dtype=torch.uint8)
+        for mask, (x0, y0, x1, y1) in zip(masks, boxes.int().tolist(), strict=True):
+            mask[y0:y1, x0:x1] = 1
+        out.append({"boxes": boxes, "labels": torch.tensor([1, 2]), "masks": masks})
+    return out
+
+
 def test_mask_rcnn_is_planned_whole_verified_and_a_drop_in() -> None:
     _, opt = assert_a_planned_drop_in(mask_rcnn, images, batch=2, other_batch=1)
     plan = opt.plan
