@@ -2,7 +2,7 @@
 # Re-running on a machine that already has .venv reinstalls nothing heavy: the install step
 # runs again only when pyproject.toml changes (stamp file), and pip keeps an installed torch.
 PY ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memlayout-installed
 
@@ -27,6 +27,8 @@ demo: $(STAMP)
 # The suite runs on two pytest-xdist workers of one torch thread each: most of a test's time
 # is single-threaded Python (tracing, export, Dynamo), so two workers finish it in about two
 # thirds of one two-threaded process's time.
+# mypy first (pyproject.toml says what it checks): code no test reaches, the CUDA paths among
+# it, still has to name what exists.
 # A third runs the tests marked `isa` again with ATen's kernels held to AVX2, so a machine with
 # AVX-512 checks an AVX2-only CPU's path too; it collects only the files that use the marker
 # (collecting the whole suite takes longer than these tests). Only where the CPU has AVX2: ATen
@@ -34,6 +36,7 @@ demo: $(STAMP)
 ISA_TESTS = grep -rl --include='test_*.py' 'mark\.isa' tests
 
 test: $(STAMP)
+	$(BIN)/python -m mypy src/memlayout
 	$(BIN)/python -m pytest -q -n 2 -m "not runtimes"
 	$(BIN)/python -m pytest -q -m runtimes tests
 	if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then \

@@ -1,52 +1,72 @@
 #!/usr/bin/env bash
-# The layout comparison on a CUDA GPU, once, into one folder: eager NCHW, eager channels-last,
-# memlayout's plan, torch.compile, memlayout.compile and TensorRT (torch_tensorrt, where
-# installed), in fp32, fp16 and bf16, interleaved in one process per model (docs/bench/gpu_compare.py);
-# then `memlayout bench` on the same models (FLOP/s, fraction of the GEMM peak, peak memory);
-# then the torch.compile backend against torch.compile, training and inference, fp32 and bf16,
-# with the A/A control (nhwc-again): CUDA training is where Inductor's layout rule was tuned.
-# Not needed by CI. Run from the repository root:
+# The layout comparison on one CUDA GPU, in one run of at most 8 minutes, into one folder of 6
+# files: eager NCHW, eager channels-last and its A/A control (nhwc-again), memlayout's plan,
+# torch.compile and torch.compile with memlayout's backend, training and inference, in bf16,
+# fp32 and fp16, on resnet50, convnext_tiny (timm), efficientnet_b0 and a 4-level UNet
+# (docs/bench/gpu_compare.py, one process). Needs python3 with torch, torchvision and timm;
+# memlayout is taken from this checkout (PYTHONPATH=src), nothing is installed. Not run by CI;
+# `--dry-run` is (the same code on the CPU, a tiny model, under a minute).
 #
-#   docs/bench/gpu.sh                        # writes gpu-results/<UTC time>/
-#   OUT=somewhere docs/bench/gpu.sh --rounds 7
-#   docs/bench/gpu.sh --device cpu --smoke   # a tiny model on the CPU: does the script work
+#   docs/bench/gpu.sh                       # writes $OUT, else gpu-results/<UTC time>/
+#   docs/bench/gpu.sh --dry-run             # on the CPU: does the script work here
+#   docs/bench/gpu.sh --models resnet50 --dtypes fp32,fp16 --budget 300
 #
-# Extra arguments go to gpu_compare.py (--models, --dtypes, --batch, --image-size, --rounds,
-# --modes, --compile-backend). With --smoke the `memlayout bench` step is skipped and the
-# backend comparison runs on the CPU on gpu_compare.py's tiny model, its graphs run eagerly.
-# STEPS=compare,bench,backend (the default) picks the steps: STEPS=backend reruns that one.
+# Arguments go to gpu_compare.py (--budget, --models, --dtypes, --tasks, --rounds, --repeat,
+# --warmup, --compile-backend, --dry-run). PYTHON picks the interpreter (default: python3).
+#
+# What comes out, the table first:
+#   01-table.md        a row per case x mode: ms/step, img/s, speedup over eager NCHW (median
+#                      and range over rounds), first call (compile) seconds, step peak memory
+#   02-results.json    the same records with every round's time
+#   03-environment.json  versions, the options, the device's fingerprint (TF32, cuDNN)
+#   04-machine.txt     date, uname, nvidia-smi
+#   05-log.txt         the run's output (compile warnings included)
+#   06-bars.txt        the backend's bars (docs/bench/backend/bars.py): compile-memlayout
+#                      against the best other mode and against torch.compile, with the A/A noise
+#
+# Batches: 224 px classifiers run at 128, the UNet at 256 px at 32 (inference) and 16
+# (training): sizes a GPU user runs, where eager kernels outlast their launches (resnet50's
+# bf16 training step at 128: ~20 ms of kernels, ~7 ms of Python launching ~700 of them). Per
+# mode: 2 warm-up steps, then 10 interleaved rounds of 3 steps.
+#
+# Time. gpu_compare.py starts no case its forecast puts past --budget (default 420 s; the
+# forecast is the longest case of its task so far, training counted as twice inference), and
+# builds no mode past it; the skipped ones are rows of their own. A hard stop at LIMIT_S
+# (default 465 s) ends the run inside 8 minutes, every finished case kept. Cases go resnet50
+# bf16 train, bf16 infer, fp32 train, fp32 infer, then fp16, then the other models (bf16, then
+# fp16 and fp32). The estimate per resnet50 case on an H100 with 16 CPU cores, in seconds, from
+# the rates below and the usual cold-cache compile times (not yet measured on that machine):
+#
+#                                        bf16 infer  bf16 train  fp32 infer  fp32 train
+#   eager firsts, checks, peak memory         5           5           5          10
+#   planned: costs timed per node, guard     15          25          15          35
+#   torch.compile (Inductor, cold)           40          80          40          80
+#   memlayout backend: costs, planned
+#     graph compiled, guard (Inductor's
+#     own layout from the FX graph cache)    60         110          60         120
+#   timing: 6 modes x 34 steps                2           4           5          30
+#   case                                   ~120        ~225        ~125        ~275
+#
+# Steps: the forward is 4.1 G multiply-adds (8.2 GFLOP) per 224 px image, training ~3x that,
+# so 1.05 TFLOP an inference step and 3.2 TFLOP a training step at 128: at ~400 TFLOP/s dense
+# bf16 and ~50 TFLOP/s fp32 (TF32) that is 2.6 / 8 ms bf16 and 21 / 63 ms fp32 at peak, taken
+# as 2-3x that eager. So bf16 train and bf16 infer (~345 s) fit in 420 s, fp32 train is
+# forecast past it and skipped, with every case after it: with imports and CUDA start the run
+# takes ~6 minutes. `--dtypes fp32` (or --models, --tasks) runs the next cases in a run of
+# their own. Compile time is the unknown: each row's first-call seconds show what it was.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
 out="${OUT:-gpu-results/$(date -u +%Y%m%dT%H%M%SZ)}"
-python="${PYTHON:-python}"
+python="${PYTHON:-python3}"
+export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
-{ date -u; uname -a; nvidia-smi 2>&1 || echo "no nvidia-smi"; } > "$out/machine.txt"
-steps=",${STEPS:-compare,bench,backend},"
-if [[ $steps == *,compare,* ]]; then
-  "$python" "$here/gpu_compare.py" --out "$out/compare" "$@"
+{ date -u; uname -a; nvidia-smi 2>&1 || echo "no nvidia-smi"; } > "$out/04-machine.txt"
+status=0
+timeout -k 10 "${LIMIT_S:-465}" "$python" "$here/gpu_compare.py" --out "$out" "$@" 2>&1 \
+  | tee "$out/05-log.txt" || status=$?
+if [[ -f "$out/02-results.json" ]]; then
+  "$python" "$here/backend/bars.py" "$out/02-results.json" > "$out/06-bars.txt" 2>&1 || true
 fi
-backend_modes=nchw,nhwc,nhwc-again,planned,compile,compile-memlayout
-case " $* " in
-  *" --smoke "*)
-    if [[ $steps == *,backend,* ]]; then
-      "$python" -m memlayout.cli bench "$here/gpu_compare.py:tiny" --device cpu \
-        --modes "$backend_modes" --dtype fp32 --task train,infer --batch 2 --image-size 16 \
-        --rounds 2 --gemm-size 64 --compile-backend eager --plan-costs analytic \
-        --out "$out/backend"
-    fi ;;
-  *)
-    if [[ $steps == *,bench,* ]]; then
-      "$python" -m memlayout.cli bench torchvision:resnet50 torchvision:mobilenet_v2 \
-        --device cuda --modes nchw,nhwc,planned,compile,planned+compile --dtype fp32,bf16 \
-        --task infer --batch 32 --rounds 15 --out "$out/bench"
-    fi
-    if [[ $steps == *,backend,* ]]; then
-      "$python" -m memlayout.cli bench torchvision:resnet50 torchvision:mobilenet_v2 \
-        torchvision:efficientnet_b0 torchvision:convnext_tiny \
-        "$here/real_models.py:smp_unet" "$here/real_models.py:ddpm_unet" \
-        --device cuda --modes "$backend_modes" --dtype fp32,bf16 --task train,infer \
-        --batch 32 --rounds 15 --out "$out/backend"
-      "$python" "$here/backend/bars.py" "$out/backend/results.json" > "$out/backend/bars.txt"
-    fi ;;
-esac
-echo "results in $out"
+echo "results in $out (exit status $status)"
+exit "$status"

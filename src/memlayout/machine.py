@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from memlayout.timing import device_sync, interleaved
+from memlayout.timing import interleaved
 
 #: the relative spread of a measurement's rounds, (max - min) / median, above which it is
 #: noisy: quiet runs stay well under it, runs beside another job on a small machine reach
@@ -140,18 +140,20 @@ class Bf16Speed:
 
 
 @functools.cache
-def bf16_speed(device: str = "cpu") -> Bf16Speed:
-    """The bf16 matmul rate against fp32 on ``device``, measured once per process (a few
+def bf16_speed() -> Bf16Speed:
+    """The bf16 matmul rate against fp32 on this CPU, measured once per process (a few
     interleaved rounds of one matmul each, by the one timer), never guessed from the CPU's
-    name: what torch's kernels do with bf16 here is what counts."""
+    name: what torch's kernels do with bf16 here is what counts. (A GPU's verdict is the
+    device seam's: ``memlayout.devices.seam(device).bf16()``; a matmul this small is
+    launch-bound there.)"""
     gen = torch.Generator().manual_seed(0)
-    a32, b32 = (torch.randn(BF16_SIDE, BF16_SIDE, generator=gen).to(device) for _ in range(2))
+    a32, b32 = (torch.randn(BF16_SIDE, BF16_SIDE, generator=gen) for _ in range(2))
     a16, b16 = a32.bfloat16(), b32.bfloat16()
     out32, out16 = torch.empty_like(a32), torch.empty_like(a16)
     c = interleaved({"fp32": lambda: torch.mm(a32, b32, out=out32),
                      "bf16": lambda: torch.mm(a16, b16, out=out16)},
-                    rounds=5, warmup=1, sync=device_sync(device))
-    return Bf16Speed(c["fp32"].median / c["bf16"].median, torch.device(device).type)
+                    rounds=5, warmup=1)
+    return Bf16Speed(c["fp32"].median / c["bf16"].median, "cpu")
 
 
 @functools.lru_cache(maxsize=1)
@@ -212,27 +214,14 @@ def cpu_isa() -> CpuIsa:
     return CpuIsa(capability, flags)
 
 
-def device_name(device: str | torch.device = "cpu") -> str:
-    """What runs the kernels: the GPU's name for a CUDA device (``NVIDIA H100 ...``), the
-    CPU's model name otherwise.
-
-    >>> device_name("cpu") == cpu_model()
-    True
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(device)
-    return cpu_model()
-
-
-def fingerprint(device: str = "cpu") -> str:
-    """What a cached measurement is only valid for: device model, threads, torch version,
-    OpenMP wait policy, and on a CPU the instruction set ATen's kernels dispatch to (a timing
-    taken with AVX-512 kernels says nothing of AVX2's).
+def fingerprint() -> str:
+    """What a cached measurement of this host is only valid for: CPU model, threads, torch
+    version, OpenMP wait policy and the instruction set ATen's kernels dispatch to (a timing
+    taken with AVX-512 kernels says nothing of AVX2's). A measurement on a GPU is keyed by
+    the device seam's fingerprint as well (``memlayout.devices``).
 
     >>> fingerprint().count("|")
     4
     """
-    kernels = "cuda" if torch.device(device).type == "cuda" else cpu_isa().capability
-    return (f"{device_name(device)}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-            f"|omp={os.environ.get('OMP_WAIT_POLICY', '') or 'default'}|isa={kernels}")
+    return (f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|omp={os.environ.get('OMP_WAIT_POLICY', '') or 'default'}|isa={cpu_isa().capability}")

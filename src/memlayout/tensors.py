@@ -245,7 +245,7 @@ def map_tensors(obj: Any, fn: Any) -> Any:
             return obj
         try:
             out = copy.copy(obj)
-            out.update(items)  # keeps the mapping's type (OrderedDict, defaultdict, ...)
+            out.update(items)  # type: ignore[attr-defined]  # keeps the mapping's type (OrderedDict, defaultdict, ...)
             return out
         except (AttributeError, TypeError):
             return items

@@ -273,10 +273,16 @@ def geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def device_sync(device: str) -> Callable[[], None]:
-    """The synchronize function for a device string (``cpu``: nothing to wait for)."""
-    if str(device).startswith("cuda"):
-        import torch
+#: a timed sample lasts about this long: enough calls of a short op that the clock's and the
+#: device synchronize's own cost is small beside them
+SAMPLE_SECONDS = 0.004
 
-        return torch.cuda.synchronize
-    return lambda: None
+
+def repeats_for(per_call: float) -> int:
+    """Calls per timed sample for a call of ``per_call`` seconds (once warm): about
+    ``SAMPLE_SECONDS`` of them, 1 to 50.
+
+    >>> repeats_for(0.1), repeats_for(0.0004), repeats_for(0.0)
+    (1, 10, 50)
+    """
+    return max(1, min(50, int(SAMPLE_SECONDS / max(per_call, 1e-6))))

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import scipy.stats
 
-from memlayout.timing import device_sync, geomean, interleaved
+from memlayout.timing import geomean, interleaved
 
 
 class FakeClock:
@@ -186,7 +186,3 @@ def test_geomean_agrees_with_scipy():
     assert geomean(values) == pytest.approx(float(scipy.stats.gmean(values)))
     with pytest.raises(ValueError):
         geomean([])
-
-
-def test_device_sync_on_cpu_is_a_no_op():
-    assert device_sync("cpu")() is None

@@ -1,4 +1,5 @@
-"""The backend's bars, read from `memlayout bench` results.json files (docs/bench/backend/run.sh).
+"""The backend's bars, read from `memlayout bench` results.json files (docs/bench/backend/run.sh)
+or from docs/bench/gpu.sh's 02-results.json.
 
     python docs/bench/backend/bars.py docs/bench/backend/zoo/results.json docs/bench/backend/real/results.json
 

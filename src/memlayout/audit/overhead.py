@@ -13,9 +13,10 @@ from typing import Any
 from torch import nn
 
 from memlayout.audit.recorder import audit, inputs_format, prepare, run_once
+from memlayout.devices import seam
 from memlayout.dtypes import parse_dtype
 from memlayout.layout import Format
-from memlayout.timing import Comparison, device_sync, interleaved
+from memlayout.timing import Comparison, interleaved
 
 
 def overhead(model: nn.Module, inputs: Any, *, train: bool = False,
@@ -37,4 +38,4 @@ def overhead(model: nn.Module, inputs: Any, *, train: bool = False,
         audit(model, inputs, train=train, fmt=fmt, dtype=dtype, kwargs=kwargs)
 
     return interleaved({"audited": audited, "plain": plain}, rounds=rounds, warmup=warmup,
-                       baseline="audited", sync=device_sync(device))
+                       baseline="audited", sync=seam(device).synchronize)

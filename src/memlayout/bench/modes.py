@@ -65,6 +65,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memlayout import machine, runtimes
 from memlayout.bench.config import BACKEND_MODE, CONTROL, DTYPES, RUNTIME_MODES, ModeUnavailable
+from memlayout.devices import seam
 from memlayout.dtypes import Compared, autocast, parse_dtype, tolerance
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
@@ -84,7 +85,6 @@ from memlayout.tensors import (
     mean_square_loss,
     torch_memory_format,
 )
-from memlayout.timing import device_sync
 
 LEARNING_RATE = 1e-3
 
@@ -195,10 +195,11 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
     args = _on(inputs, device)
     if mode in RUNTIME_MODES:
         return _prepare_runtime(mode, module, args, dtype=dtype, task=task, device=device)
-    if "compile" in mode and dtype == "bf16" and machine.bf16_speed(device).emulated:
+    bf16 = seam(device).bf16() if "compile" in mode and dtype == "bf16" else None
+    if bf16 is not None and bf16.emulated:
         # resnet50's planned+compile build ran past 20 minutes on an AVX2-only CPU
         raise ModeUnavailable(f"{mode} is not built in bf16 here: "
-                              f"{machine.bf16_speed(device).describe()}, and Inductor's bf16 "
+                              f"{bf16.describe()}, and Inductor's bf16 "
                               "build on such a CPU runs for many minutes to time what no CPU "
                               "with bf16 instructions would do")
     start = time.perf_counter()
@@ -243,7 +244,7 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
     step = _step_fn(model, args, dtype, task, device)
     setup_s = time.perf_counter() - start
 
-    sync = device_sync(device)
+    sync = seam(device).synchronize
     if mode == BACKEND_MODE:
         report_backend(clear=True)  # this mode's graphs only
     start = time.perf_counter()
@@ -254,14 +255,24 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
         note = _backend_note(report_backend(), inner)
     if mode == "planned+compile" and task == "infer":  # compiled inside memlayout.compile
         first_call_s += sum(model.plan.compiled.compile_seconds.values())  # type: ignore[union-attr]
-    peak = None
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        sync()
-        peak = torch.cuda.max_memory_allocated(device)
+    # this mode's own: its model's state on the device, and what one step allocates beyond
+    # what was there before it (the other modes' models are there too, and not counted)
+    allocated = seam(device).peak_memory(step)
+    peak = None if allocated is None else _state_bytes(model) + allocated.peak
     return PreparedMode(mode, step, setup_s, first_call_s, _input_format(args), peak, note,
                         model)
+
+
+def _state_bytes(model: Any) -> int:
+    """Bytes of a model's distinct parameters, buffers and gradients (a compiled model's
+    through the module it wraps; a runtime's model: none on the device)."""
+    module = getattr(model, "_orig_mod", model)
+    if not isinstance(module, nn.Module):
+        return 0
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _backend_note(report: BackendReport, inner: str) -> str:
@@ -297,7 +308,7 @@ def _prepare_runtime(mode: str, module: nn.Module, args: tuple[Any, ...], *, dty
     NCHW in the same dtype (autocast for bf16, as the ``nchw`` mode runs)."""
     if task != "infer":
         raise ModeUnavailable(f"{mode} runs inference only (no training)")
-    if torch.device(device).type != "cpu":
+    if not seam(device).host:
         raise ModeUnavailable(f"{mode} is measured on the CPU only; got device {device!r}")
     reason = runtimes.available(mode)
     if reason:
@@ -397,7 +408,7 @@ def matmul_isa(dtype: str, device: str = "cpu", isa: CpuIsa | None = None) -> st
     >>> matmul_isa("bf16", isa=CpuIsa("AVX2", frozenset({"avx2"})))
     'CPU bf16 instructions: none (bf16 emulated)'
     """
-    if torch.device(device).type != "cpu":
+    if not seam(device).host:
         return f"device {device}"
     flags = (isa or machine.cpu_isa()).flags
     found = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("amx_tile", "AMX tiles"),

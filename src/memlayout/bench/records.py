@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from memlayout import malloc
-from memlayout.machine import Conditions, device_name
+from memlayout.devices import seam
+from memlayout.machine import Conditions
 
 STATUSES = ("ok", "error", "unavailable")
 
@@ -53,7 +54,7 @@ class Environment:
         now = Conditions.now()
         return cls(
             device=device,
-            device_name=device_name(device),
+            device_name=seam(device).name(),
             threads=threads if threads is not None else torch.get_num_threads(),
             torch=torch.__version__,
             torchvision=_version("torchvision"),

@@ -39,10 +39,11 @@ from memlayout.bench.modes import (
     prepare_mode,
 )
 from memlayout.bench.records import BenchRecord, Environment
+from memlayout.devices import seam
 from memlayout.models import ModelSpec, load_model
 from memlayout.plan.inputs import keyword_call
 from memlayout.tensors import iter_tensors
-from memlayout.timing import Comparison, device_sync, interleaved
+from memlayout.timing import Comparison, interleaved
 
 #: name of the matmul timed for the peak (not a mode: it yields no record of its own)
 GEMM = "gemm"
@@ -113,7 +114,7 @@ def run_bench(config: BenchConfig, *, on_event: Callable[[BenchEvent], None] | N
                 records.extend(case)
                 done(case)
             del spec
-            _release_memory()
+            _release_memory(config.device)
     return BenchResult(config, env, tuple(records))
 
 
@@ -134,7 +135,7 @@ def _run_case(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str
         try:
             return _measure(config, env, spec, dtype, task, batch, notes, emit, clock, peaks)
         except _OutOfMemory as oom:
-            _release_memory()
+            _release_memory(config.device)
             if not isinstance(spec.example_input, torch.Tensor):
                 return _failed_case(env, spec.spec, dtype, task, config, "error",
                                     f"out of memory at the factory's own input, whose batch "
@@ -204,7 +205,7 @@ def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str,
         comparison = interleaved(
             fns, rounds=config.rounds, warmup=config.warmup,
             baseline=BASELINE if BASELINE in fns else next(iter(fns)),
-            sync=device_sync(config.device), clock=clock,
+            sync=seam(config.device).synchronize, clock=clock,
             on_step=lambda r, m: emit(BenchEvent(spec.spec, dtype, task, m, "round", r, batch)),
         )
         for name, timing in comparison.modes.items():
@@ -223,7 +224,7 @@ def _measure(config: BenchConfig, env: Environment, spec: ModelSpec, dtype: str,
         records.append(_timed_record(common, mode, prepared[mode], comparison, flops,
                                      peaks[dtype], note))
     del prepared, comparison
-    _release_memory()
+    _release_memory(config.device)
     return records
 
 
@@ -237,7 +238,7 @@ def measure_peak(config: BenchConfig, dtype: str, emit: Callable[[BenchEvent], N
     side, isa = config.gemm_side(), matmul_isa(dtype, config.device)
     gemm, flops = gemm_step(side, dtype, config.device)
     timing = interleaved({GEMM: gemm}, rounds=config.rounds, warmup=config.warmup,
-                         baseline=GEMM, sync=device_sync(config.device), clock=clock,
+                         baseline=GEMM, sync=seam(config.device).synchronize, clock=clock,
                          on_step=lambda r, m: emit(BenchEvent(PEAK_EVENT_MODEL, dtype, "", m,
                                                               "round", r)))[GEMM]
     rate = flops / timing.min if timing.ok and timing.min > 0 else None
@@ -291,10 +292,9 @@ def _reset_dynamo() -> None:
         dynamo.reset()
 
 
-def _release_memory() -> None:
+def _release_memory(device: str) -> None:
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    seam(device).release()
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from memlayout import machine
+from memlayout.devices import seam
 from memlayout.dtypes import dtype_name, parse_dtype
 from memlayout.errors import MemlayoutError
 from memlayout.machine import Bf16Speed, Conditions
@@ -145,11 +145,11 @@ def print_measuring_conditions(measure: bool) -> None:
 def bf16_notice(dtypes: str | tuple[str, ...], device: str, then: str) -> Bf16Speed | None:
     """Where bf16 is asked for, its speed here measured against fp32 (once per process);
     where it is emulated, one note saying so up front and ``then``, what the verb does about
-    it. ``None`` when no bf16 is asked for."""
+    it. ``None`` when no bf16 is asked for, or bf16 is the device's own arithmetic (a GPU)."""
     if "bf16" not in ((dtypes,) if isinstance(dtypes, str) else dtypes):
         return None
-    speed = machine.bf16_speed(device)  # (tests inject the measured fact here)
-    if speed.emulated:
+    speed = seam(device).bf16()  # measured on a CPU (tests inject it: machine.bf16_speed)
+    if speed is not None and speed.emulated:
         console.print(f"note: {speed.describe()}; {then}", markup=False, highlight=False)
     return speed
 

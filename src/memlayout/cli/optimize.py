@@ -11,7 +11,6 @@ import typer
 from rich.progress import Progress
 from torch import nn
 
-from memlayout import machine
 from memlayout.cli.app import app
 from memlayout.cli.common import (
     UsageError,
@@ -25,6 +24,7 @@ from memlayout.cli.common import (
     print_measuring_conditions,
     writable_file,
 )
+from memlayout.devices import seam
 from memlayout.dtypes import dtype_name, parse_dtype
 from memlayout.errors import MemlayoutError
 from memlayout.models import load_model
@@ -244,8 +244,8 @@ def _bounded_for_bf16(ctx: typer.Context, device: str, *, measure: bool, compile
     candidates (which multiply the measurements) are off unless ``--padding`` is given.
     Returns the padding to plan with."""
     given = ctx.get_parameter_source("padding").name not in ("DEFAULT", "DEFAULT_MAP")
-    speed = machine.bf16_speed(device)
-    if not speed.emulated:
+    speed = seam(device).bf16()
+    if speed is None or not speed.emulated:
         return padding
     if compile:
         raise UsageError(f"--compile --dtype bf16: {speed.describe()}; Inductor's bf16 "

@@ -30,8 +30,9 @@ from torchvision.datasets.folder import pil_loader
 from memlayout.data.collate import channels_last_loader
 from memlayout.data.copies import CopyCounter
 from memlayout.data.normalize import IMAGENET_MEAN, IMAGENET_STD, to_model_input
+from memlayout.devices import seam
 from memlayout.files import atomic_file, cache_dir
-from memlayout.timing import Comparison, device_sync, interleaved
+from memlayout.timing import Comparison, interleaved
 
 PIPELINES: tuple[str, str] = ("torchvision", "memlayout")
 
@@ -195,7 +196,7 @@ def run_data_bench(config: DataBenchConfig, on_step: Callable[[int, str], None] 
                for name, build in builders.items()}
     comparison = interleaved({name: _epoch(*lf) for name, lf in loaders.items()},
                              rounds=config.rounds, warmup=config.warmup, baseline="torchvision",
-                             on_step=on_step, sync=device_sync(config.device))
+                             on_step=on_step, sync=seam(config.device).synchronize)
     return DataBenchResult(
         config=config,
         folder=paths[0].parent,

@@ -3,7 +3,8 @@
 ``(x / 255 - mean) / std`` (what ``ToTensor`` + ``Normalize`` compute) is ``x * scale + shift``
 with ``scale = 1 / (255 std)`` and ``shift = -mean / std``: one ``addcmul`` that reads uint8 and
 writes the model's dtype, computed in float32 and rounded once. Moving the batch to the device
-before converting moves 1 byte per value instead of 4.
+before converting moves 1 byte per value instead of 4. ``scale`` and ``shift`` are copied to
+a device once per (values, dtype, device) and reused: a batch makes no blocking copy of them.
 
 >>> x = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
 >>> y = to_model_input(x, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
@@ -16,6 +17,8 @@ operations round differently by about one unit in the last place).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -85,12 +88,53 @@ def to_model_input(
     x = batch.to(dev, non_blocking=non_blocking)
     # float64 output computes in float64; every other dtype computes in float32, rounds once.
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    scale = torch.tensor([1.0 / (255.0 * s) for s in stds], dtype=compute).view(-1, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(means, stds, strict=True)], dtype=compute).view(-1, 1, 1)
-    scale, shift = scale.to(dev), shift.to(dev)
+    scale, shift = affine_constants(
+        tuple(1.0 / (255.0 * s) for s in stds),
+        tuple(-m / s for m, s in zip(means, stds, strict=True)), compute, dev)
     shape = tuple(x.shape)
     out = torch.empty_strided(shape, strides_for(shape, Format.CHANNELS_LAST), dtype=dtype, device=dev)
     return _affine_into(out, x, scale, shift, cast_first=dev.type == "cpu" and dtype == compute)
+
+
+#: at most this many (values, dtype, device) pairs of constants held on their devices
+CONSTANTS_HELD = 16
+_constants: OrderedDict[tuple[tuple[float, ...], tuple[float, ...], torch.dtype, torch.device],
+                        tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_constants_lock = threading.Lock()  # a loader's pinning thread may normalize too
+
+
+def affine_constants(scale: tuple[float, ...], shift: tuple[float, ...], dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scale`` and ``shift`` as ``(C, 1, 1)`` tensors of ``dtype`` on ``device``, copied there
+    on first use and the same tensors after (least recently used dropped past
+    ``CONSTANTS_HELD``). Read them, never write them.
+
+    >>> a = affine_constants((2.0, 3.0), (0.5, 0.5), torch.float32, torch.device("cpu"))
+    >>> a[0].shape, a[0] is affine_constants((2.0, 3.0), (0.5, 0.5), torch.float32,
+    ...                                      torch.device("cpu"))[0]
+    (torch.Size([2, 1, 1]), True)
+    """
+    key = (scale, shift, dtype, device)
+    with _constants_lock:
+        held = _constants.get(key)
+        if held is not None:
+            _constants.move_to_end(key)
+            return held
+    made = (torch.tensor(scale, dtype=dtype, device=device).view(-1, 1, 1),
+            torch.tensor(shift, dtype=dtype, device=device).view(-1, 1, 1))
+    # a tensor made under a tracer or a fake mode (torch.compile, FakeTensorMode) belongs to
+    # that trace: only plain tensors are kept
+    if all(type(t) is torch.Tensor for t in made) and not _compiling():
+        with _constants_lock:
+            _constants[key] = made
+            while len(_constants) > CONSTANTS_HELD:
+                _constants.popitem(last=False)
+    return made
+
+
+def _compiling() -> bool:
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(compiling is not None and compiling())
 
 
 def _affine_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,

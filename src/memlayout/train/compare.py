@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from memlayout.devices import seam
 from memlayout.errors import TrainError
-from memlayout.timing import Comparison, device_sync, interleaved
+from memlayout.timing import Comparison, interleaved
 from memlayout.train.config import TrainConfig
 from memlayout.train.ddp import DistInfo, collectives
 from memlayout.train.loop import Event, Trainer, diverged, doing_step
@@ -96,7 +97,7 @@ def compare_layouts(config: TrainConfig, layouts: list[str], *, rounds: int = 7,
         return run
 
     c = interleaved({name: interval(name) for name in layouts}, rounds=rounds, warmup=1,
-                    baseline=layouts[0], sync=device_sync(str(trainers[layouts[0]].device)),
+                    baseline=layouts[0], sync=seam(trainers[layouts[0]].device).synchronize,
                     on_step=on_step)
     return LayoutComparison(c, config.log_every * config.batch * info.world_size,
                             config.log_every, final)

@@ -12,12 +12,17 @@ layouts, and only then constructs DDP, with ``gradient_as_bucket_view=True`` (no
 A rank that stops answering (crashed, frozen, swapping) must not leave the others waiting
 for torch's default (30 minutes on gloo): the process group gets the run's timeout, and
 :func:`collectives` turns the backend's error into a ``TrainError`` naming the silent ranks.
+NCCL reports a failed collective later than the call, from its watchdog thread: the group
+runs with NCCL's asynchronous error handling (a failure aborts the communicators, so the
+other ranks' collectives fail too instead of waiting), and the error names the collective
+NCCL names (``ALLREDUCE``, its sequence number) and the rank that saw it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -30,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from memlayout.devices import seam
 from memlayout.errors import TrainError, first_line
 from memlayout.layout import is_non_overlapping_and_dense, strides_agree
 
@@ -55,6 +61,19 @@ class DistInfo:
 DEFAULT_TIMEOUT = 300.0
 #: Longest wait for the other ranks' answer to the roll call after a failed collective.
 ROLL_CALL_SECONDS = 10.0
+#: NCCL's switch for asynchronous error handling (``NCCL_ASYNC_ERROR_HANDLING``: its older
+#: name); a user's setting of either is kept
+NCCL_ASYNC_ERRORS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+
+
+def rank_device(device: str | torch.device, local_rank: int) -> torch.device:
+    """Where a rank of a torchrun job computes: on CUDA its local GPU, else ``device``.
+
+    >>> rank_device("cuda", 1), rank_device("cpu", 1)
+    (device(type='cuda', index=1), device(type='cpu'))
+    """
+    device = torch.device(device)
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
 def init_distributed(device: str | torch.device = "cpu", *,
@@ -70,8 +89,14 @@ def init_distributed(device: str | torch.device = "cpu", *,
         raise TrainError("WORLD_SIZE > 1 but this torch has no torch.distributed")
     if timeout <= 0:
         raise TrainError(f"--timeout must be > 0 seconds, got {timeout}")
+    here = rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+    # before any collective: NCCL sets up a rank's communicator (and CUDA its context) on the
+    # current device, which is cuda:0 on every rank until each makes its own current
+    seam(here).make_current()
     if not dist.is_initialized():
-        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        backend = "nccl" if here.type == "cuda" else "gloo"
+        if backend == "nccl" and not any(name in os.environ for name in NCCL_ASYNC_ERRORS):
+            os.environ[NCCL_ASYNC_ERRORS[0]] = "1"  # read when the process group is made
         try:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         except (RuntimeError, TimeoutError) as exc:
@@ -96,6 +121,35 @@ def _is_comm_failure(exc: BaseException) -> bool:
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     return isinstance(exc, RuntimeError) and any(s in str(exc).lower() for s in _COMM_FAILURES)
+
+
+#: how NCCL names the work that failed: ``WorkNCCL(SeqNum=5, OpType=ALLREDUCE, ...)``
+_NCCL_WORK = re.compile(r"SeqNum=(\d+),\s*OpType=(\w+)")
+#: and the rank that saw it: ``[Rank 1]``, ``[PG ID 0 PG GUID 0(default_pg) Rank 1]``
+_NCCL_RANK = re.compile(r"\[[^\]]*\bRank (\d+)\]")
+
+
+def nccl_failure(text: str, rank: int) -> str | None:
+    """The NCCL collective a backend error names, and the rank that saw it (``rank``, this
+    process, unless the text names another); ``None``: not an NCCL error.
+
+    >>> nccl_failure("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL("
+    ...              "SeqNum=7, OpType=ALLREDUCE, NumelIn=4, Timeout(ms)=1000) ran for 1004 ms", 1)
+    'NCCL collective ALLREDUCE (number 7 of the process group) failed on rank 1'
+    >>> nccl_failure("NCCL error: remote process exited or there was a network error", 0)
+    'an NCCL collective failed on rank 0'
+    >>> nccl_failure("Connection closed by peer", 0) is None
+    True
+    """
+    if "nccl" not in text.lower():
+        return None
+    named = _NCCL_RANK.search(text)
+    where = f"rank {named.group(1) if named else rank}"
+    work = _NCCL_WORK.search(text)
+    if work is None:
+        return f"an NCCL collective failed on {where}"
+    return (f"NCCL collective {work.group(2)} (number {work.group(1)} of the process group) "
+            f"failed on {where}")
 
 
 def roll_call(info: DistInfo, seconds: float = ROLL_CALL_SECONDS) -> list[int] | None:
@@ -128,6 +182,9 @@ def collectives(info: DistInfo, timeout: float, doing: str) -> Iterator[None]:
         if not info.distributed or not _is_comm_failure(exc):
             raise
         silent = roll_call(info, min(timeout, ROLL_CALL_SECONDS))
+        nccl = nccl_failure(str(exc), info.rank)
+        if nccl is not None:
+            raise TrainError(_nccl_message(info, timeout, doing, exc, nccl, silent)) from exc
         who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped "
                "answering" if silent else
                "every rank answers a roll call now, so one was slower than the timeout or "
@@ -139,6 +196,22 @@ def collectives(info: DistInfo, timeout: float, doing: str) -> Iterator[None]:
             f"{'rank ' + ', '.join(map(str, silent)) if silent else 'every rank'} (crashed, "
             "frozen, out of memory?); if it is only slow (planning, writing --synthetic data or "
             "a checkpoint on rank 0), raise --timeout") from exc
+
+
+def _nccl_message(info: DistInfo, timeout: float, doing: str, exc: BaseException, nccl: str,
+                  silent: list[int] | None) -> str:
+    """The error for an NCCL failure: the collective and the rank NCCL names, the block it
+    surfaced in (NCCL reports failures asynchronously: possibly one after the collective's),
+    the ranks that stopped answering the roll call."""
+    who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+           "stopped answering" if silent else
+           "every rank answers a roll call now" if silent == [] else
+           "the roll call could not ask the other ranks")
+    look = "rank " + ", ".join(map(str, silent)) if silent else "every rank"
+    return (f"rank {info.rank} of {info.world_size}: {nccl}, reported while {doing} (NCCL "
+            f"reports failures asynchronously: the collective may be an earlier one); {who} "
+            f"({_first_line(exc)}). Look at the log and state of {look} (crashed, frozen, out of "
+            f"memory?); if one is only slow, raise --timeout (now {timeout:g} s)")
 
 
 def batchnorm_notice(model: nn.Module, info: DistInfo, *, device: torch.device,

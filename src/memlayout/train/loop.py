@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import TrainError
 from memlayout.models import ModelSpec, load_model
@@ -35,6 +36,7 @@ from memlayout.train.ddp import (
     all_reduce_sum,
     batchnorm_notice,
     collectives,
+    rank_device,
     warn_grad_layouts,
     wrap_ddp,
 )
@@ -92,6 +94,19 @@ class Trainer:
     ``optimizer``, ``scaler``, ``step``, ``dataset`` in ``data_layout``: made by :func:`_build`).
     With a checkpoint folder, rank 0 holds its lock until :meth:`close` (or the end of a
     ``with`` block, or of the process)."""
+
+    # set by _build
+    data_layout: str
+    dataset: Any
+    sampler: DistributedSampler[Any]
+    steps_per_epoch: int
+    total_steps: int
+    model_kind: str
+    fsdp: bool
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    step: int
 
     def __init__(self, config: TrainConfig, dist_info: DistInfo | None = None,
                  on_event: Event | None = None) -> None:
@@ -172,11 +187,11 @@ class Trainer:
 
 # -- building a Trainer ---------------------------------------------------------------------
 def _run_device(config: TrainConfig, info: DistInfo) -> torch.device:
-    """Where this rank trains (under torchrun on CUDA: its local GPU, made current)."""
+    """Where this rank trains, made current (under torchrun on CUDA: its local GPU)."""
     device = torch.device(config.device)
-    if device.type == "cuda" and info.distributed:
-        device = torch.device("cuda", info.local_rank)
-        torch.cuda.set_device(device)
+    if info.distributed:
+        device = rank_device(device, info.local_rank)
+    seam(device).make_current()
     if config.sync_batchnorm and info.distributed and device.type != "cuda":
         raise TrainError("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU kernel "
                          "(it refuses CPU tensors), so on CPU each rank keeps its own "

@@ -38,8 +38,9 @@ def plan_for_training(module: nn.Module, example: torch.Tensor, *, dtype: str,
 
 def plan_on_rank0(model: nn.Module, example: torch.Tensor, config: TrainConfig,
                   info: DistInfo) -> tuple[nn.Module, str | None]:
-    """The planned model on every rank, planned by rank 0 (a collective under torchrun), and
-    its plan's summary. Rank 0's failure is raised there, and named on the other ranks."""
+    """The planned model on every rank, on the device of that rank's ``example``, planned by
+    rank 0 (a collective under torchrun), and its plan's summary. Rank 0's failure is raised
+    there, and named on the other ranks."""
     planned: nn.Module | None = None
     failure: Exception | None = None
     if info.is_main:
@@ -59,7 +60,8 @@ def plan_on_rank0(model: nn.Module, example: torch.Tensor, config: TrainConfig,
         if kind == "failed" and not info.is_main:
             raise TrainError(f"rank 0 could not plan the model: {payload}")
         if not info.is_main:
-            planned = _loads(payload, _renames(modules, _class_modules(model)))
+            planned = _loads(payload, _renames(modules, _class_modules(model)),
+                             map_location=example.device)
     if failure is not None:
         raise failure
     assert planned is not None
@@ -83,9 +85,10 @@ def _renames(theirs: list[str], mine: list[str]) -> dict[str, str]:
     return {a: b for a, b in zip(theirs, mine, strict=False) if a != b}
 
 
-def _loads(data: bytes, renames: dict[str, str]) -> nn.Module:
+def _loads(data: bytes, renames: dict[str, str], *, map_location: torch.device) -> nn.Module:
     """A module pickled by another rank (:func:`_dumps`), its classes found under this
-    process's module names."""
+    process's module names, its tensors on ``map_location`` (this rank's device: rank 0's
+    tensors were saved on rank 0's)."""
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
@@ -93,4 +96,5 @@ def _loads(data: bytes, renames: dict[str, str]) -> nn.Module:
 
     renaming = types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load,
                                      __name__="pickle")
-    return torch.load(io.BytesIO(data), weights_only=False, pickle_module=renaming)
+    return torch.load(io.BytesIO(data), weights_only=False, pickle_module=renaming,
+                      map_location=map_location)

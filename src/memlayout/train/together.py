@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import TrainError
 from memlayout.tensors import mean_square_loss
-from memlayout.timing import Ratio, device_sync, fastest, interleaved
+from memlayout.timing import Ratio, fastest, interleaved
 
 #: timed rounds (each model once per round) and training steps per timed call
 ROUNDS = 5
@@ -87,13 +88,13 @@ def check_together(planned: nn.Module, original: nn.Module, planned_input: torch
                 model.zero_grad(set_to_none=True)
         return run
 
-    device_done = device_sync(str(device))
+    device_done = seam(device).synchronize
 
     def together() -> None:  # before each clock read: every rank starts and ends each call at once
         device_done()
         dist.barrier()
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with seam(device).fork_rng():
         planned.train()
         original.train()
         c = interleaved({PLANNED: steps(planned, planned_input),

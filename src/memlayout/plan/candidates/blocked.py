@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlayout.devices import seam
 from memlayout.plan.compare import worst_error
 from memlayout.plan.costs.table import measured_on
 from memlayout.plan.report.records import BlockedReport
@@ -84,7 +85,7 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
     if not ok:
         return BlockedReport(False, why)
     device = device_of(inputs, model) if device is None else device
-    if device.type != "cpu":
+    if not seam(device).host:
         return BlockedReport(False, f"mkldnn tensors are CPU-only; the model runs on "
                                     f"{device.type}")
     if dtype is not None:

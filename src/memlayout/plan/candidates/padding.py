@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlayout import machine
+from memlayout.devices import Device, seam
 from memlayout.dtypes import autocast
 from memlayout.machine import CpuIsa
 from memlayout.plan.costs.cache import CostCache
@@ -53,7 +53,7 @@ from memlayout.plan.steer.build import Build, build, user_path
 from memlayout.plan.steer.state import Formats
 from memlayout.plan.steer.steering import planned_state
 from memlayout.tensors import device_of
-from memlayout.timing import device_sync, interleaved
+from memlayout.timing import interleaved, repeats_for
 
 
 def block_sizes(device: torch.device | str, dtype: torch.dtype | None,
@@ -64,10 +64,7 @@ def block_sizes(device: torch.device | str, dtype: torch.dtype | None,
     >>> block_sizes("cpu", None, CpuIsa("AVX512")), block_sizes("cpu", None, CpuIsa("AVX2"))
     ((16, 8), (8,))
     """
-    if torch.device(device).type == "cuda":
-        return (8,) if dtype in (torch.float16, torch.bfloat16) else (4, 8)
-    lanes = (isa or machine.cpu_isa()).vector_floats
-    return (16, 8) if lanes == 16 else (lanes,)
+    return seam(device).channel_blocks(dtype, isa)
 
 
 def _round_up(c: int, k: int) -> int:
@@ -206,7 +203,7 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
                   progress: Progress | None, blocks: tuple[int, ...], force: str | None,
                   context: list[str], device: torch.device) -> list[PadChoice]:
     seen = _inputs_of(model, inputs, list(convs), dtype, device)
-    sync = device_sync(str(device))
+    on = seam(device)
     choices: list[PadChoice] = []
     chosen_channels: dict[str, tuple[int, int]] = {}
     for i, (path, conv) in enumerate(convs.items()):
@@ -225,7 +222,7 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
             record = {"seconds": dict.fromkeys([UNPADDED, *options]), "ratios": {}}
             source = "forced"
         elif record is None:
-            record, source = _measure(conv, x, options, dtype, rounds, sync, interleaved), "measured"
+            record, source = _measure(conv, x, options, dtype, rounds, on, interleaved), "measured"
             if cache is not None and all(v is not None for v in record["seconds"].values()):
                 cache.put(key, record, spread=record.get("spread"))
         if force is not None:
@@ -272,7 +269,7 @@ def whole_model_ratio(model: nn.Module, padded: nn.Module, inputs: tuple[Any, ..
 
     result = interleaved({UNPADDED: runner(model), "padded": runner(padded)},
                          rounds=max(rounds, 3), warmup=1, baseline=UNPADDED,
-                         sync=device_sync(str(device)))
+                         sync=seam(device).synchronize)
     ratio = result.speedup("padded")
     if cache is not None and key is not None and ratio is not None:
         cache.put(key, {"ratio": ratio}, spread=_spread(result.modes.values()))
@@ -280,7 +277,7 @@ def whole_model_ratio(model: nn.Module, padded: nn.Module, inputs: tuple[Any, ..
 
 
 def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int]],
-             dtype: torch.dtype | None, rounds: int, sync: Callable[[], None],
+             dtype: torch.dtype | None, rounds: int, device: Device,
              interleaved: Callable[..., Any]) -> dict[str, Any]:
     modules: dict[str, nn.Module] = {UNPADDED: conv}
     for name, (pin, pout) in options.items():
@@ -293,13 +290,15 @@ def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int
         return run
 
     fns = {name: call(m) for name, m in modules.items()}
-    sync()
-    start = time.perf_counter()
-    fns[UNPADDED]()
-    sync()
-    first = time.perf_counter() - start
-    repeat = max(1, min(50, int(0.004 / max(first, 1e-6))))
-    result = interleaved(fns, rounds=rounds, warmup=1, repeat=repeat, sync=sync,
+    sync = device.synchronize
+    per_call = []
+    for fn in fns.values():  # each variant warm before sizing (a GPU's first call autotunes)
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        per_call.append(device.settle(fn, time.perf_counter() - start))
+    result = interleaved(fns, rounds=rounds, warmup=0, repeat=repeats_for(min(per_call)), sync=sync,
                          baseline=UNPADDED)
     return {"seconds": {name: (t.min if t.ok else None) for name, t in result.modes.items()},
             "ratios": {name: result.speedup(name) for name in options

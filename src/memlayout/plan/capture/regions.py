@@ -20,6 +20,7 @@ counts the convolution calls planned against those that run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError
 from memlayout.plan.capture.calls import (
@@ -172,20 +174,12 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
                     Coverage(planned, run.convolutions, methods, eager), run.calls)
 
 
-def _seeded(device: torch.device) -> Any:
+@contextlib.contextmanager
+def _seeded(device: torch.device) -> Iterator[None]:
     """A block whose random draws start from one seed, the caller's RNG state kept."""
-    devices = [device.index or 0] if device.type == "cuda" else []
-
-    class _Block:
-        def __enter__(self) -> None:
-            self.fork = torch.random.fork_rng(devices=devices)
-            self.fork.__enter__()
-            torch.manual_seed(0)
-
-        def __exit__(self, *exc: object) -> None:
-            self.fork.__exit__(*exc)
-
-    return _Block()
+    with seam(device).fork_rng():
+        torch.manual_seed(0)
+        yield
 
 
 def _eager(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,

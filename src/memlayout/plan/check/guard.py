@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.machine import Conditions
 from memlayout.plan.capture.regions import Captured
@@ -70,7 +71,7 @@ from memlayout.plan.steer.build import (
 )
 from memlayout.plan.steer.state import Formats
 from memlayout.tensors import iter_tensors, mean_square_loss
-from memlayout.timing import ModeTiming, device_sync, interleaved
+from memlayout.timing import ModeTiming, interleaved
 
 PLANNED = "planned"
 CLOSE = 0.03  # a median ratio this near the threshold is timed for twice the rounds
@@ -155,7 +156,7 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     with ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more. The
     record :func:`time_candidates` describes."""
     before = Conditions.now()
-    sync = device_sync(str(device))
+    sync = seam(device).synchronize
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
     # sample lasts ~20 ms (one call is mostly timer noise). When one call is long enough the
     # probe round is already a proper interleaved round and counts as the first.

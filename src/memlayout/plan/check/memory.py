@@ -28,6 +28,7 @@ measured peak fits a budget; ``PlanError`` says the smallest peak found when non
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from memlayout.devices import seam
 from memlayout.dispatch import ObservingMode
 from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
@@ -115,17 +117,16 @@ def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...],
     if device is None:
         device = device_of(inputs, module) if isinstance(module, nn.Module) else device_of(inputs)
     args = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    outs: list[Any] = []
+
+    def call() -> None:
         with torch.no_grad(), autocast(device, dtype):
-            out = module(*args)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-        end = torch.cuda.memory_allocated(device) - before
-        del out
-        return MemoryPeak(int(peak), int(end), CUDA_ALLOCATOR)
+            outs.append(module(*args))
+
+    allocator = seam(device).peak_memory(call)
+    if allocator is not None:  # the device's caching allocator counted it
+        outs.clear()
+        return MemoryPeak(allocator.peak, allocator.end, CUDA_ALLOCATOR)
     counter = _LiveBytes()
     with torch.no_grad(), autocast(device, dtype), counter:
         out = module(*args)
@@ -280,19 +281,19 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
     for label, name in ((0, "all_contiguous"), (1, "all_channels_last")):
         if name != kept or padded:
             candidates.append(Candidate(name, predicted[name],
-                                        lambda label=label: build_uniform(label)))
+                                        functools.partial(build_uniform, label)))
     seen = [tuple(sorted(s.labels.items())) for s in solution.regions]
     for penalty in PENALTIES:
         relabelled = dataclasses.replace(solution, regions=tuple(
             dataclasses.replace(s, labels=_labels_weighing_bytes(s.form, s.table, penalty))
             for s in solution.regions))
-        key = [tuple(sorted(s.labels.items())) for s in relabelled.regions]
-        if key == seen:
+        labels = [tuple(sorted(s.labels.items())) for s in relabelled.regions]
+        if labels == seen:
             continue
-        seen = key
+        seen = labels
         cost = sum(_seconds(s.form, s.labels) for s in relabelled.regions)
         candidates.append(Candidate(f"fewer_conversion_bytes_x{penalty:g}", cost,
-                                    lambda s=relabelled: build(s)))
+                                    functools.partial(build, relabelled)))
     candidates.sort(key=lambda c: c.predicted)
     try:
         best, chosen, tried = within_budget(

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
-from memlayout.plan.check.training import SEED, _cuda_devices, _LayoutFreeDropout
+from memlayout.plan.check.training import SEED, _LayoutFreeDropout
 from memlayout.plan.compare import _clone, compare, detached, float64, tolerance
 from memlayout.plan.graph import node_target_name
 
@@ -81,7 +82,7 @@ def call_twice(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype
     outputs, after = [], []
     for i in range(calls):
         xs = _clone(inputs)
-        with torch.random.fork_rng(devices=_cuda_devices(device)), _LayoutFreeDropout():
+        with seam(device).fork_rng(), _LayoutFreeDropout():
             torch.manual_seed(SEED + i)
             with torch.no_grad(), autocast(device, dtype):
                 outputs.append(detached(module(*xs)))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.layout import Format
 from memlayout.machine import SPREAD_LIMIT, Conditions, noisy
@@ -29,7 +30,7 @@ from memlayout.plan.check.guard import train_step
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.steer.steering import planned_state, prepare_inputs
 from memlayout.tensors import convert_batch, convert_module, device_of
-from memlayout.timing import Comparison, Ratio, device_sync, interleaved
+from memlayout.timing import Comparison, Ratio, interleaved
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def compare_with_eager(model: nn.Module, optimized: nn.Module, example_inputs: A
                      "eager_nchw": runner(nchw, Format.CONTIGUOUS),
                      "eager_nhwc": runner(nhwc, Format.CHANNELS_LAST)},
                     rounds=rounds, warmup=warmup, baseline="optimized",
-                    sync=device_sync(str(device)))
+                    sync=seam(device).synchronize)
     return ModelComparison.of(c, "optimized", ("eager_nchw", "eager_nhwc"),
                               busier(conditions, Conditions.now()))
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import strides_agree
@@ -68,7 +69,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
                if isinstance(x, torch.Tensor) else x for x in inputs)
     leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
     with kept_state(module, list(params.values())), _LayoutFreeDropout():
-        with torch.random.fork_rng(devices=_cuda_devices(device)):
+        with seam(device).fork_rng():
             torch.manual_seed(SEED)
             with torch.enable_grad(), autocast(device, dtype):
                 # non-leaf copies (same strides): a forward that works on its input in place
@@ -267,6 +268,3 @@ class kept_state:  # noqa: N801 (a context manager, used like a function)
         for p, g in self.grads:
             p.grad = g
 
-
-def _cuda_devices(device: torch.device) -> list[int]:
-    return [device.index or 0] if device.type == "cuda" else []

@@ -76,6 +76,7 @@ import torch._dynamo.exc
 import torch._functorch.config
 from torch import fx, nn
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast, dtype_name, parse_dtype
 from memlayout.errors import MemlayoutError, PlanError, first_line
 from memlayout.plan.capture.regions import propagate
@@ -219,8 +220,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
     device = device_of(inputs)
     store = _open_cache(options.cache)
     try:
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
-                                   else []):
+        with seam(device).fork_rng():
             return _compile_graph(gm, example_inputs, inputs, device, options, store)
     finally:
         if store is not None:

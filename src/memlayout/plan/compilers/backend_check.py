@@ -17,6 +17,7 @@ import torch
 import torch._dynamo.exc
 from torch import fx
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast, dtype_name
 from memlayout.plan.check import guard
 from memlayout.plan.check.training import Step, agree, training_loss
@@ -110,7 +111,7 @@ def _random_check(reference: fx.GraphModule, planned: fx.GraphModule, inputs: li
            + (", from one random seed" if random else ""))
 
     def run(g: fx.GraphModule, xs: list[Any], run_dtype: torch.dtype | None) -> Step:
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        with seam(device).fork_rng():
             torch.manual_seed(0)
             return _step(g, xs, names, train=train, dtype=run_dtype, device=device)
 

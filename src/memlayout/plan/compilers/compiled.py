@@ -59,6 +59,7 @@ from torch import nn
 
 from memlayout import dtypes
 from memlayout import runtimes as rt
+from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import Format
@@ -82,7 +83,7 @@ from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import CompiledRecord
 from memlayout.plan.steer.steering import Steering, planned_state, steer
 from memlayout.tensors import convert_batch, convert_module, device_of
-from memlayout.timing import device_sync, interleaved
+from memlayout.timing import interleaved
 
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
 INDUCTOR = "inductor"  # the original model compiled with the settings given: Inductor decides
@@ -482,7 +483,7 @@ def compare_compiled(model: nn.Module, compiled: nn.Module, example_inputs: Any,
                      "torch.compile": runner(default, None),
                      "eager_nchw": runner(eager, Format.CONTIGUOUS)},
                     rounds=rounds, warmup=warmup, baseline="memlayout.compile",
-                    sync=device_sync(str(device)))
+                    sync=seam(device).synchronize)
     return ModelComparison.of(c, "memlayout.compile", ("torch.compile", "eager_nchw"),
                               busier(before, Conditions.now()))
 

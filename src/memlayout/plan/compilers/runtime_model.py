@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from memlayout import runtimes as rt
+from memlayout.devices import seam
 from memlayout.dtypes import autocast, dtype_name
 from memlayout.errors import LayoutVerificationError, MemlayoutError
 from memlayout.layout import Format
@@ -149,7 +150,7 @@ def runtimes_unavailable(names: Sequence[str], inputs: tuple[Any, ...], model: n
     device = device_of(inputs, model)
     common = ("a runtime model cannot train: training plans are compiled in PyTorch" if train
               else f"runtimes run on the CPU only; the model runs on {device}"
-              if device.type != "cpu"
+              if not seam(device).host
               else f"the runtime adapters run fp32 or bf16, not {dtype_name(dtype)}"
               if dtype not in (None, torch.bfloat16)
               else "the runtime adapters take one input tensor; the model takes "

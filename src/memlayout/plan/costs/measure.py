@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from memlayout.devices import Device, seam
 from memlayout.dtypes import autocast
 from memlayout.layout import strides_for
 from memlayout.machine import Conditions, noisy
@@ -70,7 +71,7 @@ from memlayout.plan.weights import (
     can_convert_per_call,
 )
 from memlayout.tensors import device_of, iter_tensors
-from memlayout.timing import Comparison, device_sync, interleaved
+from memlayout.timing import Comparison, interleaved, repeats_for
 
 #: how many times a measurement whose rounds spread beyond ``machine.SPREAD_LIMIT`` is taken
 #: again before it is kept as noisy (a burst of another job passes; a steady load does not)
@@ -139,7 +140,7 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     total = len(todo_nodes) + len(todo_values)
     if total:
         runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
-                           rounds=rounds, sync=device_sync(str(device)), progress=progress,
+                           rounds=rounds, device=seam(device), progress=progress,
                            total=total, train=train, weights=weights, clock=clock,
                            conditions=conditions)
         with torch.no_grad(), autocast(device, dtype):
@@ -203,7 +204,7 @@ def _describe(gm: fx.GraphModule, n: fx.Node, label: int) -> str:
 class _Measurer(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, todo_nodes: dict[str, list[str]],
                  todo_values: dict[str, list[str]], table: CostTable, *, measure: bool,
-                 cache: CostCache | None, rounds: int, sync: Callable[[], None],
+                 cache: CostCache | None, rounds: int, device: Device,
                  progress: Progress | None, total: int, train: bool = False,
                  weights: str = CONVERTED,
                  clock: Callable[[], float] = time.perf_counter,
@@ -214,7 +215,8 @@ class _Measurer(fx.Interpreter):
         self.train = train
         self.weights = weights
         self.todo_nodes, self.todo_values, self.table = todo_nodes, todo_values, table
-        self.measure, self.cache, self.rounds, self.sync = measure, cache, rounds, sync
+        self.measure, self.cache, self.rounds = measure, cache, rounds
+        self.device, self.sync = device, device.synchronize
         self.progress, self.total, self.done = progress, total, 0
         self.memo: dict[str, Any] = {}  # key -> record measured in this run
         self.memo_noisy: set[str] = set()  # of those, the noisy ones
@@ -339,7 +341,9 @@ class _Measurer(fx.Interpreter):
                 calls = steps
         quality = _Quality(None, None)
         if timed and calls:
-            repeat = max(1, min(50, int(0.004 / max(min(first.values()), 1e-6))))
+            # sized from calls once warm: a GPU's first includes cuDNN's autotuning
+            repeat = repeats_for(min(self.device.settle(fn, first[label], clock=self.clock)
+                                     for label, fn in calls.items()))
             result, quality = self._timed(calls, repeat=repeat)
             for label, timing in result.modes.items():
                 if label != per_call:
@@ -384,7 +388,7 @@ class _Measurer(fx.Interpreter):
                  "to_0": lambda: convert_value(v1, 0, ranks)}
         probe = interleaved(calls, rounds=1, warmup=1, sync=self.sync, clock=self.clock)
         quick = min(t.median for t in probe.modes.values())
-        repeat = max(1, min(50, int(0.004 / max(quick, 1e-6))))
+        repeat = repeats_for(quick)
         result, quality = self._timed(calls, repeat=repeat)
         records = [{"s": result["to_1"].min}, {"s": result["to_0"].min}]
         self.table.measured += 1

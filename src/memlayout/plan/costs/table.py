@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memlayout import machine
+from memlayout.devices import seam
 from memlayout.plan.graph import (
     LABELS,
     META_KEY,
@@ -107,7 +107,7 @@ def input_kind(gm: fx.GraphModule, m: fx.Node) -> str | None:
 def module_has_layout_params(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op != "call_module":
         return False
-    sub = gm.get_submodule(n.target)
+    sub = gm.get_submodule(str(n.target))
     ranks = graph_ranks(gm)
     return any(t.dim() in ranks for t in [*sub.parameters(), *sub.buffers()])
 
@@ -125,19 +125,17 @@ def is_layout_node(gm: fx.GraphModule, n: fx.Node) -> bool:
 
 def is_agnostic(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op == "call_module":
-        return isinstance(gm.get_submodule(n.target), _AGNOSTIC_MODULES)
+        return isinstance(gm.get_submodule(str(n.target)), _AGNOSTIC_MODULES)
     if n.op == "call_function":
         return n.target in _AGNOSTIC_FUNCTIONS
     return n.op == "call_method" and n.target in _AGNOSTIC_METHODS
 
 
 def measured_on(device: torch.device) -> str:
-    """What a timing depends on, a cache key's first part: the GPU, or the CPU's model, the
-    instruction set ATen's kernels dispatch to (``ATEN_CPU_CAPABILITY`` lowers it) and torch's
-    thread count."""
-    if device.type == "cuda":
-        return machine.measured_on(device)
-    return f"cpu:{machine.cpu_model()}:{machine.cpu_isa().capability}:threads={torch.get_num_threads()}"
+    """What a timing depends on, a cache key's first part: the device seam's fingerprint (the
+    CPU's model, instruction set and threads; or the GPU, its CUDA and cuDNN versions and
+    the settings that pick its kernels)."""
+    return seam(device).fingerprint()
 
 
 def valid_node_record(record: Any) -> bool:

@@ -41,12 +41,12 @@ Replanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], "Plan | 
 
 
 def shape_signature(args: Any) -> Signature:
-    """What a plan is made for: shape, dtype and device of every tensor argument.
+    """What a plan is made for: shape, dtype and device type of every tensor argument.
 
     >>> shape_signature((torch.zeros(2, 3, 8, 8),))
     (((2, 3, 8, 8), 'float32', 'cpu'),)
     """
-    return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device))
+    return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type)
                  for t in iter_tensors(args))
 
 
