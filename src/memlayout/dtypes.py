@@ -104,6 +104,12 @@ TOLERANCES: dict[Compared, dict[torch.dtype, tuple[float, float]]] = {
 }
 
 
+#: TF32 keeps fp16's 10 mantissa bits: fp32 results of convolutions and matmuls that round
+#: their inputs to it (Ampere and later, ``memlayout.devices``' ``fp32_rounding``) are held to
+#: fp16's model tolerance, as NCHW and NHWC kernels round them differently
+TF32_AS = torch.float16
+
+
 def tolerance(dtype: torch.dtype, compared: Compared) -> tuple[float, float]:
     """(rtol, atol) for results in ``dtype`` compared as ``compared`` says; a dtype the table
     does not list gets float32's.

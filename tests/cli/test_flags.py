@@ -122,3 +122,17 @@ def test_audit_overhead_states_the_conditions_first(models):
     lines = result.output.splitlines()
     assert lines[0].startswith("conditions: load ") and "OMP_WAIT_POLICY=" in lines[0]
     assert "median per-round ratio" in result.output
+
+
+@pytest.mark.parametrize("verb", ["optimize", "bench"])
+def test_cudnn_benchmark_is_set_before_any_work(verb, models, monkeypatch, tmp_path):
+    """``--cudnn-benchmark`` sets torch's flag (the seam keys costs by it) before the model is
+    built, so even a model that fails to build leaves it set; without it the flag is left as
+    the caller had it."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    extra = ["--out", str(tmp_path / "o")] if verb == "bench" else []
+    _run(verb, f"{models}:boom", "--cudnn-benchmark", *extra)
+    assert torch.backends.cudnn.benchmark is True
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    _run(verb, f"{models}:boom", *extra)
+    assert torch.backends.cudnn.benchmark is False

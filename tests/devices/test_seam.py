@@ -165,3 +165,19 @@ def test_the_backend_through_the_cuda_seam(gpu, tmp_path):
     assert report.graphs and all(g.planned for g in report.graphs)
     assert gpu.cuda.called("synchronize")
     assert any(k.startswith("cuda:") for k in _keys(tmp_path / "b.sqlite") if isinstance(k, str))
+
+
+def test_fp32_under_tf32_is_held_to_tf32s_rounding(monkeypatch):
+    """NCHW and NHWC convolutions round TF32 inputs differently: an fp32 result off by TF32's
+    rounding (10 mantissa bits) grown through a few layers, injected here, is within
+    tolerance where the device rounds to TF32, and outside it where fp32 is computed in fp32."""
+    from memlayout.plan.compare import compare
+
+    want = torch.randn(4, 8, 6, 6)
+    scale = want.abs().max()
+    rounded = want + 4 * 2.0 ** -10 * scale * torch.randn_like(want).sign()
+    assert not compare(want, rounded, None)[0]  # a CPU: fp32 is fp32
+    gpu = fake_gpu(monkeypatch)
+    assert compare(want, rounded, None)[0]
+    gpu.cudnn.allow_tf32 = False  # torch.backends.cudnn.allow_tf32 = False: fp32 again
+    assert not compare(want, rounded, None)[0]

@@ -12,6 +12,7 @@ import typer
 from memlayout.cli.app import app
 from memlayout.cli.common import (
     BENCH_DTYPES,
+    CUDNN_BENCHMARK_HELP,
     DEVICE_HELP,
     PLAN_COSTS,
     bf16_notice,
@@ -19,6 +20,7 @@ from memlayout.cli.common import (
     check_dtypes,
     choice,
     console,
+    cudnn_benchmark,
     fail,
     print_conditions,
     progress_bar,
@@ -31,13 +33,14 @@ if TYPE_CHECKING:
 
 
 def _bench_command(models: list[str] | None, flags: tuple[tuple[str, Any, Any], ...],
-                   steady_heap: bool) -> str:
-    """The command line that reproduces a bench run (flags at their default left out)."""
+                   switches: tuple[tuple[str, bool], ...]) -> str:
+    """The command line that reproduces a bench run (flags at their default left out,
+    ``switches`` given where on)."""
     command = ["memlayout", "bench", *(models or [])]
     for flag, value, default in flags:
         if value is not None and value != default:
             command += [flag, str(value)]
-    return shlex.join(command + (["--steady-heap"] if steady_heap else []))
+    return shlex.join(command + [flag for flag, on in switches if on])
 
 
 @app.command()
@@ -58,6 +61,7 @@ def bench(
     plan_costs: Annotated[str, typer.Option(help="Planner costs for the planned modes: measured (on this machine, cached) or analytic (no timing, faster). Default: measured.")] = "measured",
     out: Annotated[str, typer.Option(help="Folder for results.csv, results.json, speedup.png, summary.md, config.json; rewritten after every model x dtype x task, so a stopped run keeps what it measured. Default: bench-results.")] = "bench-results",
     resume: Annotated[bool, typer.Option("--resume", help="Keep the records already in --out and run only the cases missing there (same settings required; more models, dtypes or tasks are fine). Default: off (start over).")] = False,
+    cudnn: Annotated[bool, typer.Option("--cudnn-benchmark", help=CUDNN_BENCHMARK_HELP)] = False,
     steady_heap: Annotated[bool, typer.Option("--steady-heap", help="Keep glibc's heap for the whole run (memlayout.malloc.steady_heap): large CPU tensors stop being unmapped and page-faulted in again every step. Default: off (the allocator as users run it).")] = False,
 ) -> None:
     """Time every layout strategy on each model, interleaved round by round in one process, and
@@ -69,6 +73,7 @@ def bench(
         choice("--plan-costs", plan_costs, PLAN_COSTS)
         dtypes = check_dtypes(dtype, BENCH_DTYPES) or dtype
         device = check_device(device)
+        cudnn_benchmark(cudnn)
         specs, sizes = _zoo_specs(models, zoo)
         cfg = BenchConfig.from_strings(
             specs, modes=modes, dtypes=dtypes, tasks=task, batch=batch,
@@ -87,7 +92,7 @@ def bench(
         ("--rounds", rounds, None), ("--warmup", warmup, 1), ("--threads", threads, None),
         ("--device", device, "cpu"), ("--compile-backend", compile_backend, "inductor"),
         ("--gemm-size", gemm_size, None), ("--plan-costs", plan_costs, "measured"),
-        ("--out", out, None)), steady_heap)
+        ("--out", out, None)), (("--steady-heap", steady_heap), ("--cudnn-benchmark", cudnn)))
     _print_header(cfg, threads)
     result = _run(cfg, previous, Path(out), command)
     render_results(result.records, console)

@@ -170,4 +170,16 @@ def progress_bar(out: Console) -> Progress:
 
 MODEL_HELP = "Model spec: torchvision:NAME, timm:NAME or file.py:factory."
 DEVICE_HELP = "cpu, cuda or cuda:N. Default: cpu."
+CUDNN_BENCHMARK_HELP = ("torch.backends.cudnn.benchmark = True before any work: cuDNN times its "
+                        "convolution algorithms at each new shape and keeps the fastest; costs "
+                        "are measured and cached under the setting in force. Default: off "
+                        "(torch's default).")
+
+
+def cudnn_benchmark(on: bool) -> None:
+    """``--cudnn-benchmark``: cuDNN picks each convolution's algorithm by timing them (the
+    device seam keys every cost by this setting, so a cached cost taken without it is not
+    read with it)."""
+    if on:
+        torch.backends.cudnn.benchmark = True
 

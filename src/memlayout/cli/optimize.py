@@ -13,11 +13,13 @@ from torch import nn
 
 from memlayout.cli.app import app
 from memlayout.cli.common import (
+    CUDNN_BENCHMARK_HELP,
     UsageError,
     at_least,
     bf16_notice,
     check_device,
     console,
+    cudnn_benchmark,
     debug_log,
     fail,
     on_device,
@@ -56,12 +58,14 @@ def optimize(
     train: Annotated[bool, typer.Option("--train", help="Plan a training step: forward + backward costs, gradients verified, training steps (SGD) timed against eager NCHW / NHWC. Default: off (inference).")] = False,
     input_format: Annotated[str | None, typer.Option(help="The format batches arrive in: contiguous (also nchw / ncdhw), channels_last (also nhwc; channels_last_3d / ndhwc for video), or auto (the plan chooses; deliver them so, as memlayout.data's loader can). The speed comparison gives every model its input in this format. Default: as the example is built (contiguous).")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Also print torch's whole text of why a part is not captured, what torch printed while capturing (on stderr), and on an error the traceback of its cause (a factory that raised, a capture that failed). Default: off.")] = False,
+    cudnn: Annotated[bool, typer.Option("--cudnn-benchmark", help=CUDNN_BENCHMARK_HELP)] = False,
     plan_file: Annotated[str | None, typer.Option("--plan", help="Apply this saved plan (--save) instead of measuring: checked against the model and this torch, verified; its input shape, dtype, input format and train/inference are the plan's. Default: none (plan here).")] = None,
 ) -> None:
     """Plan NCHW / channels-last per operation from costs measured here, verify the planned
     model equal to the original, and time it against eager NCHW and eager NHWC (with
     --compile: against torch.compile's default and eager NCHW)."""
     debug_log(ctx, debug)
+    cudnn_benchmark(cudnn)
     flags = _Flags(model=model, dtype=dtype, batch=batch, image_size=image_size, device=device,
                    save=save, measure=measure, explain=explain, rounds=rounds, cache=cache,
                    guard=guard, refresh=refresh, memory_budget=memory_budget, padding=padding,

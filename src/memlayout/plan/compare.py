@@ -17,7 +17,8 @@ import torch
 from torch import fx, nn
 
 from memlayout import dtypes
-from memlayout.dtypes import TOLERANCES, Compared
+from memlayout.devices import seam
+from memlayout.dtypes import TF32_AS, TOLERANCES, Compared
 from memlayout.tensors import iter_tensors, map_tensors
 
 #: (rtol, atol) per dtype, relative to the reference's largest magnitude: ``memlayout.dtypes``'
@@ -27,14 +28,17 @@ TOLERANCE = TOLERANCES[Compared.MODEL]
 
 def worst_error(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype | None) -> tuple[float, bool]:
     """(relative error, within tolerance) of one tensor pair; the tolerance follows the
-    lower-precision of the run dtype (autocast) and the tensors' dtype."""
+    lower-precision of the run dtype (autocast) and the tensors' dtype, and fp32 is held to
+    TF32's where the device rounds fp32 convolutions and matmuls to it."""
     if want.shape != got.shape:
         return float("inf"), False
     if not (want.is_floating_point() or want.is_complex()):
         bad = not torch.equal(want, got)
         return (1.0 if bad else 0.0), not bad
-    rtol, atol = max(TOLERANCE.get(d, TOLERANCE[torch.float32])
-                     for d in (want.dtype, got.dtype, dtype or want.dtype))
+    run = [want.dtype, got.dtype, dtype or want.dtype]
+    if torch.float32 in run and seam(want.device).fp32_rounding():
+        run.append(TF32_AS)
+    rtol, atol = max(TOLERANCE.get(d, TOLERANCE[torch.float32]) for d in run)
     a, b = want.detach().double(), got.detach().double()
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     if not torch.equal(nan_a, nan_b):

@@ -135,3 +135,22 @@ def test_old_plan_json_without_the_new_fields_still_loads():
     del data["compiled"], data["notes"]
     old = Plan.from_json(__import__("json").dumps(data))
     assert old.compiled is None and old.notes == []
+
+
+def test_a_candidate_rounding_otherwise_is_kept_by_the_float64_recheck():
+    """Under TF32 the original's own fp32 result is ~1e-3 from the exact one, and a candidate
+    rounding otherwise (NHWC kernels) another ~1e-3: apart by more than fp32's tolerance,
+    yet no farther from the float64 result than the original. A wrong one is farther."""
+    from memlayout.plan.compare import compare, float64
+    from memlayout.plan.compilers.runtime_model import Reference
+
+    net, x = _cnn().eval(), torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        exact = float64(net)(*float64((x,))).float()
+    scale = exact.abs().max()
+    signs = torch.randn_like(exact).sign()
+    own, other = exact + 6e-4 * scale * signs, exact - 6e-4 * scale * signs
+    reference = Reference(own, net, (x,))
+    assert not compare(own, other, None)[0]  # the plain check alone drops it
+    assert reference.agrees(other, None)[0]
+    assert not reference.agrees(exact + 5e-3 * scale * signs, None)[0]

@@ -68,6 +68,7 @@ from memlayout.plan.check.guard import save as save_guard_record
 from memlayout.plan.check.guard import time_candidates, valid_record
 from memlayout.plan.check.speed import ModelComparison, busier
 from memlayout.plan.compilers.runtime_model import (
+    Reference,
     RuntimeModule,
     check_candidate,
     precision_of,
@@ -200,7 +201,7 @@ def _runtime_candidate(model: nn.Module, plan: Plan, example: torch.Tensor, runt
 
 
 def _kept(store: CostCache | None, key: str, candidates: Mapping[str, Callable[[], nn.Module]],
-          inputs: tuple[Any, ...], dtype: torch.dtype | None, reference: Any, *, rounds: int,
+          inputs: tuple[Any, ...], dtype: torch.dtype | None, reference: Reference, *, rounds: int,
           margin: float, record: Mapping[str, Any], timed: bool) -> tuple[nn.Module, dict[str, Any]]:
     """The candidate a cached decision keeps where it still builds and agrees; else every
     candidate built, checked and timed (``_measure``), and the decision written to ``store``."""
@@ -219,7 +220,7 @@ def _kept(store: CostCache | None, key: str, candidates: Mapping[str, Callable[[
 
 
 def _cached(store: CostCache | None, key: str, candidates: Mapping[str, Callable[[], nn.Module]],
-            inputs: tuple[Any, ...], dtype: torch.dtype | None, reference: Any, *,
+            inputs: tuple[Any, ...], dtype: torch.dtype | None, reference: Reference, *,
             margin: float, record: Mapping[str, Any]) -> tuple[nn.Module | None, dict[str, Any]]:
     """The candidate a cached decision keeps, built and checked again, with its record;
     ``(None, {})`` where nothing is cached or it no longer builds or agrees."""
@@ -258,7 +259,7 @@ def _record(module: nn.Module, plan: Plan, record: CompiledRecord) -> None:
 
 
 def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[Any, ...],
-             dtype: torch.dtype | None, reference: Any, *, rounds: int, margin: float,
+             dtype: torch.dtype | None, reference: Reference, *, rounds: int, margin: float,
              record: dict[str, Any], timed: bool) -> tuple[nn.Module, dict[str, Any]]:
     """Build every candidate (its first call: the compile), drop those that fail or compute
     something else, time the rest interleaved and keep the fastest."""
