@@ -97,6 +97,12 @@ class Device:
         """fp32 convolutions or matmuls round their inputs to TF32 here."""
         return False
 
+    @contextlib.contextmanager
+    def matmul_as_convolutions(self) -> Iterator[None]:
+        """fp32 matmuls in the block round as fp32 convolutions do here (a GEMM peak that
+        convolutions are compared with must be taken in their precision)."""
+        yield
+
     def channel_blocks(self, dtype: torch.dtype | None,
                        isa: machine.CpuIsa | None = None) -> tuple[int, ...]:
         """The channel multiples the kernels favour here (padding candidates): a CPU's
@@ -213,6 +219,17 @@ class CudaDevice(Device):
                 return now
             last = now
         return last
+
+    @contextlib.contextmanager
+    def matmul_as_convolutions(self) -> Iterator[None]:
+        """cuBLAS's TF32 switch set to cuDNN's for the block (torch's defaults differ: cuDNN
+        rounds fp32 convolutions to TF32, cuBLAS keeps fp32 matmuls fp32)."""
+        before = bool(self.matmul.allow_tf32)
+        self.matmul.allow_tf32 = bool(self.cudnn.allow_tf32)
+        try:
+            yield
+        finally:
+            self.matmul.allow_tf32 = before
 
     def channel_blocks(self, dtype: torch.dtype | None,
                        isa: machine.CpuIsa | None = None) -> tuple[int, ...]:

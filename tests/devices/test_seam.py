@@ -181,3 +181,17 @@ def test_fp32_under_tf32_is_held_to_tf32s_rounding(monkeypatch):
     assert compare(want, rounded, None)[0]
     gpu.cudnn.allow_tf32 = False  # torch.backends.cudnn.allow_tf32 = False: fp32 again
     assert not compare(want, rounded, None)[0]
+
+
+def test_the_fp32_gemm_peak_runs_in_the_convolutions_precision(monkeypatch):
+    """cuDNN rounds fp32 convolutions to TF32 by default and cuBLAS does not: the GEMM peak
+    they are compared with is timed with cuBLAS's switch set to cuDNN's, then restored."""
+    from memlayout.bench.modes import gemm_step, matmul_isa
+
+    gpu = fake_gpu(monkeypatch)
+    seen = []
+    monkeypatch.setattr(torch, "mm", lambda a, b, out: seen.append(gpu.matmul.allow_tf32))
+    gemm, _ = gemm_step(8, "fp32")
+    gemm()
+    assert seen == [True] and gpu.matmul.allow_tf32 is False
+    assert "TF32" in matmul_isa("fp32", "cpu") and "TF32" not in matmul_isa("bf16", "cpu")

@@ -367,15 +367,19 @@ def count_flops(module: nn.Module, inputs: torch.Tensor | tuple[Any, ...], *, dt
 
 def gemm_step(side: int, dtype: str, device: str = "cpu") -> tuple[Callable[[], object], int]:
     """A ``side`` x ``side`` matmul in ``dtype`` (real bf16 tensors for bf16) and its FLOPs:
-    the machine's practical peak, timed in the same interleaved rounds as the models."""
+    the machine's practical peak, timed in the same interleaved rounds as the models; fp32
+    in the precision fp32 convolutions run in here (TF32 on a GPU that rounds them so)."""
     gen = torch.Generator().manual_seed(0)
     tensor_dtype = _autocast_dtype(dtype) or torch.float32
     a, b = (torch.randn(side, side, generator=gen).to(device=device, dtype=tensor_dtype)
             for _ in range(2))
     out = torch.empty_like(a)
 
+    on = seam(device)
+
     def gemm() -> object:
-        return torch.mm(a, b, out=out)
+        with on.matmul_as_convolutions():
+            return torch.mm(a, b, out=out)
     return gemm, 2 * side ** 3
 
 
@@ -403,13 +407,15 @@ def matmul_isa(dtype: str, device: str = "cpu", isa: CpuIsa | None = None) -> st
     flags): AMX tiles and AVX-512 BF16 are what make bf16 faster than fp32 on a Xeon (oneDNN
     picks the best).
 
-    >>> matmul_isa("fp32", "cuda")
+    >>> matmul_isa("bf16", "cuda")
     'device cuda'
     >>> matmul_isa("bf16", isa=CpuIsa("AVX2", frozenset({"avx2"})))
     'CPU bf16 instructions: none (bf16 emulated)'
     """
-    if not seam(device).host:
-        return f"device {device}"
+    on = seam(device)
+    if not on.host:
+        tf32 = dtype == "fp32" and on.fp32_rounding()
+        return f"device {device}" + ("; fp32 as TF32, as its convolutions" if tf32 else "")
     flags = (isa or machine.cpu_isa()).flags
     found = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("amx_tile", "AMX tiles"),
                                       ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),

@@ -161,6 +161,23 @@ def test_cuda_peaks_come_from_the_allocator() -> None:
     assert got.peak_bytes >= 2 * _nbytes(2, 8, 32, 32)  # both activations live at the second conv
 
 
+def test_a_gpus_peaks_come_from_its_allocator_through_the_device_seam(monkeypatch) -> None:
+    """The CUDA path run here (the seam's fake GPU): the allocator's counters around the
+    forward, not the tensor-lifetime count."""
+    from tests.support.fake_cuda import fake_gpu
+
+    gpu = fake_gpu(monkeypatch)
+    gpu.allocated = 1000
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1)).eval()
+
+    def allocate(*_):
+        gpu.peak, gpu.allocated = 1000 + 5000, 1000 + 2048
+    net.register_forward_hook(allocate)
+    got = peak_memory(net, (torch.randn(2, 3, 8, 8),))
+    assert (got.method, got.peak_bytes, got.end_bytes) == ("cuda_allocator", 5000, 2048)
+    assert gpu.cuda.called("reset_peak_memory_stats") == [((0,), {})]
+
+
 def test_a_second_plan_reads_memory_padding_and_mkldnn_records_from_the_cache(
         tmp_path, monkeypatch) -> None:
     from memlayout.plan.candidates import blocked

@@ -104,14 +104,60 @@ def test_the_entry_point_registers_the_backend_and_bad_options_say_what_to_do():
     assert "memlayout" in torch._dynamo.list_backends()
     from torch._dynamo.backends.registry import lookup_backend
 
-    assert isinstance(lookup_backend("memlayout"), b.Backend)
+    assert lookup_backend("memlayout") is b.memlayout_backend
     with pytest.raises(PlanError, match="inner='tvm'.*inductor, eager"):
         memlayout.backend(inner="tvm")
     with pytest.raises(PlanError, match="rounds=0"):
         memlayout.backend(rounds=0)
     gm = torch.fx.symbolic_trace(_plain())
-    with pytest.raises(PlanError, match=r"unknown options \['speed'\]"):
+    with pytest.raises(PlanError, match=r"options \['speed'\] are neither memlayout's"):
         memlayout.backend()(gm, [torch.randn(1, 3, 8, 8)], options={"speed": 1})
+
+
+def test_inductor_options_and_mode_reach_inductor_and_key_the_guard(monkeypatch):
+    """``torch.compile(..., options=...)``: memlayout's own options set the backend, the
+    rest are Inductor's and reach every compile_fx call (the plan's own patches win); the
+    mode and those options are part of the guard's key."""
+    seen = {}
+    monkeypatch.setattr(b, "compile_graph", lambda gm, xs, chosen: seen.setdefault("b", chosen))
+    gm = torch.fx.symbolic_trace(_plain())
+    memlayout.backend()(gm, [torch.randn(1, 3, 8, 8)], mode="max-autotune",
+                        options={"rounds": 2, "epilogue_fusion": False,
+                                 "layout_optimization": True})
+    chosen = seen["b"]
+    assert chosen.rounds == 2 and chosen.mode == "max-autotune"
+    assert dict(chosen.inductor) == {"epilogue_fusion": False, "layout_optimization": True}
+    from torch._inductor import compile_fx as fx_module
+
+    patches = {}
+    monkeypatch.setattr(fx_module, "compile_fx",
+                        lambda g, xs, config_patches=None: patches.update(config_patches or {}))
+    b._inner(gm, [torch.randn(1, 3, 8, 8)], chosen, None, torch.device("cpu"))
+    assert patches["epilogue_fusion"] is False and patches["max_autotune"] is True
+    assert patches["layout_optimization"] is False  # the plan stands whatever was asked
+    keys = {backend_check._guard_key(["planned"], gm, [torch.randn(1, 3, 8, 8)], train=False,
+                                     dtype=None, device=torch.device("cpu"),
+                                     compiled_as=options.compiled_as)
+            for options in (chosen, b.Backend(), b.Backend(mode="reduce-overhead"))}
+    assert len(keys) == 3
+
+
+def test_the_guards_training_step_hands_parameters_over_as_they_are():
+    """Lifted parameters reach the timed step as the same tensors every call (CUDA graphs
+    keep their addresses); an input that needs a gradient is cloned per call."""
+    weight = nn.Parameter(torch.randn(3))
+    x = torch.randn(3, requires_grad=True)
+    seen = []
+
+    def graph(w, v):
+        seen.append((w.data_ptr(), v.data_ptr()))
+        return (w * v,)
+
+    step = backend_check._timed_step(graph, [weight, x], True, None, torch.device("cpu"))
+    step()
+    step()
+    (w1, v1), (w2, v2) = seen
+    assert w1 == w2 and v1 != v2
 
 
 def test_eager_inner_plans_every_subgraph_and_trains_as_the_model_does(tmp_path):

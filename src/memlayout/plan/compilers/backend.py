@@ -148,7 +148,9 @@ class Backend:
     ``inner``: ``"inductor"`` or ``"eager"`` (the planned graph runs eagerly); ``guard``: time
     the compiled plan against the plan run eagerly and against Inductor's own layouts, and
     keep the fastest (``False``: the compiled plan, untimed); ``mode``: Inductor's
-    ``mode`` (``"max-autotune"``, ...)."""
+    ``mode`` (``"max-autotune"``, ``"reduce-overhead"``: CUDA graphs, ...); ``inductor``:
+    Inductor config options (``torch.compile(..., options=...)`` names that are not
+    memlayout's) for every graph Inductor compiles, the plan's and Inductor's own alike."""
 
     cache: bool | str | Path = True
     measure: bool = True
@@ -157,6 +159,7 @@ class Backend:
     inner: str = "inductor"
     guard: bool = True
     mode: str | None = None
+    inductor: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
@@ -167,6 +170,20 @@ class Backend:
             raise PlanError(f"memlayout backend: rounds={self.rounds!r}; expected an int >= 1")
         if self.dtype is not None:
             parse_dtype(self.dtype)  # DtypeError names the choices
+        unknown = [k for k, _ in self.inductor if not _inductor_option(k)]
+        if unknown:
+            raise PlanError(f"memlayout backend: options {unknown} are neither memlayout's "
+                            f"({', '.join(f.name for f in dataclasses.fields(self))}) nor "
+                            "Inductor's (torch._inductor.config)")
+
+    @property
+    def compiled_as(self) -> str:
+        """How graphs are compiled, a part of every decision's cache key (a guard decided
+        under CUDA graphs says nothing of a default compile)."""
+        if self.inner == "eager":
+            return "eager"
+        options = ",".join(f"{k}={v!r}" for k, v in sorted(self.inductor))
+        return f"inductor mode={self.mode or 'default'}" + (f" {options}" if options else "")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], *,
                  options: Mapping[str, Any] | None = None,
@@ -175,13 +192,12 @@ class Backend:
         ``torch.compile(..., options=..., mode=...)`` passes on."""
         chosen = self
         if options or mode:
-            fields = {f.name for f in dataclasses.fields(self)}
-            unknown = sorted(set(options or {}) - fields)
-            if unknown:
-                raise PlanError(f"memlayout backend: unknown options {unknown}; expected some "
-                                f"of {', '.join(sorted(fields))}")
-            chosen = dataclasses.replace(self, **dict(options or {}),
-                                         **({"mode": mode} if mode else {}))
+            fields = {f.name for f in dataclasses.fields(self)} - {"inductor"}
+            ours = {k: v for k, v in (options or {}).items() if k in fields}
+            theirs = {k: v for k, v in (options or {}).items() if k not in fields}
+            chosen = dataclasses.replace(
+                self, **ours, **({"mode": mode} if mode else {}),
+                inductor=tuple(sorted({**dict(self.inductor), **theirs}.items())))
         return compile_graph(gm, list(example_inputs), chosen)
 
     def run_dtype(self, device: torch.device) -> torch.dtype | None:
@@ -193,8 +209,12 @@ class Backend:
         return None
 
 
-#: the backend ``torch.compile(model, backend="memlayout")`` names (the entry point)
-memlayout_backend = Backend()
+def memlayout_backend(gm: fx.GraphModule, example_inputs: list[Any],
+                      **kwargs: Any) -> Callable[..., Any]:
+    """The backend ``torch.compile(model, backend="memlayout")`` names (the entry point):
+    ``Backend()``. A function, not the instance: older torch's registry (2.11) sets an
+    attribute (``_tags``) on what an entry point names, which a frozen instance refuses."""
+    return Backend()(gm, example_inputs, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -280,7 +300,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
               else _eager(eager_graph, options, device))
         check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train, dtype=dtype,
                             device=device, compiled=compiled,
-                            way=f"inductor {options.mode or 'default'}" if compiled else EAGER)
+                            way=options.compiled_as if compiled else EAGER)
     except _DYNAMO_SIGNALS:
         raise
     except Exception as exc:  # the plan does not compile or run: Inductor's own instead
@@ -328,7 +348,8 @@ def _known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Bac
     if options.inner == "eager" or not (options.guard and options.measure) or store is None:
         return None
     return cached_guard(WAYS, eager_graph, inputs, store=store, margin=GUARD_MARGIN,
-                        train=train, dtype=dtype, device=device)
+                        train=train, dtype=dtype, device=device,
+                        compiled_as=options.compiled_as)
 
 
 def _timed(record: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
@@ -361,7 +382,8 @@ def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphMo
         guard.PLANNED: lambda: fn, EAGER: lambda: _eager(eager_graph, options, device),
         INDUCTOR_OWN: own}
     record = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
-                         margin=GUARD_MARGIN, train=train, dtype=dtype, device=device)
+                         margin=GUARD_MARGIN, train=train, dtype=dtype, device=device,
+                         compiled_as=options.compiled_as)
     timed = _timed(record)
     kept = guard.decide(record, margin=GUARD_MARGIN)
     if kept == EAGER:
@@ -532,7 +554,7 @@ def _inner(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
         return _eager(gm, options, device)
     from torch._inductor.compile_fx import compile_fx
 
-    config = dict(patches)
+    config = {**dict(options.inductor), **patches}  # the plan's patches win
     if options.mode not in (None, "default"):
         from torch._inductor import list_mode_options
 
@@ -575,6 +597,19 @@ def _autocast_for(options: Backend, device: torch.device, dtype: torch.dtype | N
     if dtype is None:
         return torch.autocast(device.type, enabled=False)
     return autocast(device, dtype)
+
+
+def _inductor_option(name: str) -> bool:
+    """``name`` is one of Inductor's config options (dotted for a nested one:
+    ``triton.cudagraphs``)."""
+    from torch._inductor import config
+
+    holder: Any = config
+    for part in name.split("."):
+        if not hasattr(holder, part):
+            return False
+        holder = getattr(holder, part)
+    return True
 
 
 # ---------------------------------------------------------------- the cost cache

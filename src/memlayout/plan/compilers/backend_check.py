@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch._dynamo.exc
-from torch import fx
+from torch import fx, nn
 
 from memlayout.devices import seam
 from memlayout.dtypes import autocast, dtype_name
@@ -185,12 +185,13 @@ def draws_random(gm: fx.GraphModule) -> bool:
 
 def cached_guard(names: list[str], planned: fx.GraphModule, inputs: list[Any], *,
                  store: CostCache, margin: float, train: bool, dtype: torch.dtype | None,
-                 device: torch.device) -> dict[str, Any] | None:
+                 device: torch.device, compiled_as: str) -> dict[str, Any] | None:
     """The guard's record for these ways (``names``) of running ``planned`` on ``inputs``,
-    when ``store`` holds one that stands (measured on a quiet machine, not a close call left
-    unsettled); else ``None``."""
+    compiled as ``compiled_as`` says (Inductor's mode and options), when ``store`` holds one
+    that stands (measured on a quiet machine, not a close call left unsettled); else
+    ``None``."""
     record = store.get(_guard_key(names, planned, inputs, train=train, dtype=dtype,
-                                  device=device), guard.valid_record)
+                                  device=device, compiled_as=compiled_as), guard.valid_record)
     if record is None or guard.measured_busy(record) or not guard.settled(record,
                                                                           margin=margin):
         return None
@@ -200,7 +201,7 @@ def cached_guard(names: list[str], planned: fx.GraphModule, inputs: list[Any], *
 def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
                 planned: fx.GraphModule, inputs: list[Any], *, store: CostCache | None,
                 rounds: int, margin: float, train: bool, dtype: torch.dtype | None,
-                device: torch.device) -> dict[str, Any]:
+                device: torch.device, compiled_as: str) -> dict[str, Any]:
     """Time the ways to run one graph interleaved (``candidates``: name -> a function making
     it; ``PLANNED``: the compiled plan, the one kept unless another is faster by more than
     ``margin``), or read the record from ``store`` (``cached_guard``); a close call is timed
@@ -208,7 +209,7 @@ def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
     is timed. The record of ``guard.time_steps``: ``guard.decide(record, margin=margin)``
     names the fastest."""
     names = list(candidates)
-    where = dict(train=train, dtype=dtype, device=device)
+    where = dict(train=train, dtype=dtype, device=device, compiled_as=compiled_as)
     if store is not None:
         cached = cached_guard(names, planned, inputs, store=store, margin=margin, **where)
         if cached is not None:
@@ -222,10 +223,10 @@ def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
 
 
 def _guard_key(names: list[str], planned: fx.GraphModule, inputs: list[Any], *, train: bool,
-               dtype: torch.dtype | None, device: torch.device) -> str:
+               dtype: torch.dtype | None, device: torch.device, compiled_as: str) -> str:
     # the key names how a training step is timed: its gradients go into .grad (_timed_step)
     return json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
-                       "train into .grad" if train else "infer", sorted(names),
+                       "train into .grad" if train else "infer", sorted(names), compiled_as,
                        graph_signature(planned, inputs)])
 
 
@@ -235,13 +236,19 @@ def _timed_step(fn: Callable[..., Any], inputs: list[Any], train: bool,
     on copies of ``inputs`` made once. The backward accumulates into each input's ``.grad``
     (cleared after the step), as a training step does: a gradient that comes out in other
     strides than its parameter's (a weight the plan converted) is copied into the
-    parameter's by autograd's layout contract, and that copy is part of the step's time."""
+    parameter's by autograd's layout contract, and that copy is part of the step's time.
+    Parameters (lifted by Dynamo) are handed over as the same tensors every call, as a
+    training loop does: CUDA graphs (``mode="reduce-overhead"``) keep their addresses; other
+    inputs that need a gradient are cloned per call (a forward may work on them in place)."""
     xs = fresh_inputs(inputs)
     leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    per_call = [isinstance(x, torch.Tensor) and x.requires_grad
+                and not isinstance(original, nn.Parameter)
+                for x, original in zip(xs, inputs, strict=True)]
     grads: list[torch.Tensor] = []
 
     def step() -> Any:
-        args = [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in xs]
+        args = [x.clone() if clone else x for x, clone in zip(xs, per_call, strict=True)]
         with torch.set_grad_enabled(train), autocast(device, dtype):
             out = fn(*args)
         outs = [t for t in iter_tensors(out) if t.requires_grad]
