@@ -1,4 +1,4 @@
-"""``memlayout cache show|prune|clear``: the measurement cache."""
+"""``memlayout cache show|prune|clear|export|import``: the measurement cache."""
 
 from __future__ import annotations
 
@@ -13,28 +13,31 @@ import typer
 from rich.markup import escape
 
 from memlayout.cli.app import app
-from memlayout.cli.common import UsageError, console, fail
+from memlayout.cli.common import UsageError, console, fail, writable_file
 from memlayout.errors import CacheFileError, MemlayoutError
 
 if TYPE_CHECKING:
     pass
 
 
-cache_app = typer.Typer(help="The measurement cache: show, prune, clear.", no_args_is_help=True)
+cache_app = typer.Typer(help="The measurement cache: show, prune, clear, export, import.",
+                        no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 CACHE_HELP = "The cache file. Default: $MEMLAYOUT_CACHE_DIR/costs.sqlite, else $XDG_CACHE_HOME/memlayout/costs.sqlite."
+IMPORT_CACHE_HELP = CACHE_HELP.replace("The cache file.", "The cache file to import into, created when missing.")
 
 
 @contextlib.contextmanager
-def _cache_store(path: str | None, *, readonly: bool = False) -> Iterator[tuple[Any, Path] | None]:
+def _cache_store(path: str | None, *, readonly: bool = False,
+                 create: bool = False) -> Iterator[tuple[Any, Path] | None]:
     """The cache at ``path`` (default: the user's) opened for one verb and closed after it;
-    ``None``, said on screen, when there is no cache file. A file memlayout did not create is
-    refused (one error line) and left as it is; ``readonly``: nothing is created, repaired or
-    moved (``show``)."""
+    ``None``, said on screen, when there is no cache file (``create``: an empty one is made).
+    A file memlayout did not create is refused (one error line) and left as it is;
+    ``readonly``: nothing is created, repaired or moved (``show``, ``export``)."""
     from memlayout.plan.costs.cache import CacheWarning, CostCache, cache_path, foreign_reason
 
     file = Path(path) if path else cache_path()
-    if not file.is_file():
+    if not file.is_file() and not create:
         console.print(f"no cache at {file}", markup=False, highlight=False)
         yield None
         return
@@ -107,3 +110,64 @@ def cache_clear(
             store, file = opened
             console.print(f"cleared {store.clear()} entries from {file}", markup=False,
                           highlight=False)
+
+
+@cache_app.command("export")
+def cache_export(
+    table: Annotated[Path, typer.Argument(metavar="PATH", help="The cost-table file to write (JSON lines: a header naming this machine's fingerprint, then one entry a line); replaced whole.")],
+    busy: Annotated[bool, typer.Option("--busy", help="Export entries taken while the machine was busy too (a quiet machine measures them again). Default: off.")] = False,
+    path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
+) -> None:
+    """Write this machine's entries to PATH, for machines of its fingerprint to import."""
+    from memlayout.plan.costs.cache import CostTableError, cache_path
+
+    file = Path(path) if path else cache_path()
+    try:
+        writable_file("PATH", table)
+        if table.resolve() == file.resolve():
+            raise UsageError(f"PATH {table} is the cache itself; give another file")
+        if not file.is_file():
+            raise UsageError(f"no cache at {file}, nothing to export: plan a model here "
+                             "first, or give --path")
+    except MemlayoutError as exc:
+        fail(exc)
+    with _cache_store(path, readonly=True) as opened:
+        assert opened is not None
+        store, file = opened
+        try:
+            report = store.export_table(table, busy=busy)
+        except CostTableError as exc:
+            fail(exc)
+        left = [f"{n} {what}" for n, what in (
+            (report.busy, "taken on a busy machine (--busy exports them)"),
+            (report.other_machines, "of other machines"),
+            (report.unreadable, "unreadable")) if n]
+        console.print(f"exported {report.exported} entries from {file} to {report.path}"
+                      + (f"; left out {', '.join(left)}" if left else ""),
+                      markup=False, highlight=False)
+        console.print(f"fingerprint: {report.fingerprint}", markup=False, highlight=False)
+
+
+@cache_app.command("import")
+def cache_import(
+    table: Annotated[Path, typer.Argument(metavar="PATH", help="A cost-table file `memlayout cache export` wrote on a machine of this fingerprint.")],
+    path: Annotated[str | None, typer.Option(help=IMPORT_CACHE_HELP)] = None,
+) -> None:
+    """Take PATH's entries into the cache, all or none, keeping the newer under each key."""
+    from memlayout.machine import fingerprint
+    from memlayout.plan.costs.cache import CostTableError, read_cost_table
+
+    try:
+        read_cost_table(table, machine=fingerprint())  # refused before a cache is created
+    except CostTableError as exc:
+        fail(exc)
+    with _cache_store(path, create=True) as opened:
+        assert opened is not None
+        store, file = opened
+        try:
+            report = store.import_table(table)
+        except CostTableError as exc:
+            fail(exc)
+        console.print(f"imported {report.imported} entries into {file} ({report.added} new, "
+                      f"{report.replaced} replacing older ones); skipped {report.skipped} "
+                      "where the cache's own is as new or newer", markup=False, highlight=False)

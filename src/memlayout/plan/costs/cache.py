@@ -23,6 +23,11 @@ fails (read-only file, a lock held past ``timeout``) turns the cache off for the
 run with one warning, and planning measures without it; a record that does not parse, or
 fails the reader's check, is a miss (one warning).
 
+A machine's entries travel as a cost-table file (:meth:`CostCache.export_table`,
+:meth:`CostCache.import_table`; ``memlayout cache export|import``): JSON lines, a header
+naming the fingerprint, then one entry a line. Only a machine of the same fingerprint takes
+one in, all of it or nothing, keeping the newer of two entries under one key.
+
 >>> import tempfile, pathlib
 >>> path = pathlib.Path(tempfile.mkdtemp()) / "costs.sqlite"
 >>> quiet = Conditions(load_average=0.3, cpu_count=2, threads=2, omp_wait_policy="PASSIVE")
@@ -50,6 +55,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from memlayout.errors import MemlayoutError
+from memlayout.files import write_atomic
 from memlayout.machine import SPREAD_LIMIT, Conditions, fingerprint, noisy, overloaded
 
 SCHEMA = 2  # ``PRAGMA user_version`` of a cache file this code reads
@@ -70,6 +79,22 @@ _CREATE = """CREATE TABLE entries (
 
 class CacheWarning(RuntimeWarning):
     """The cache could not be used as is (repaired, or off for this run); planning goes on."""
+
+
+class CostTableError(MemlayoutError, ValueError):
+    """A cost-table file that cannot be exported or imported as asked: not one ``memlayout
+    cache export`` wrote, damaged, or a cache that cannot be read or written now. Nothing of
+    it was imported."""
+
+
+class OtherMachineError(CostTableError):
+    """A cost-table file measured on a machine of another fingerprint (``theirs``) than this
+    one (``ours``): its timings say nothing of this machine."""
+
+    def __init__(self, message: str, *, theirs: str, ours: str) -> None:
+        super().__init__(message)
+        self.theirs = theirs
+        self.ours = ours
 
 
 def cache_path() -> Path:
@@ -141,6 +166,61 @@ class CacheSummary:
     @property
     def count(self) -> int:
         return sum(g.count for g in self.groups)
+
+
+#: the first field of a cost-table file's header, and the version of its layout this code reads
+TABLE_FORMAT = "memlayout cost table"
+TABLE_VERSION = 1
+_TABLE_FIELDS = ("key", "value", "load_average", "cpu_count", "spread", "noisy", "taken_at")
+
+
+@dataclass(frozen=True)
+class CostTableHeader:
+    """The first line of a cost-table file: whose timings it holds and what wrote it."""
+
+    fingerprint: str  # ``machine.fingerprint()`` of the machine that measured them
+    memlayout: str
+    torch: str
+    count: int
+    exported_at: str  # UTC, ISO 8601
+    busy: bool  # entries taken while the machine was busy are in it
+
+
+@dataclass(frozen=True)
+class CostTableFile:
+    """A cost-table file read whole (:func:`read_cost_table`)."""
+
+    path: Path
+    header: CostTableHeader
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What ``export_table`` wrote, and what it left out."""
+
+    path: Path
+    fingerprint: str
+    exported: int
+    busy: int  # taken on a busy machine, left out (a quiet machine measures them again)
+    other_machines: int  # entries of other fingerprints, never exported
+    unreadable: int  # records that are not JSON (a read would measure them again)
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """What ``import_table`` took in: ``added`` new keys, ``replaced`` older local entries;
+    ``skipped`` entries where the local one is as new or newer."""
+
+    path: Path
+    fingerprint: str
+    added: int
+    replaced: int
+    skipped: int
+
+    @property
+    def imported(self) -> int:
+        return self.added + self.replaced
 
 
 class CostCache:
@@ -399,6 +479,102 @@ class CostCache:
             self._off(exc, "deleting", reads=False)
             return 0
 
+    def export_table(self, path: Path | str, *, busy: bool = False) -> ExportReport:
+        """Write this machine's entries (its fingerprint only) to ``path`` as a cost-table
+        file, replacing it whole (``files.write_atomic``), one entry a line sorted by key.
+        Noisy entries taken on a quiet machine (their rounds spread: the op's own) go with
+        their mark, as this machine reuses them; those taken on a busy machine are left out
+        unless ``busy`` (a quiet machine measures them again, so they would only carry a busy
+        day's numbers). Raises :class:`CostTableError` when the cache cannot be read.
+
+        >>> import tempfile, pathlib
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> quiet = Conditions(load_average=0.3, cpu_count=2, threads=2, omp_wait_policy="")
+        >>> store = CostCache(folder / "costs.sqlite", conditions=lambda: quiet)
+        >>> store.put('["node", "conv"]', {"s": 0.5, "out": 0}, spread=0.1)
+        >>> store.export_table(folder / "costs.jsonl").exported
+        1
+        >>> CostCache(folder / "empty.sqlite").import_table(folder / "costs.jsonl").added
+        1
+        """
+        path = Path(path)
+        if self.problem is not None or (self._db is None and self.path.is_file()):
+            raise CostTableError(f"the cache {self.path} cannot be read "
+                                 f"({self.problem or 'opening it failed'}); nothing was exported")
+        rows: list[tuple[Any, ...]] = []
+        if self._db is not None:
+            try:
+                rows = self._db.execute(
+                    f"SELECT {', '.join(_COLUMNS)} FROM entries ORDER BY key").fetchall()
+            except sqlite3.Error as exc:
+                raise CostTableError(f"the cache {self.path} cannot be read now ({exc}); "
+                                     "nothing was exported") from exc
+        lines: list[str] = []
+        left_busy = others = unreadable = 0
+        for row in rows:
+            if row[1] != self.fingerprint:
+                others += 1
+                continue
+            try:
+                found = _entry(row)
+            except (ValueError, TypeError):
+                unreadable += 1
+                continue
+            if found.noisy and found.taken_busy and not busy:
+                left_busy += 1
+                continue
+            lines.append(json.dumps({
+                "key": found.key, "value": found.value, "load_average": found.load_average,
+                "cpu_count": found.cpu_count, "spread": found.spread, "noisy": found.noisy,
+                "taken_at": found.taken_at}))
+        from memlayout import __version__  # the package's own module: loaded by now
+
+        header = {"format": TABLE_FORMAT, "version": TABLE_VERSION,
+                  "fingerprint": self.fingerprint, "memlayout": __version__,
+                  "torch": torch.__version__, "count": len(lines), "exported_at": _now(),
+                  "busy": busy}
+        try:
+            write_atomic(path, "".join(f"{line}\n" for line in [json.dumps(header), *lines]))
+        except OSError as exc:
+            raise CostTableError(f"cannot write the cost table {path} "
+                                 f"({exc.strerror or exc})") from exc
+        return ExportReport(path, self.fingerprint, len(lines), left_busy, others, unreadable)
+
+    def import_table(self, path: Path | str) -> ImportReport:
+        """Take in the cost-table file at ``path`` (:meth:`export_table`'s), all of it in one
+        transaction or nothing. Under a key this cache holds already the newer entry (by
+        ``taken_at``) is kept; a tie keeps the local one. Raises :class:`OtherMachineError`
+        for a table of another fingerprint, :class:`CostTableError` for a file that is no
+        cost table, a damaged one, or a cache that cannot be written."""
+        table = read_cost_table(path, machine=self.fingerprint)
+        if self._db is None or not self._writes:
+            raise CostTableError(f"the cache {self.path} cannot be written "
+                                 f"({self.problem or 'read-only, or locked'}); nothing was "
+                                 "imported")
+        added = replaced = skipped = 0
+        insert = (f"INSERT OR REPLACE INTO entries ({', '.join(_COLUMNS)}) "
+                  f"VALUES ({', '.join('?' * len(_COLUMNS))})")
+        try:
+            with self._db:  # one transaction: all of the table, or nothing
+                for e in table.entries:
+                    local = self._db.execute(
+                        "SELECT taken_at FROM entries WHERE key = ? AND fingerprint = ?",
+                        (e.key, self.fingerprint)).fetchone()
+                    if local is not None and not _newer(e.taken_at, str(local[0])):
+                        skipped += 1
+                        continue
+                    self._db.execute(insert, (
+                        e.key, self.fingerprint, e.kind, json.dumps(e.value), e.load_average,
+                        e.cpu_count, e.spread, int(e.noisy), e.taken_at))
+                    if local is None:
+                        added += 1
+                    else:
+                        replaced += 1
+        except sqlite3.Error as exc:
+            raise CostTableError(f"the cache {self.path} failed while importing {table.path} "
+                                 f"({type(exc).__name__}: {exc}); nothing was imported") from exc
+        return ImportReport(table.path, self.fingerprint, added, replaced, skipped)
+
     def close(self) -> None:
         if self._db is not None:
             with contextlib.suppress(sqlite3.Error):
@@ -465,6 +641,117 @@ def foreign_reason(path: Path | str) -> str | None:
         return None
     return (f"an SQLite database of another application (tables: "
             f"{', '.join(tables) or 'none'})")
+
+
+def read_cost_table(path: Path | str, *, machine: str | None = None) -> CostTableFile:
+    """The cost-table file at ``path``, checked whole: its header, every entry's fields and
+    types, one entry per key, and as many entries as the header counts (a file cut short is
+    damaged). Raises :class:`CostTableError` naming the file and what is wrong with it, and
+    :class:`OtherMachineError` where ``machine`` is given and the file's fingerprint is
+    another."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CostTableError(f"cannot read the cost table {path} "
+                             f"({exc.strerror or exc})") from exc
+    what = ("an SQLite database (a measurement cache itself?)" if data.startswith(_SQLITE_HEADER)
+            else "a file")
+    not_table = (f"{path} is {what}, not a cost table `memlayout cache export` wrote; "
+                 "nothing was imported")
+    try:
+        lines = data.decode("utf-8").splitlines()
+        header = json.loads(lines[0]) if lines else None
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CostTableError(not_table) from exc
+    if not isinstance(header, dict) or header.get("format") != TABLE_FORMAT:
+        raise CostTableError(not_table)
+    if header.get("version") != TABLE_VERSION:
+        raise CostTableError(f"{path} is a cost table of layout version "
+                             f"{header.get('version')!r}, and this memlayout reads version "
+                             f"{TABLE_VERSION}; nothing was imported (export it again with "
+                             "this memlayout)")
+    try:
+        head = CostTableHeader(
+            _typed(header, "fingerprint", str), _typed(header, "memlayout", str),
+            _typed(header, "torch", str), _typed(header, "count", int),
+            _typed(header, "exported_at", str), _typed(header, "busy", bool))
+    except ValueError as exc:
+        raise CostTableError(f"{path} is damaged: its header {exc}; nothing was "
+                             "imported") from exc
+    if machine is not None and head.fingerprint != machine:
+        raise OtherMachineError(
+            f"{path} was measured on another machine: its fingerprint is "
+            f"{head.fingerprint!r}, this machine's {machine!r}; nothing was imported (timings "
+            "hold only where they were taken: export the table on a machine of this "
+            "fingerprint, or plan here to measure)", theirs=head.fingerprint, ours=machine)
+    entries: list[Entry] = []
+    keys: set[str] = set()
+    for number, line in enumerate(lines[1:], start=2):
+        try:
+            entry = _table_entry(line, head.fingerprint)
+            if entry.key in keys:
+                raise ValueError(f"the key {entry.key} comes twice")
+        except ValueError as exc:
+            raise CostTableError(f"{path} is damaged at line {number}: {exc}; nothing was "
+                                 "imported") from exc
+        keys.add(entry.key)
+        entries.append(entry)
+    if len(entries) != head.count:
+        raise CostTableError(f"{path} is damaged: its header counts {head.count} entries and "
+                             f"it holds {len(entries)} (cut short?); nothing was imported")
+    return CostTableFile(path, head, tuple(entries))
+
+
+def _typed(record: dict[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
+    """``record[name]`` when it is of ``kind`` (an int where a float is asked; ``None`` where
+    ``optional``), else a ``ValueError`` naming the field.
+
+    >>> _typed({"count": 3}, "count", float), _typed({"spread": None}, "spread", float, optional=True)
+    (3.0, None)
+    """
+    value = record.get(name)
+    if value is None and optional and name in record:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = number if kind is float else (isinstance(value, kind)
+                                       and (kind is bool or not isinstance(value, bool)))
+    if not ok:
+        raise ValueError(f"has no {kind.__name__} {name!r} (found {value!r})")
+    return float(value) if kind is float else value
+
+
+def _table_entry(line: str, machine: str) -> Entry:
+    """One line of a cost-table file as an entry of ``machine``; a ``ValueError`` says what
+    is wrong with it."""
+    record = json.loads(line)  # a ValueError of its own where the line is not JSON
+    if not isinstance(record, dict) or set(record) != set(_TABLE_FIELDS):
+        raise ValueError(f"an entry has exactly the fields {', '.join(_TABLE_FIELDS)}")
+    key = _typed(record, "key", str)
+    taken_at = _typed(record, "taken_at", str)
+    _utc(taken_at)  # a time, or a ValueError
+    return Entry(key, kind_of(key), record["value"], machine,
+                 _typed(record, "load_average", float, optional=True),
+                 _typed(record, "cpu_count", int, optional=True),
+                 _typed(record, "spread", float, optional=True),
+                 _typed(record, "noisy", bool), taken_at)
+
+
+def _utc(stamp: str) -> datetime.datetime:
+    """An ISO 8601 time as an aware UTC datetime (one without a zone is taken as UTC)."""
+    moment = datetime.datetime.fromisoformat(stamp)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment
+
+
+def _newer(imported: str, local: str) -> bool:
+    """The imported entry was taken after the local one (a local time that does not parse
+    loses: the imported one was checked when read)."""
+    try:
+        return _utc(imported) > _utc(local)
+    except ValueError:
+        return True
 
 
 def _schema_problem(db: sqlite3.Connection) -> str | None:
