@@ -4,6 +4,8 @@ once in place, and each steered module's boundary.
 :class:`Steering` is what one plan changes; :func:`steer` applies it to a model (its own class
 and tree: a copy the planner made, or the caller's object with ``inplace=True``), and
 :func:`unsteer` takes the boundaries off again (an analysis copy must run the user's code).
+A ``torch.fx.GraphModule`` in the model is pickled and copied with its steering
+(:func:`carry_steering`).
 
 >>> from torch import nn
 >>> from memlayout.plan.steer.boundary import Boundary
@@ -18,12 +20,15 @@ and tree: a copy the planner made, or the caller's object with ``inplace=True``)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
+from torch.fx.graph_module import _format_import_block, reduce_graph_module
+from torch.package import sys_importer
 
 from memlayout.plan.graph import BASE_RANKS, Label
 from memlayout.plan.steer.boundary import Boundary
@@ -33,6 +38,9 @@ from memlayout.tensors import to_format
 
 #: the attribute a planned model keeps its :class:`PlannedState` under
 STATE = "memlayout"
+#: what memlayout puts on a module of a planned model: a steered forward, the root's planned
+#: state and ``model.plan``
+CARRIED = ("forward", STATE, "plan")
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ def steer(model: nn.Module, steering: Steering, *, key: Any, input_label: int | 
             forward = SteeredForward(module, state, module.__dict__.get("forward"))
             module.__dict__["forward"] = forward
         forward.boundaries[key] = boundary
+    carry_steering(model)
     return state
 
 
@@ -153,3 +162,69 @@ def unsteer(model: nn.Module) -> nn.Module:
                 module.__dict__["forward"] = forward.inner
     model.__dict__.pop(STATE, None)
     return model
+
+
+# ---------------------------------------------------------------- torch.fx GraphModules
+
+
+def carry_steering(model: nn.Module) -> None:
+    """Every ``torch.fx.GraphModule`` in ``model`` (a traced model, or one inside a model)
+    pickled (``torch.save``) and deep-copied with the attributes in :data:`CARRIED`; in place.
+
+    torch pickles a GraphModule as its generated code and rebuilds it by tracing that code:
+    the rebuilt module keeps the instance attributes that do not shadow its class's (a steered
+    ``forward`` does); ``copy.deepcopy`` keeps those the graph reads (the planned state does
+    not). On torch 2.10 to 2.12 (2.13 not run) the code of a model written under ``from
+    __future__ import annotations`` does not pickle at all: an annotation is a ``str`` global
+    of the generated code (``_torch_Tensor_ = 'torch.Tensor'``), which torch looks up as an
+    importable name. So the class ``GraphModule.__new__`` made for each such instance alone
+    gets a ``__reduce__`` that writes those globals as assignments and a ``__deepcopy__``,
+    both carrying the attributes across; torch's own loader rebuilds the module. A
+    GraphModule whose class other instances share is left as torch pickles it.
+
+    >>> import pickle
+    >>> gm = fx.symbolic_trace(nn.Conv2d(3, 4, 1))
+    >>> gm.__dict__["plan"] = "the plan"
+    >>> carry_steering(gm)
+    >>> pickle.loads(pickle.dumps(gm)).plan, copy.deepcopy(gm).plan
+    ('the plan', 'the plan')
+    """
+    for module in model.modules():
+        cls = type(module)
+        if isinstance(module, fx.GraphModule) and \
+                cls.__qualname__.rpartition(".")[2] == "GraphModuleImpl":
+            cls.__reduce__ = _reduce_graph_module  # type: ignore[method-assign]
+            cls.__deepcopy__ = _deepcopy_graph_module  # type: ignore[attr-defined]
+
+
+def _reduce_graph_module(gm: fx.GraphModule) -> tuple[Any, ...]:
+    body = gm.__dict__.copy()
+    code = fx.GraphModule.recompile(gm)  # a lazy GraphModule's own recompile only marks it
+    del body["_graph"]  # the code is kept, and traced again on load
+    carried = {k: body.pop(k) for k in CARRIED if k in body}
+    # set as the state, after the module exists: a steered forward refers to the rebuilt one
+    return _rebuilt_graph_module, (body, _import_block(code.globals)), carried or None
+
+
+def _rebuilt_graph_module(body: dict[str, Any], import_block: str) -> fx.GraphModule:
+    gm = reduce_graph_module(body, import_block)
+    carry_steering(gm)
+    return gm
+
+
+def _deepcopy_graph_module(gm: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
+    copied = super(type(gm), gm).__deepcopy__(memo)  # type: ignore[misc]
+    for k in CARRIED:
+        if k in gm.__dict__:
+            copied.__dict__[k] = copy.deepcopy(gm.__dict__[k], memo)
+    carry_steering(copied)
+    return copied
+
+
+def _import_block(names: dict[str, Any]) -> str:
+    """The imports of generated code's globals as torch writes them, and its ``str`` globals
+    (forward-reference annotations) as assignments."""
+    imports = _format_import_block({k: v for k, v in names.items() if not isinstance(v, str)},
+                                   sys_importer)
+    assigned = sorted(f"{k} = {v!r}" for k, v in names.items() if isinstance(v, str))
+    return "\n".join([imports, *assigned])
