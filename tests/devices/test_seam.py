@@ -195,3 +195,18 @@ def test_the_fp32_gemm_peak_runs_in_the_convolutions_precision(monkeypatch):
     gemm()
     assert seen == [True] and gpu.matmul.allow_tf32 is False
     assert "TF32" in matmul_isa("fp32", "cpu") and "TF32" not in matmul_isa("bf16", "cpu")
+
+
+def test_a_call_that_never_settles_is_timed_as_it_last_ran_and_the_device_is_made_current():
+    gpu = FakeGpu()
+    seam = gpu.device(torch.device("cuda", 3))
+    reads, now = [], 0.0
+    for k in range(devices.SETTLE_CALLS):  # each call twice as long as the last: never settles
+        reads += [now, now + 1e-9 * 2 ** (k + 1)]
+        now += 1e-9 * 2 ** (k + 1)
+    last = seam.settle(lambda: None, 1e-9, clock=iter(reads).__next__)
+    assert last == pytest.approx(1e-9 * 2 ** devices.SETTLE_CALLS)
+    assert len(gpu.cuda.called("synchronize")) == 2 * devices.SETTLE_CALLS
+    seam.make_current()
+    seam.release()
+    assert gpu.cuda.called("set_device") == [((3,), {})] and gpu.cuda.called("empty_cache")
