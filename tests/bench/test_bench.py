@@ -640,3 +640,21 @@ def test_the_control_mode_is_a_second_nhwc_copy_and_not_a_default(tmp_path):
                for p in b.module.parameters() if p.dim() == 4)
     assert not any(torch.equal(p, q) for p, q in zip(a.module.parameters(),
                                                      b.module.parameters(), strict=True))
+
+
+def test_a_modes_peak_memory_is_its_own_model_and_step(monkeypatch):
+    """On a GPU (the seam's fake here) a mode's peak is its own model's state plus what its
+    step allocates beyond what was there before: other modes' models still on the device are
+    not counted."""
+    from tests.support.fake_cuda import fake_gpu
+
+    gpu = fake_gpu(monkeypatch)
+    gpu.allocated = 10 ** 9  # the other modes' models, already on the device
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+
+    def step_allocates(*_):
+        gpu.peak = gpu.allocated + 4096
+    model.register_forward_hook(step_allocates)
+    prepared = prepare_mode("nchw", model, torch.randn(2, 3, 8, 8), dtype="fp32", task="infer")
+    own = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert prepared.peak_mem_bytes == own + 4096
