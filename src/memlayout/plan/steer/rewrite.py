@@ -133,7 +133,9 @@ def _quiet_dynamo_about_layout_caches() -> None:
     (pure functions of shapes); dynamo traces through them and warns that the cache is
     ignored. Declare them safe where this torch has the (private) registry: no warning."""
     try:
-        from torch._dynamo.utils import allow_lru_cache_wrapper_trace_without_warning as allow
+        from torch._dynamo.utils import (  # type: ignore[attr-defined]
+            allow_lru_cache_wrapper_trace_without_warning as allow,
+        )
     except ImportError:  # older torch: no such registry, the warning stays (harmless)
         return
     for value in vars(layout).values():
