@@ -82,6 +82,13 @@ class CacheFileError(MemlayoutError, ValueError):
     cache`` refuses it and a planning run measures without a cache; it is never moved."""
 
 
+class ScriptError(MemlayoutError, AttributeError):
+    """``torch.jit.script`` given a planned model (or a steered module of one): TorchScript
+    compiles a forward from its Python source, and a planned model's steering has none. An
+    ``AttributeError`` too: what reads a forward's ``__globals__`` with a default
+    (``getattr``, ``hasattr``) gets the default, as before."""
+
+
 class ExportError(MemlayoutError):
     """``torch.export`` of a (planned) model failed; the message says why and what to do."""
 

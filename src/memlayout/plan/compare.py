@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from memlayout import dtypes
 from memlayout.devices import seam
@@ -73,10 +74,10 @@ def float64_agreement(reference: nn.Module, planned: nn.Module, inputs: tuple[An
     float64 (its own code casts to float32; a traced graph's casts are widened, ``float64``)."""
     xs = float64(inputs)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), float64_casts():
             want = float64(reference)(*_clone(xs))
             got = float64(planned)(*_clone(xs))
-    except RuntimeError:  # a dtype fixed in the graph: no re-check, the mismatch stands
+    except RuntimeError:  # a dtype the model fixes otherwise: no re-check, the mismatch stands
         return None
     ok, err, _ = compare(want, got, torch.float32)
     return err if ok else None
@@ -86,7 +87,8 @@ def float64(value: Any) -> Any:
     """A float64 copy of a module (strides kept: ``Tensor.double`` preserves the format) or
     of inputs (floating tensors converted, inside containers too: a detector takes a list of
     images; others as they are). In a module's traced graphs (``torch.fx``: Dynamo's, an
-    export's) every cast to a lower float dtype casts to float64 (:func:`widen`).
+    export's) every cast to a lower float dtype casts to float64 (:func:`widen`); its eager
+    code does so where it runs under :class:`float64_casts`.
 
     >>> float64(([torch.zeros(2)], torch.ones(1, dtype=torch.long)))[0][0].dtype
     torch.float64
@@ -142,6 +144,38 @@ def widen(gm: fx.GraphModule) -> int:
     if changed:
         gm.recompile()
     return changed
+
+
+class float64_casts(torch.overrides.TorchFunctionMode):  # noqa: N801 (used like a function)
+    """While active, eager code casts to float64 wherever it casts to float32, float16 or
+    bfloat16 (``.float()``, ``.half()``, ``.bfloat16()``, a ``dtype`` argument: ``.to``,
+    ``.type``, a factory): what :func:`widen` does to a traced graph, for a model's own
+    ``forward`` in the float64 re-check. Without it, ``y.float()`` after an autocast region
+    (autocast takes no float64, so the region itself stays float64) meets a float64 weight
+    with a float32 activation.
+
+    >>> x = torch.ones(2, dtype=torch.float64)
+    >>> with float64_casts():
+    ...     x.float().dtype, x.to(torch.bfloat16).dtype, torch.zeros(1, dtype=torch.half).dtype
+    (torch.float64, torch.float64, torch.float64)
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _NARROW_CASTS:
+            return args[0].double(**kwargs)
+        if "autocast" not in getattr(func, "__name__", ""):
+            args, kwargs = pytree.tree_map_only(torch.dtype, _wide, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+#: the methods that cast to a dtype :class:`float64_casts` widens
+_NARROW_CASTS = frozenset({torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16})
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype in _NARROW else dtype
 
 
 def detached(value: Any) -> Any:

@@ -264,6 +264,10 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
             memory, padded, blocked = MemoryDecision(decision.build, None), (), None
             notes.append(note)
             warnings.warn(f"memlayout: {note}", stacklevel=3)
+        if verification.redrawn:
+            note = redrawn_note(verification.redrawn)
+            notes.append(note)
+            warnings.warn(f"memlayout: {note}", stacklevel=3)
         realized: list[str] = []
         if decision.kept == PLANNED:
             realized = realized_differences(memory.build.module, example, solution,
@@ -287,6 +291,15 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
             store.close()
         _set_rng_state(rng_state)
     return plan, memory.build
+
+
+def redrawn_note(modules: list[str]) -> str:
+    """What a plan says of the dropouts whose activations it lays out otherwise than the
+    original (``Verification.redrawn``)."""
+    return (f"random masks drawn in another memory order than the original's: "
+            f"{', '.join(modules)}. PyTorch draws a mask in memory order, so under the same "
+            "seed the planned model drops other (equally random) elements than the original "
+            "there; verification compared them with masks drawn in logical order")
 
 
 def finish(model: nn.Module, built: Build, plan: Plan, inputs: tuple[Any, ...],

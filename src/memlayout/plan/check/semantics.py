@@ -14,8 +14,8 @@ from torch import fx, nn
 from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
-from memlayout.plan.check.training import SEED, _LayoutFreeDropout
-from memlayout.plan.compare import _clone, compare, detached, float64, tolerance
+from memlayout.plan.check.training import SEED, Draw, _LayoutFreeDropout
+from memlayout.plan.compare import _clone, compare, detached, float64, float64_casts, tolerance
 from memlayout.plan.graph import node_target_name
 
 
@@ -66,11 +66,13 @@ def restore_state(module: nn.Module, state: ModuleState) -> None:
 @dataclass(frozen=True)
 class Calls:
     """Two calls of a model from one state: each call's output, each call's inputs after it
-    (a forward may change them in place), and the buffers after both."""
+    (a forward may change them in place), the buffers after both, and the element-wise
+    random masks the first call drew (in a model in training mode: dropout)."""
 
     outputs: tuple[Any, Any]
     inputs_after: tuple[tuple[Any, ...], tuple[Any, ...]]
     buffers: dict[str, torch.Tensor]
+    draws: tuple[Draw, ...] = ()
 
 
 def call_twice(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
@@ -79,16 +81,17 @@ def call_twice(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype
     on fresh copies of ``inputs`` from a fixed RNG state, element-wise dropout drawn in
     logical order, so two models in different layouts draw the same masks. The caller's RNG
     is left alone."""
-    outputs, after = [], []
+    outputs, after, draws = [], [], []
     for i in range(calls):
         xs = _clone(inputs)
-        with seam(device).fork_rng(), _LayoutFreeDropout():
+        with seam(device).fork_rng(), _LayoutFreeDropout(module if i == 0 else None) as drawn:
             torch.manual_seed(SEED + i)
             with torch.no_grad(), autocast(device, dtype):
                 outputs.append(detached(module(*xs)))
         after.append(xs)
+        draws += drawn.draws
     buffers = {k: b.detach().clone() for k, b in module.named_buffers(remove_duplicate=False)}
-    return Calls((outputs[0], outputs[-1]), (after[0], after[-1]), buffers)
+    return Calls((outputs[0], outputs[-1]), (after[0], after[-1]), buffers, tuple(draws))
 
 
 def check_semantics(want: Calls, got: Calls, dtype: torch.dtype | None, *,
@@ -152,12 +155,16 @@ def verify_semantics(original: nn.Module, planned: nn.Module, inputs: tuple[Any,
     got = call_twice(planned, inputs, dtype=dtype, device=device)
     try:
         count = check_semantics(want, got, dtype, inplace=inplace)
-    except LayoutVerificationError:
+    except LayoutVerificationError as failure:
         restore_state(original, state)
         restore_state(planned, state)
         xs = float64(inputs)
-        want64 = call_twice(float64(original), xs, dtype=None, device=device)
-        got64 = call_twice(float64(planned), xs, dtype=None, device=device)
+        try:
+            with float64_casts():
+                want64 = call_twice(float64(original), xs, dtype=None, device=device)
+                got64 = call_twice(float64(planned), xs, dtype=None, device=device)
+        except RuntimeError:  # a dtype the model fixes otherwise: the mismatch stands
+            raise failure from None
         count = check_semantics(want64, got64, torch.float32, inplace=inplace)
     return count + check_parameters(original, planned)
 

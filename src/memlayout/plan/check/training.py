@@ -5,6 +5,7 @@ gradients and buffers compared, with the float64 re-check."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -13,9 +14,16 @@ from torch.nn import functional as F
 
 from memlayout.devices import seam
 from memlayout.dtypes import autocast
-from memlayout.errors import LayoutVerificationError
-from memlayout.layout import strides_agree
-from memlayout.plan.compare import TOLERANCE, compare, detached, float64, tolerance
+from memlayout.errors import LayoutVerificationError, first_line
+from memlayout.layout import dim_order, strides_agree
+from memlayout.plan.compare import (
+    TOLERANCE,
+    compare,
+    detached,
+    float64,
+    float64_casts,
+    tolerance,
+)
 from memlayout.plan.report.records import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
 from memlayout.tensors import device_of, iter_tensors
 
@@ -94,6 +102,43 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
 _SELU_ALPHA = 1.7580993408473766
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One element-wise random mask drawn (a dropout's): the module that drew it, as
+    ``"path (Class)"``, and the shape and strides of the activation it is laid out like."""
+
+    module: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The order PyTorch's kernels draw the mask in: the activation's memory order (its
+        dims of size > 1, outermost first).
+
+        >>> Draw("drop (Dropout)", (2, 8, 4, 4), (128, 1, 32, 8)).order
+        (0, 2, 3, 1)
+        """
+        return tuple(d for d in dim_order(self.shape, self.strides) if self.shape[d] > 1)
+
+
+def redrawn(want: tuple[Draw, ...], got: tuple[Draw, ...]) -> tuple[str, ...]:
+    """The modules (each once, in call order) whose masks ``got`` (the planned model's
+    draws) draws in another memory order than ``want`` (the original's, on the same input):
+    with the same seed, PyTorch's kernels drop other (equally random) elements there.
+
+    >>> nchw = Draw("drop (Dropout)", (2, 8, 4, 4), (128, 16, 4, 1))
+    >>> nhwc = Draw("drop (Dropout)", (2, 8, 4, 4), (128, 1, 32, 8))
+    >>> redrawn((nchw, nchw), (nhwc, nchw)), redrawn((nchw,), (nchw,))
+    (('drop (Dropout)',), ())
+    """
+    found: list[str] = []
+    for w, g in zip(want, got, strict=False):
+        if w.shape == g.shape and w.order != g.order and g.module not in found:
+            found.append(g.module)
+    return tuple(found)
+
+
 class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
     """Element-wise dropout (``F.dropout``, ``nn.Dropout``, ``torch.dropout``, alpha dropout;
     functional or module) with its mask drawn in logical (NCHW) order, laid out like the
@@ -101,7 +146,37 @@ class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
     draw in memory order, so on a channels-last activation the same seed drops other
     (equally random) elements than on the NCHW original (squeezenet1_0's classifier: relative
     error 0.8). The channel-wise kinds (``dropout2d``, feature alpha dropout) draw an
-    (N, C, 1, ...) mask, the same in every layout: they run as they are."""
+    (N, C, 1, ...) mask, the same in every layout: they run as they are.
+
+    With ``model``, each mask drawn while active is recorded in ``draws`` (a :class:`Draw`,
+    named by the innermost module of ``model`` running): where a planned model's masks at
+    run time differ from the original's (:func:`redrawn`)."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.draws: list[Draw] = []
+        self._running: list[str] = []  # the module calls in progress, innermost last
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> _LayoutFreeDropout:
+        for path, m in self.model.named_modules() if self.model is not None else ():
+            name = f"{path or 'the model'} ({type(m).__name__})"
+            self._hooks += [m.register_forward_pre_hook(partial(self._enter_module, name)),
+                            m.register_forward_hook(self._exit_module, always_call=True)]
+        return super().__enter__()
+
+    def _enter_module(self, name: str, *_: Any) -> None:
+        self._running.append(name)
+
+    def _exit_module(self, *_: Any) -> None:  # returns None: the output stays the module's
+        self._running.pop()
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -115,6 +190,9 @@ class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
         inplace = bool(bound.get("inplace", inplace))
         if not training or not 0 < p < 1:  # nothing drawn, or everything dropped
             return func(*args, **(kwargs or {}))
+        if self.model is not None:
+            where = self._running[-1] if self._running else "the model"
+            self.draws.append(Draw(where, tuple(x.shape), tuple(x.stride())))
         keep = torch.empty_like(x, dtype=torch.bool).copy_(
             torch.rand(x.shape, device=x.device) >= p)
         if alpha:
@@ -156,9 +234,9 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
     try:
         want = training_step(reference, inputs, dtype=dtype, device=device)
     except RuntimeError as exc:  # autograd refuses the original's own step: nothing to compare
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LayoutVerificationError(
-            f"a training step of the original model itself fails (RuntimeError: {first}), "
+            f"a training step of the original model itself fails (RuntimeError: "
+            f"{first_line(exc)}), "
             "so there is no step to verify a plan against; the original's backward fails the "
             "same way: fix the forward (an in-place change of a tensor autograd saved, say), "
             "or plan inference with train=False",
@@ -169,13 +247,19 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
                    if not strides_agree(tuple(got.grads[k].shape), ps, gs)]
     rtol = tolerance(dtype)[0]
     exact: float | None = None
+    unchecked = ""  # why the float64 re-check could not run
     if not ok:
         ref64, planned64, inputs64 = float64(reference), float64(planned), float64(inputs)
-        want64 = training_step(ref64, inputs64, dtype=None, device=device)
-        got64 = training_step(planned64, inputs64, dtype=None, names=list(want64.grads),
-                              device=device)
-        ok, exact, what64, _ = agree(want64, got64, torch.float32)
-        what = what if ok else what64
+        try:
+            with float64_casts():
+                want64 = training_step(ref64, inputs64, dtype=None, device=device)
+                got64 = training_step(planned64, inputs64, dtype=None,
+                                      names=list(want64.grads), device=device)
+        except RuntimeError as exc:  # a dtype the model fixes otherwise: the mismatch stands
+            unchecked = first_line(exc)
+        else:
+            ok, exact, what64, _ = agree(want64, got64, torch.float32)
+            what = what if ok else what64
     if ok and not bad_strides:
         return Verification(True, DTYPE_TOLERANCE if exact is None else FLOAT64_RECHECK, worst,
                             rtol, count, train=True, float64_error=exact)
@@ -185,12 +269,17 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
             "strides than their parameters (an optimizer or DDP's gradient buckets would see "
             "them); the plan was not applied; please report this with the model",
             cause="gradients in other strides than their parameters")
+    in_float64 = (f"and in float64 (relative error {exact:.3g}, first in the {what})"
+                  if exact is not None else
+                  f"first in the {what}; the float64 re-check could not run the models "
+                  f"(RuntimeError: {unchecked})")
     raise LayoutVerificationError(
         f"a training step of the planned model differs from the original's, in "
-        f"{dtype or 'float32'} (relative error {worst:.3g}, tolerance {rtol:g}) and in float64 "
-        f"(relative error {exact:.3g}, first in the {what}). The plan was not applied; "
-        "please report this with the model, or plan with measure=False to try another plan",
-        cause=f"a training step differs, first in the {what}")
+        f"{dtype or 'float32'} (relative error {worst:.3g}, tolerance {rtol:g}) {in_float64}. "
+        "The plan was not applied; please report this with the model, or plan with "
+        "measure=False to try another plan",
+        cause=f"a training step differs, first in the {what}"
+              + ("" if exact is not None else " (no float64 re-check)"))
 
 
 def agree(want: Step, got: Step, dtype: torch.dtype | None) -> tuple[bool, float, str, int]:

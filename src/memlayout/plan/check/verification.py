@@ -25,14 +25,22 @@ from memlayout.plan.capture.regions import Captured
 from memlayout.plan.check import guard
 from memlayout.plan.check.guard import GuardDecision, build_uniform
 from memlayout.plan.check.semantics import (
+    Calls,
     ModuleState,
     call_twice,
     inplace_on_inputs,
     restore_state,
     verify_semantics,
 )
-from memlayout.plan.check.training import verify_training
-from memlayout.plan.compare import compare, detached, float64, float64_agreement, tolerance
+from memlayout.plan.check.training import redrawn, verify_training
+from memlayout.plan.compare import (
+    compare,
+    detached,
+    float64,
+    float64_agreement,
+    float64_casts,
+    tolerance,
+)
 from memlayout.plan.options import PlanOptions
 from memlayout.plan.report.records import (
     DTYPE_TOLERANCE,
@@ -58,7 +66,7 @@ def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ..
     try:
         restore_state(reference, state)
         restore_state(planned, state)
-        _runs(planned, inputs, dtype=dtype, device=device)
+        ran = _runs(planned, inputs, dtype=dtype, device=device)
         restore_state(planned, state)
         if train:
             verification = verify_training(reference, planned, inputs, dtype=dtype, device=device)
@@ -72,15 +80,17 @@ def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ..
         restore_state(reference, state)
         restore_state(planned, state)
     return dataclasses.replace(verification, semantics=count,
-                               seconds=time.perf_counter() - start)
+                               seconds=time.perf_counter() - start,
+                               redrawn=list(redrawn(want.draws, ran.draws)))
 
 
 def _runs(planned: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
-          device: torch.device) -> None:
-    """``LayoutVerificationError`` when the planned model fails where the original runs (an op
-    that needs a format the plan did not give it: a ``.view`` of a channels-last tensor)."""
+          device: torch.device) -> Calls:
+    """One call of the planned model; ``LayoutVerificationError`` when it fails where the
+    original runs (an op that needs a format the plan did not give it: a ``.view`` of a
+    channels-last tensor)."""
     try:
-        call_twice(planned, inputs, dtype=dtype, device=device, calls=1)
+        return call_twice(planned, inputs, dtype=dtype, device=device, calls=1)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise LayoutVerificationError(
@@ -115,9 +125,10 @@ def first_divergent_module(reference: nn.Module, planned: nn.Module, inputs: tup
     copies of the two models, as ``"path (Class)"``; ``None`` when none does."""
     ref64, planned64, xs = float64(reference), float64(planned), float64(inputs)
     try:
-        want = _module_outputs(ref64, xs, device)
-        got = _module_outputs(planned64, xs, device)
-    except RuntimeError:  # a dtype fixed in the model's code: no float64 run
+        with float64_casts():
+            want = _module_outputs(ref64, xs, device)
+            got = _module_outputs(planned64, xs, device)
+    except RuntimeError:  # a dtype the model fixes otherwise: no float64 run
         return None
     for (path, kind, w), (path2, _, g) in zip(want, got, strict=False):
         if path != path2:

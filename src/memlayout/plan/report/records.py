@@ -144,6 +144,10 @@ class Verification(Record):
     #: tensors and parameters of the semantic checks: two calls from the caller's state
     #: (second output, inputs and buffers after), parameter names, ties, requires_grad
     semantics: int = 0
+    #: the modules whose dropout masks the planned model draws in another memory order than
+    #: the original (``"path (Class)"``): compared with masks drawn in logical order, they
+    #: drop other (equally random) elements at run time under the same seed
+    redrawn: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line: what was compared and which check passed, with its figures."""

@@ -62,25 +62,38 @@ class Boundary:
             pytree.tree_structure((args, kwargs)))
 
     def exit(self, output: Any) -> Any:
+        """``output`` with the planned leaves converted; a parameter the module returns
+        comes back as itself (the caller may update it, or keep it)."""
         if not self.outputs:
             return output
         if _plain(output) and len(self.outputs) == 1 and self.outputs[0][0] == 0:
             _, label, rank = self.outputs[0]
-            return convert_leaf(output, label, rank)
+            return output if _owned(output) else convert_leaf(output, label, rank)
         leaves, spec = pytree.tree_flatten(output)
-        return pytree.tree_unflatten(_convert(leaves, self.outputs), spec)
+        return pytree.tree_unflatten(_convert(leaves, self.outputs, keep_own=True), spec)
 
 
 def _plain(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, fx.Proxy))
 
 
-def _convert(leaves: list[Any], plan: tuple[Leaf, ...]) -> list[Any]:
+def _convert(leaves: list[Any], plan: tuple[Leaf, ...], *, keep_own: bool = False) -> list[Any]:
     out = list(leaves)
     for p, label, rank in plan:
-        if p < len(out):
+        if p < len(out) and not (keep_own and _owned(out[p])):
             out[p] = convert_leaf(out[p], label, rank)
     return out
+
+
+def _owned(value: Any, model: nn.Module | None = None) -> bool:
+    """``value`` is a parameter (never an op's result) or one of ``model``'s buffers: a
+    result handed back as that object, not as a converted copy. A buffer is looked for only
+    among leaves no op made (autograd's ``grad_fn`` is unset) that would be converted."""
+    if isinstance(value, nn.Parameter):
+        return True
+    if model is None or not isinstance(value, torch.Tensor) or value.grad_fn is not None:
+        return False
+    return any(value is b for m in model.modules() for b in m._buffers.values())
 
 
 def convert_leaf(value: Any, label: int, rank: int) -> Any:
@@ -112,8 +125,10 @@ fx.wrap("to_label")
 
 def restride(output: Any, formats: tuple[tuple[int, int, int], ...],
              fallback: int | None = None, keep: set[int] | None = None,
-             ranks: tuple[int, ...] = (4, 5)) -> Any:
-    """``output`` with its tensors in the formats the original hands them back in.
+             ranks: tuple[int, ...] = (4, 5), own: nn.Module | None = None) -> Any:
+    """``output`` with its tensors in the formats the original hands them back in; a
+    parameter, or one of ``own``'s buffers, as that object (in its planned strides: the
+    original hands back the object too).
 
     ``formats``: ``(index, label, rank)`` of every tensor of the original's output on the
     plan's example, in ``memlayout.tensors.iter_tensors`` order (label ``-1``: as it comes).
@@ -132,14 +147,18 @@ def restride(output: Any, formats: tuple[tuple[int, int, int], ...],
                   if t.dim() in ranks and not storage_addresses(t) & keep}
     else:
         return output
-    if all(i not in wanted or convert_leaf(t, wanted[i], t.dim()) is t
-           for i, t in enumerate(tensors)):
+    changed: dict[int, torch.Tensor] = {}
+    for i, t in enumerate(tensors):
+        if i in wanted:
+            converted = convert_leaf(t, wanted[i], t.dim())
+            if converted is not t and not _owned(t, own):
+                changed[i] = converted
+    if not changed:
         return output
     count = iter(range(len(tensors)))
 
     def fix(t: torch.Tensor) -> torch.Tensor:
-        i = next(count)
-        return convert_leaf(t, wanted[i], t.dim()) if i in wanted else t
+        return changed.get(next(count), t)
 
     return map_tensors(output, fix)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from memlayout.errors import ScriptError
 from memlayout.plan.steer.boundary import (
     Boundary,
     padded_convolution,
@@ -71,6 +72,16 @@ class SteeredForward:
         return type(self.module).forward.__doc__
 
     @property
+    def __globals__(self) -> dict[str, Any]:
+        # what torch.jit.script reads first of a forward it compiles from source
+        name = type(self.module).__name__
+        raise ScriptError(
+            f"torch.jit.script cannot compile a planned {name}: its layouts are steered by "
+            "memlayout's Python forward, which TorchScript cannot read. Use "
+            "torch.jit.trace(planned, example) or torch.export.export(planned, (example,)) "
+            "(both record the planned layouts), or script the original model")
+
+    @property
     def __code__(self) -> Any:
         # what runs is the original's code: tracers that name it (torch.export) see it
         inner = self.inner if self.inner is not None else type(self.module).forward
@@ -112,7 +123,7 @@ class RootForward(SteeredForward):
             args, kwargs = state.arrive(args, kwargs)
             with state.autocast(args, kwargs):
                 output = super().__call__(*args, **kwargs)
-            return state.restride(output, key, (args, kwargs))
+            return state.restride(output, key, (args, kwargs), self.module)
         finally:
             state.activate(previous)
 

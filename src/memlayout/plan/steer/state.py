@@ -166,15 +166,16 @@ class PlannedState:
             return contextlib.nullcontext()
         return autocast(device_of((args, kwargs)), self.dtype)
 
-    def restride(self, output: Any, key: Any, inputs: Any) -> Any:
-        """``output`` in the formats the original model returns it in (``restride``)."""
+    def restride(self, output: Any, key: Any, inputs: Any, model: nn.Module) -> Any:
+        """``output`` of ``model`` in the formats the original model returns it in
+        (``restride``; ``model``'s own parameters and buffers as themselves)."""
         formats = self.outputs.get(key, ())
         if not formats:
             return output
         if _tracing():  # what a tracer records: the plan's own formats, no storage read
             return restride(output, formats)
         return restride(output, formats, _arrival_label(inputs, self.ranks),
-                        storage_addresses(inputs), self.ranks)
+                        storage_addresses(inputs), self.ranks, model)
 
     # ------------------------------------------------------------ copies
 

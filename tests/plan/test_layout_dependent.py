@@ -1,0 +1,190 @@
+"""What a forward does that depends on more than its values: casts back after an autocast
+region (the float64 re-check runs the model's own code), returning its own parameters (the
+object, not a copy), being compiled from source (``torch.jit.script``), drawing random masks
+(dropout draws in memory order). Each through ``memlayout.optimize``, checked against the
+original model itself.
+
+``measure=False``: the analytical costs put these convolutions channels-last, so the plans
+really change layouts (asserted where it matters)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import memlayout
+from memlayout.errors import LayoutVerificationError, MemlayoutError
+from tests.support.planted import corrupt_the_plan_at
+
+
+def _plan(model: nn.Module, x: torch.Tensor, **kw: Any) -> nn.Module:
+    return memlayout.optimize(model, x, measure=False, cache=False, **kw)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 3, 16, 16)
+
+
+def _channels_last(planned: nn.Module, *names: str) -> None:
+    formats = {n.name: n.format for n in planned.plan.nodes}
+    assert all(formats[n] == "channels_last" for n in names), formats
+
+
+class CastBack(nn.Module):
+    """A bf16 autocast region whose result is cast back to float32 before the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.bn = nn.BatchNorm2d(32)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv(x)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.conv2(x)
+        return self.head(y.float().mean((2, 3)))
+
+
+def _rounding_beyond_tolerance(monkeypatch: Any) -> None:
+    """Every float32 comparison fails (tolerance 1e-9), and the plan differs from the
+    original by rounding alone (a float32 round trip through 1.0, which float64 keeps):
+    only the float64 re-check can verify it."""
+    from memlayout.plan import compare
+
+    monkeypatch.setitem(compare.TOLERANCE, torch.float32, (1e-9, 1e-12))
+    corrupt_the_plan_at(monkeypatch, "conv", lambda out: (out + 1.0) - 1.0)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_cast_back_after_an_autocast_region_stays_float64_in_the_recheck(
+        monkeypatch: Any, train: bool) -> None:
+    _rounding_beyond_tolerance(monkeypatch)
+    model = CastBack().train(train)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to a model run in one format
+        opt = _plan(model, _x(), train=train)
+    record = opt.plan.verification
+    assert record.check == "float64 re-check" and record.train == train
+    assert record.float64_error is not None and record.float64_error <= 1e-9
+    assert not opt.plan.notes
+
+
+class FixedFloat32(CastBack):
+    """A plain tensor attribute (not a buffer): ``.double()`` leaves it float32, so no
+    float64 copy of this model runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.randn(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x))).mean((2, 3)) @ self.table
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_model_that_cannot_run_in_float64_is_refused_not_crashed(
+        monkeypatch: Any, train: bool) -> None:
+    _rounding_beyond_tolerance(monkeypatch)
+    with pytest.raises(LayoutVerificationError) as err:
+        _plan(FixedFloat32().train(train), _x(), train=train, fallback=False)
+    if train:
+        assert "float64 re-check could not run" in str(err.value)
+    # by default, the model run in one format (equal to the original) is kept instead
+    with pytest.warns(UserWarning, match="failed verification"):
+        opt = _plan(FixedFloat32().train(train), _x(), train=train)
+    assert opt.plan.verification.ok
+
+
+class ReturnsItsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1)
+        self.register_buffer("grid", torch.randn(1, 32, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.conv2(self.conv(x)), self.conv2.weight, self.grid
+
+
+@pytest.mark.parametrize("output_format", ["keep", "channels_last"])
+def test_a_returned_parameter_or_buffer_is_that_object(output_format: str) -> None:
+    model, x = ReturnsItsWeight(), _x()
+    opt = _plan(model, x, output_format=output_format)
+    _channels_last(opt, "conv", "conv2")
+    assert opt.conv2.weight.is_contiguous(memory_format=torch.channels_last)  # planned
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            out, weight, grid = opt(x)
+        assert weight is opt.conv2.weight and grid is opt.grid
+        torch.testing.assert_close(out, model(x)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_torch_jit_script_of_a_planned_model_is_refused_in_one_line() -> None:
+    model, x = CastBack().eval(), _x()
+    torch.jit.script(model)  # the original scripts
+    opt = _plan(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated
+        with pytest.raises(MemlayoutError, match="torch.jit.script") as err:
+            torch.jit.script(opt)
+    message = str(err.value)
+    assert "\n" not in message
+    assert all(route in message for route in ("torch.jit.trace", "torch.export",
+                                              "script the original"))
+    assert not hasattr(opt.forward, "__globals__")  # what asks with a default gets it
+    with torch.no_grad():  # the supported routes work
+        torch.testing.assert_close(torch.jit.trace(opt, (x,), check_trace=False)(x), model(x))
+
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv = nn.Conv2d(32, 32, 3, padding=1)
+        self.drop = nn.Dropout(0.5)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv2(self.drop(self.conv(self.stem(x)))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_dropout_drawn_in_another_memory_order_is_warned_about_once(train: bool) -> None:
+    model, x = Dropped().train(), _x()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = _plan(model, x, train=train)
+    _channels_last(opt, "conv", "conv2")
+    # what the warning says: the same seed draws other masks than the original's ...
+    torch.manual_seed(1)
+    want = model(x)
+    torch.manual_seed(1)
+    assert not torch.allclose(opt(x), want)
+    # ... once, naming the module
+    said = [str(w.message) for w in seen if "random masks" in str(w.message)]
+    assert len(said) == 1 and "drop (Dropout)" in said[0]
+    assert opt.plan.verification.redrawn == ["drop (Dropout)"]
+    assert any("drop (Dropout)" in n for n in opt.plan.notes)
+
+
+def test_no_warning_where_the_masks_are_drawn_as_in_the_original() -> None:
+    model, x = Dropped().eval(), _x()  # eval: dropout draws nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = _plan(model, x)
+    assert opt.plan.verification.redrawn == []
+    model.train()
+    x_last = x.contiguous(memory_format=torch.channels_last)
+    with warnings.catch_warnings():  # the original, fed channels-last, draws channels-last too
+        warnings.simplefilter("error")
+        opt = _plan(model, x_last, train=True)
+    _channels_last(opt, "conv", "conv2")
+    assert opt.plan.verification.redrawn == []
