@@ -6,13 +6,13 @@ raised on the fly up to 32 MiB) with fresh ``mmap``s and unmaps them on ``free``
 step faults every page in again, zeroed by the kernel: an alexnet bf16 forward (autocast
 copies its fp32 weights to bf16 on every call) faults in about its weights' size per call,
 every call. The threshold also moves while a process runs, so one model can run at two speeds
-a round apart. Timings and fault counts with and without: ``docs/bench/malloc.py``
+a round apart. Timings and fault counts with and without: ``benchmarks/malloc.py``
 (``docs/benchmarks.md``).
 
 ``steady_heap()`` asks glibc (``mallopt``) to serve every block from the heap and never give
 freed memory back: after a few steps (the heap settles; a small allocation can take a freed
 hole, so the heap grows by a few blocks first) nothing faults. The cost: the process keeps its
-peak heap (``docs/bench/malloc.py`` prints the peak resident memory under each). jemalloc or tcmalloc
+peak heap (``benchmarks/malloc.py`` prints the peak resident memory under each). jemalloc or tcmalloc
 under ``LD_PRELOAD`` do the same job where installed; ``describe()`` says which allocator a
 run had, for the records.
 """

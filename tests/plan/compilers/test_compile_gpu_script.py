@@ -1,4 +1,4 @@
-"""``docs/bench/gpu.sh`` and its helper ``gpu_compare.py``: the GPU comparison, run here as
+"""``benchmarks/gpu.sh`` and its helper ``gpu_compare.py``: the GPU comparison, run here as
 ``--dry-run`` (the same code on the CPU, a tiny model), so a session with a GPU runs a script
 known to work, with the interpreter and the files that machine has."""
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[3]
-BENCH = REPO / "docs" / "bench"
+BENCH = REPO / "benchmarks"
 #: what comes back from a lent GPU machine's $OUT
 MAX_FILES = 8
 
