@@ -44,6 +44,14 @@ back: the costs count both, as Inductor's own channels-last pays a copy per call
 freezing. A model stored channels-last (``model.to(memory_format=torch.channels_last)``)
 hands its weights over channels-last, and the plan starts from there.
 
+In training, a parameter with a size-1 dim (a 1x1 convolution's weight) gets its gradient
+in its own exact strides, in every graph the backend compiles (``grad_in_strides``: a view
+of the gradient where only a size-1 dim's stride differs): autograd's layout contract
+ignores those strides, DDP's gradient buckets compare them.
+Under DDP (``torch._dynamo.config.optimize_ddp``), Dynamo's graph is split at the gradient
+buckets and each split graph is planned, verified and guarded on its own; the next split is
+given the fake outputs of the previous one's compiled function, in its strides.
+
 Dynamic shapes (``dynamic=True``, ``mark_dynamic``): the graph is planned at the example's
 sizes (the size hints) and that plan serves every size the graph is reused for; a
 recompile for another size bucket is planned again at its own example. (Inductor's own
@@ -94,6 +102,7 @@ from memlayout.plan.compilers.backend_graphs import (
     converted_weights,
     copy_graph,
     fresh_inputs,
+    grads_in_parameter_strides,
     is_dynamic,
     mutated_aliases,
     op_name,
@@ -257,13 +266,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     head = {"graph": str(gm.meta.get("dynamo_compile_id", "?")), "train": train,
             "dtype": dtype_name(dtype), "dynamic": is_dynamic(gm)}
     rule = _rule(gm, example_inputs, inputs, store, dtype=dtype, train=train, device=device)
+    given = _as_given(gm, example_inputs, train=train)  # what runs without a plan
     try:
         planned = plan_graph(gm, inputs, options, train=train, dtype=dtype, device=device,
                              rule=rule, store=store)
     except _DYNAMO_SIGNALS:
         raise
     except NotPlanned as exc:
-        fn, ran = _unplanned(gm, example_inputs, options, dtype, device)
+        fn, ran = _unplanned(given, example_inputs, options, dtype, device)
         RECORDS.add(GraphRecord(**head, planned=False, ran=ran, reason=str(exc),
                                 inductor_rule=rule, plan_seconds=time.perf_counter() - start))
         return fn
@@ -271,7 +281,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         warnings.warn(f"memlayout backend: graph {head['graph']} could not be planned "
                       f"({type(exc).__name__}: {first_line(exc)}); it is compiled with "
                       "Inductor's own layouts", BackendWarning, stacklevel=2)
-        fn, ran = _unplanned(gm, example_inputs, options, dtype, device)
+        fn, ran = _unplanned(given, example_inputs, options, dtype, device)
         RECORDS.add(GraphRecord(**head, planned=False, ran=ran, reason=f"planning failed: "
                                 f"{type(exc).__name__}", inductor_rule=rule,
                                 plan_seconds=time.perf_counter() - start))
@@ -288,7 +298,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                             device=device)
     kept = guard.decide(known, margin=GUARD_MARGIN) if known is not None else None
     if kept == INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
-        fn = _unplanned(gm, example_inputs, options, dtype, device)[0]
+        fn = _unplanned(given, example_inputs, options, dtype, device)[0]
         RECORDS.add(GraphRecord(**record, ran=INDUCTOR_OWN, timed=_timed(known),
                                 verification="the plan not run (Inductor's own layouts kept, "
                                 "as timed before)",
@@ -308,14 +318,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                        f"{first_line(exc)})", None)
     compile_seconds = time.perf_counter() - start - plan_seconds
     if not check.ok:
-        return _dropped(gm, example_inputs, options, dtype, device, check, record,
+        return _dropped(given, example_inputs, options, dtype, device, check, record,
                         compile_seconds)
     ran, timed = (EAGER if options.inner == "eager" else COMPILED), ()
     if kept is not None:
         ran, timed = (EAGER if kept == EAGER else COMPILED), _timed(known)
     elif ran == COMPILED and options.guard and options.measure:
-        fn, ran, timed = _fastest(fn, gm, eager_graph, example_inputs, inputs, options, store,
-                                  train=train, dtype=dtype, device=device)
+        fn, ran, timed = _fastest(fn, given, eager_graph, example_inputs, inputs, options,
+                                  store, train=train, dtype=dtype, device=device)
     RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how, max_error=check.error,
                             timed=timed,
                             compile_seconds=time.perf_counter() - start - plan_seconds))
@@ -426,6 +436,8 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     convolutions = convolution_choices(work, table, labels, rule)
     _, made = rewrite(nn.Module(), work, form, labels)
     weights = converted_weights(work, inputs, [value for value, _, _ in made])
+    if train:
+        grads_in_parameter_strides(work, inputs)
     if is_dynamic(gm):
         _traced_conversions(work)
     return _Planned(work, table, len(made), convolutions, weights)
@@ -560,12 +572,65 @@ def _inner(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
 
         config = {**list_mode_options(options.mode), **config}
     functorch = torch._functorch.config
-    # a torch without the option compiles the backward lazily, as it always did
-    eager_backward = (functorch.patch(force_non_lazy_backward_lowering=backward_now)
+    # a torch without the option compiles the backward lazily, as it always did; in a graph
+    # of DDP's optimizer never: a lazy backward takes its forward's metadata by counting the
+    # split graphs back from the last, which holds only where every split's is lazy
+    eager_backward = (functorch.patch(force_non_lazy_backward_lowering=backward_now
+                                      or _ddp_split())
                       if hasattr(functorch, "force_non_lazy_backward_lowering")
                       else contextlib.nullcontext())
     with _autocast_for(options, device, dtype), eager_backward:
-        return compile_fx(gm, example_inputs, config_patches=config or None)
+        fn = compile_fx(gm, example_inputs, config_patches=config or None)
+    return _fake_first_call_made(fn, example_inputs)
+
+
+def _ddp_split() -> bool:
+    """Whether the graph being compiled is one of the split graphs of DDP's optimizer
+    (``torch._dynamo.config.optimize_ddp``: one graph per gradient bucket)."""
+    context = torch._guards.TracingContext.try_get()
+    return getattr(context, "ddp_optimizer_ctx", None) is not None
+
+
+def _fake_first_call_made(fn: Callable[..., Any],
+                          example_inputs: list[Any]) -> Callable[..., Any]:
+    """``fn`` (compiled by AOTAutograd) runnable on real tensors from its first call.
+
+    DDP's optimizer compiles each split graph with ``fakify_first_call`` set: the compiled
+    function's first call returns fake outputs in the strides Inductor chose, whatever it is
+    given, and DDP's optimizer makes that call, on fake tensors, to learn what the next split
+    graph is given. The backend runs what it compiles first (verification, the guard), so
+    here that first call is made, on the fake example inputs in their fake mode as DDP's
+    optimizer makes it, and a later call on fake tensors is answered with its outputs."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import is_fake
+
+    context = torch._guards.TracingContext.try_get()
+    mode = detect_fake_mode(example_inputs)
+    if context is None or not getattr(context, "fakify_first_call", False) or mode is None:
+        return fn
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        with mode:
+            pending = [fn(*example_inputs)]
+    finally:
+        mode.allow_non_fake_inputs = allowed
+
+    def run(*args: Any) -> Any:
+        if pending and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+            return pending.pop()
+        return fn(*args)
+    return run
+
+
+def _as_given(gm: fx.GraphModule, example_inputs: list[Any], *, train: bool) -> fx.GraphModule:
+    """``gm`` as the backend runs it without a plan (Inductor's own layouts, or eagerly): in
+    training, a copy whose parameters hand their gradients back in their own strides
+    (``grads_in_parameter_strides``; Inductor's own channels-last gives a 1x1 convolution's
+    weight the gradient strides DDP's buckets warn about), else ``gm`` itself."""
+    if not train:
+        return gm
+    work = copy_graph(gm)
+    return work if grads_in_parameter_strides(work, example_inputs) else gm
 
 
 def _unplanned(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,

@@ -1,7 +1,8 @@
 """What the backend reads off a Dynamo graph (L2 plan, compilers): real inputs for its
 example ones, whether its sizes are symbolic, copies of it, the names and module paths of
-its nodes, the values written in place that a conversion would lose, and the module state it
-must not plan (``memlayout.plan.compilers.backend``)."""
+its nodes, the values written in place that a conversion would lose, the module state it
+must not plan, and the parameters whose gradients it hands back in their own strides
+(``memlayout.plan.compilers.backend``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch._dynamo.exc
 from torch import fx
 
 from memlayout.errors import MemlayoutError
+from memlayout.layout import strides_agree
 from memlayout.plan.check.semantics import mutates_in_place
 from memlayout.plan.graph import META_KEY
 
@@ -136,10 +138,73 @@ def converted_weights(gm: fx.GraphModule, inputs: list[Any],
     names = set(converted)
     out: dict[str, int] = {}
     for n, value in zip(placeholders, inputs, strict=False):
-        if n.name in names and isinstance(value, torch.Tensor) and (
-                isinstance(value, torch.nn.Parameter) or "_parameters" in (_source_name(n) or "")):
+        if n.name in names and is_parameter(n, value):
             out[input_name(n)] = value.numel() * value.element_size()
     return tuple(sorted(out.items()))
+
+
+def is_parameter(n: fx.Node, value: Any) -> bool:
+    """Whether the graph input ``n`` (its example ``value``) is one of the model's parameters
+    (Dynamo lifts them; a split graph of DDP's optimizer gets them as fake tensors)."""
+    return isinstance(value, torch.Tensor) and (
+        isinstance(value, torch.nn.Parameter) or "_parameters" in (_source_name(n) or ""))
+
+
+class _GradInStrides(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on in the input's own strides."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        ctx.size, ctx.strides = tuple(t.shape), tuple(t.stride())
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if grad is None or tuple(grad.stride()) == ctx.strides:
+            return grad
+        if strides_agree(ctx.size, tuple(grad.stride()), ctx.strides):  # size-1 dims only: a view
+            return grad.as_strided(ctx.size, ctx.strides, grad.storage_offset())
+        return torch.empty_strided(ctx.size, ctx.strides, dtype=grad.dtype,
+                                   device=grad.device).copy_(grad)
+
+
+def grad_in_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a view), whose gradient comes back in ``t``'s exact strides, a size-1 dim's
+    included: a view of the gradient where only those differ, else a copy.
+
+    >>> w = torch.ones(4, 2, 1, 1, requires_grad=True)  # strides (2, 1, 1, 1)
+    >>> x = torch.ones(1, 2, 3, 3).to(memory_format=torch.channels_last)
+    >>> torch.nn.functional.conv2d(x, grad_in_strides(w)).sum().backward()
+    >>> w.grad.stride()
+    (2, 1, 1, 1)
+    """
+    return _GradInStrides.apply(t)
+
+
+def grads_in_parameter_strides(gm: fx.GraphModule, inputs: list[Any]) -> int:
+    """Route each parameter among ``gm``'s inputs that needs a gradient and has a size-1 dim
+    (a 1x1 convolution's weight) through :func:`grad_in_strides`, in place; the count.
+
+    Autograd's gradient layout contract ignores a size-1 dim's stride, so a convolution run
+    channels-last hands such a weight a gradient strided ``(C, 1, C, C)`` for a parameter
+    strided ``(C, 1, 1, 1)``, and ``.grad`` keeps it; DDP compares all strides with its
+    bucket views ("Grad strides do not match bucket view strides") and copies. Other
+    gradients in another layout than their parameter's are copied into its strides by
+    autograd itself (and a weight the plan converts has its gradient converted back)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    chosen = [n for n, value in zip(placeholders, inputs, strict=False)
+              if is_parameter(n, value) and value.requires_grad and value.dim() >= 2
+              and value.numel() > 1 and 1 in tuple(value.shape) and n.users]
+    if not chosen:
+        return 0
+    with gm.graph.inserting_after(placeholders[-1]):
+        for n in chosen:
+            users = list(n.users)
+            routed = gm.graph.call_function(grad_in_strides, (n,))
+            for user in users:
+                user.replace_input_with(n, routed)
+    gm.recompile()
+    return len(chosen)
 
 
 class NotPlanned(MemlayoutError):

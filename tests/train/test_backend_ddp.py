@@ -1,0 +1,163 @@
+"""The memlayout ``torch.compile`` backend under DDP: DDP's optimizer splits Dynamo's graph at
+the gradient buckets, and every split graph is planned, compiled with the plan standing and
+verified, with no warning; gradients come out in their parameters' strides (DDP's "Grad
+strides do not match bucket view strides" never fires), and three SGD steps leave the
+parameters that the same job compiled without memlayout leaves.
+
+The model holds about 2.4 MB of weights: DDP's smallest bucket is 1 MB, so its optimizer
+makes two split graphs. A 1x1 convolution fed a channels-last batch is the case DDP warns
+about: its weight gradient comes out strided ``(C, 1, C, C)`` for a parameter strided
+``(C, 1, 1, 1)``, which the eager job shows (the control). That gradient is oneDNN's, which
+torch's CPU convolution takes with more than one thread: the jobs run with two.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import memlayout
+from memlayout.plan.compilers.backend import BackendWarning
+from memlayout.plan.compilers.backend_report import COMPILED, EAGER
+from tests.support.torchrun import LAYOUT_WARNINGS, torchrun
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class Net(nn.Module):
+    """Convolutions wide enough for two DDP buckets, on 8x8 images; ``widen`` is 1x1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())
+        self.widen = nn.Conv2d(32, 128, 1)
+        self.body = nn.Sequential(*[m for _ in range(3)
+                                    for m in (nn.Conv2d(128, 128, 3, padding=1), nn.ReLU())])
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(torch.relu(self.widen(self.stem(x))))
+        return self.head(x.mean((2, 3)))
+
+
+def job(backend: Any) -> dict[str, Any]:
+    """Three SGD steps of ``Net`` in DDP (this process's group, a batch of its own per rank)
+    compiled with ``backend``: the state after them, the warnings, and every parameter whose
+    gradient was not in its own strides after a backward."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return _steps(backend)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _steps(backend: Any) -> dict[str, Any]:
+    torch._dynamo.reset()
+    memlayout.backend_report(clear=True)
+    torch.manual_seed(0)
+    model = Net()
+    fast = torch.compile(DistributedDataParallel(model, bucket_cap_mb=1), backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    mismatched: set[str] = set()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(4, 3, 8, 8, generator=data).contiguous(
+                memory_format=torch.channels_last)
+            y = torch.randint(0, 10, (4,), generator=data)
+            nn.functional.cross_entropy(fast(x), y).backward()
+            mismatched |= {name for name, p in model.named_parameters()
+                           if p.grad is not None and p.grad.stride() != p.stride()}
+            opt.step()
+            opt.zero_grad()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "warnings": [(w.category, str(w.message)) for w in caught],
+            "mismatched": sorted(mismatched)}
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return Net().state_dict()
+
+
+def test_every_ddp_split_graph_is_planned_compiled_and_trains_as_without_memlayout(
+        one_member_group):
+    # memlayout's job first: torch warns about bucket strides once per process
+    planned = job(memlayout.backend(inner="inductor", measure=False, guard=False, cache=False))
+    records = memlayout.backend_report().graphs
+    reference = job("eager")
+
+    assert [m for c, m in planned["warnings"] if issubclass(c, BackendWarning)] == []
+    assert len(records) >= 2  # DDP's optimizer split the graph
+    for r in records:
+        assert r.planned and r.ran == COMPILED and not r.fallback, r
+        assert r.verification.startswith("the plan compiled vs the graph eagerly, gradients")
+    # the 1x1 convolution runs channels-last: its weight gradient is the one DDP warns about
+    assert ("widen", "channels_last") in {(c.where, c.planned) for r in records
+                                         for c in r.convolutions}
+    assert "widen.weight" in reference["mismatched"]  # the control
+    assert planned["mismatched"] == []
+    # torch warns once per process (an earlier test may have had it): the strides above are
+    # the check that always holds
+    assert not [m for _, m in planned["warnings"] if any(t in m for t in LAYOUT_WARNINGS)]
+
+    start = _initial()
+    assert any(not torch.equal(v, start[k]) for k, v in planned["state"].items())  # it trained
+    for key, value in reference["state"].items():
+        # channels-last and contiguous kernels differ in summation order only
+        torch.testing.assert_close(planned["state"][key], value, rtol=1e-4, atol=1e-5)
+
+
+WORKER = '''
+import json
+import torch, torch.distributed as dist
+import memlayout
+from memlayout.plan.compilers.backend import BackendWarning
+from tests.support.torchrun import LAYOUT_WARNINGS
+from tests.train.test_backend_ddp import job
+
+dist.init_process_group("gloo")
+planned = job(memlayout.backend(inner="eager", measure=False, guard=False, cache=False))
+records = memlayout.backend_report().graphs
+reference = job("eager")
+# channels-last and contiguous kernels differ in summation order only
+close = all(torch.allclose(planned["state"][k], v, rtol=1e-4, atol=1e-5)
+            for k, v in reference["state"].items())
+layout = [[m for _, m in j["warnings"] if any(t in m for t in LAYOUT_WARNINGS)]
+          for j in (planned, reference)]
+out = {"backend_warnings": [m for c, m in planned["warnings"] if issubclass(c, BackendWarning)],
+       "layout_warnings": layout[0], "control": layout[1], "mismatched": planned["mismatched"],
+       "graphs": [[r.planned, r.ran, r.verification] for r in records], "close": close}
+with open(f"result-{dist.get_rank()}.json", "w") as fh:
+    json.dump(out, fh)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_two_ranks_plan_every_split_graph_without_layout_warnings(tmp_path):
+    (tmp_path / "worker.py").write_text(WORKER)
+    res = torchrun(str(tmp_path / "worker.py"), cwd=tmp_path,
+                   env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"result-{rank}.json").read_text())
+        assert r["backend_warnings"] == [] and r["layout_warnings"] == []
+        assert len(r["graphs"]) >= 2
+        assert all(planned and ran == EAGER and how.startswith("the plan vs the graph")
+                   for planned, ran, how in r["graphs"]), r["graphs"]
+        # the control: torch warns once per process, and the job without memlayout, second,
+        # is the one that warns
+        assert any("Grad strides do not match" in m for m in r["control"])
+        assert r["mismatched"] == []
+        assert r["close"]  # gradients averaged over both ranks, in both jobs
