@@ -124,15 +124,26 @@ def test_audit_overhead_states_the_conditions_first(models):
     assert "median per-round ratio" in result.output
 
 
+@pytest.fixture
+def cudnn_flags():
+    """cuDNN's global flags settable, as in a user's process (torch's own test helpers, which
+    the coverage tests import, freeze them), and as they were afterwards."""
+    allow = getattr(torch.backends, "__allow_nonbracketed_mutation")
+    before = torch.backends.cudnn.benchmark
+    with allow():
+        yield
+        torch.backends.cudnn.benchmark = before
+
+
 @pytest.mark.parametrize("verb", ["optimize", "bench"])
-def test_cudnn_benchmark_is_set_before_any_work(verb, models, monkeypatch, tmp_path):
+def test_cudnn_benchmark_is_set_before_any_work(verb, models, cudnn_flags, tmp_path):
     """``--cudnn-benchmark`` sets torch's flag (the seam keys costs by it) before the model is
     built, so even a model that fails to build leaves it set; without it the flag is left as
     the caller had it."""
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    torch.backends.cudnn.benchmark = False
     extra = ["--out", str(tmp_path / "o")] if verb == "bench" else []
     _run(verb, f"{models}:boom", "--cudnn-benchmark", *extra)
     assert torch.backends.cudnn.benchmark is True
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    torch.backends.cudnn.benchmark = False
     _run(verb, f"{models}:boom", *extra)
     assert torch.backends.cudnn.benchmark is False
