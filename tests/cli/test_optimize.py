@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from typer.testing import CliRunner
 
 from memlayout.cli import app
@@ -19,6 +21,12 @@ def test_optimize_command_plans_verifies_and_times(tmp_path, monkeypatch) -> Non
     assert "optimized vs eager_nchw" in result.output and "optimized vs eager_nhwc" in result.output
     plan = Plan.from_json(out.read_text())
     assert plan.verification.ok and plan.nodes and plan.measured == 0
+    # what planning cost: one line, the saved plan's figures
+    assert plan.price is not None and plan.price.total == plan.planning_seconds
+    text = " ".join(result.output.split())  # the console wraps long lines
+    assert text.count("planning took ") == 1
+    assert re.search(r"planning took [^:]+: capture .*, costs .* \(analytical\), solve .*, "
+                     r"verification [^,]+, other", text)
 
 
 def test_optimize_command_rejects_an_unknown_dtype(tmp_path, monkeypatch) -> None:

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,13 @@ from memlayout.plan.inputs import (
 )
 from memlayout.plan.options import PlanOptions, Progress
 from memlayout.plan.report.plan import Plan
-from memlayout.plan.report.records import BlockedReport, PadChoice, Verification, conv1d_notes
+from memlayout.plan.report.records import (
+    BlockedReport,
+    PadChoice,
+    Price,
+    Verification,
+    conv1d_notes,
+)
 from memlayout.plan.solve.regions import Solution, solve_regions
 from memlayout.plan.steer.build import (
     Build,
@@ -219,22 +226,31 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
     state = module_state(reference)
     example = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
     rng_state = _rng_state()
+    clock = StepClock()
     try:
-        captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
-                           ranks=options.ranks, device=options.device)
-        outputs = wanted_outputs(captured, inputs, options)
-        costs = measure_regions(captured, options, store)
-        solution = solve_regions(captured, costs, options)
-        decision = guarded_build(reference, captured, solution, inputs, options, store, outputs)
+        with clock("capture"):
+            captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
+                               ranks=options.ranks, device=options.device)
+            outputs = wanted_outputs(captured, inputs, options)
+        with clock("costs"):
+            costs = measure_regions(captured, options, store)
+        with clock("solve"):
+            solution = solve_regions(captured, costs, options)
+        with clock("guard"):
+            decision = guarded_build(reference, captured, solution, inputs, options, store,
+                                     outputs)
         disagree = suspect_costs(captured, solution, decision)
         if disagree is not None:
             # the cost table and the whole model disagree (costs taken under load, or cached
             # from a busier day): measure the costs, and the guard, once more
             with store.remeasuring() if store is not None else contextlib.nullcontext():
-                costs = measure_regions(captured, options, store)
-                solution = solve_regions(captured, costs, options)
-                decision = guarded_build(reference, captured, solution, inputs, options, store,
-                                         outputs)
+                with clock("costs"):
+                    costs = measure_regions(captured, options, store)
+                with clock("solve"):
+                    solution = solve_regions(captured, costs, options)
+                with clock("guard"):
+                    decision = guarded_build(reference, captured, solution, inputs, options,
+                                             store, outputs)
             disagree = suspect_costs(captured, solution, decision)
         if decision.input_label is not None and options.auto_input:
             # the inputs arrive in this format from now on: a plan considered later (a memory
@@ -245,33 +261,44 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
         signature = plan_signature(solution.graphs(), [
             decision.kept, options.root_input_label, options.output_label, options.train,
             "boundaries", *([options.weights] if options.contiguous_weights else [])])
-        padded, padded_build = padding_step(reference, decision.build, inputs, options, store,
-                                            signature, outputs)
+        with clock("padding"):
+            padded, padded_build = padding_step(reference, decision.build, inputs, options,
+                                                store, signature, outputs)
         decision = dataclasses.replace(decision, build=padded_build)
-        memory = memory_step(reference, captured, solution, decision, inputs, padded, options,
-                             store, signature, outputs)
-        blocked = blocked_step(memory.build, inputs, options, store, signature)
+        with clock("memory"):
+            memory = memory_step(reference, captured, solution, decision, inputs, padded,
+                                 options, store, signature, outputs)
+        with clock("blocked"):
+            blocked = blocked_step(memory.build, inputs, options, store, signature)
+        # the optional steps that ran and found something to do (a fallback below drops
+        # their records, not the time they took)
+        ran = {step for step, done in (("padding", bool(padded)),
+                                       ("memory", memory.record is not None),
+                                       ("blocked", blocked is not None)) if done}
         notes: list[str] = []
         inplace = changed_inputs(captured, options)
-        try:
-            verification = verify(reference, memory.build, example, options, state, inplace)
-        except LayoutVerificationError as failure:
-            if not (options.fallback and failure.fallback):
-                raise
-            decision, verification, note = fall_back(
-                reference, captured, solution, decision, inputs, example, options, state,
-                failure, outputs, inplace)
-            memory, padded, blocked = MemoryDecision(decision.build, None), (), None
-            notes.append(note)
-            warnings.warn(f"memlayout: {note}", stacklevel=3)
+        with clock("verify"):
+            try:
+                verification = verify(reference, memory.build, example, options, state,
+                                      inplace)
+            except LayoutVerificationError as failure:
+                if not (options.fallback and failure.fallback):
+                    raise
+                decision, verification, note = fall_back(
+                    reference, captured, solution, decision, inputs, example, options, state,
+                    failure, outputs, inplace)
+                memory, padded, blocked = MemoryDecision(decision.build, None), (), None
+                notes.append(note)
+                warnings.warn(f"memlayout: {note}", stacklevel=3)
         if verification.redrawn:
             note = redrawn_note(verification.redrawn)
             notes.append(note)
             warnings.warn(f"memlayout: {note}", stacklevel=3)
         realized: list[str] = []
         if decision.kept == PLANNED:
-            realized = realized_differences(memory.build.module, example, solution,
-                                            dtype=options.dtype, device=options.device)
+            with clock("verify"):  # the plan's formats against the ones the model realizes
+                realized = realized_differences(memory.build.module, example, solution,
+                                                dtype=options.dtype, device=options.device)
             restore_state(memory.build.module, state)
             if realized:
                 notes.append(f"eager propagation differed from the plan at {len(realized)} "
@@ -282,15 +309,53 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
             notes.append(note)
             warnings.warn(f"memlayout: {note}", stacklevel=3)
         restore_state(memory.build.module, state)  # as the caller's model is: nothing ran on it
+        price = clock.price(time.perf_counter() - start, solution, ran=ran)
         plan = make_plan(captured, solution, decision, memory, inputs, options,
                          verification=verification, padding=padded, blocked=blocked,
-                         seconds=time.perf_counter() - start, notes=notes,
-                         training=reference.training, realized=realized)
+                         price=price, notes=notes, training=reference.training,
+                         realized=realized)
     finally:
         if store is not None:
             store.close()
         _set_rng_state(rng_state)
     return plan, memory.build
+
+
+class StepClock:
+    """Wall seconds per planning step (``time.perf_counter``), a step run twice counting
+    both runs; ``price`` makes them the plan's :class:`Price`.
+
+    >>> clock = StepClock()
+    >>> for step in ("capture", "costs", "solve", "guard", "verify", "costs"):
+    ...     with clock(step):
+    ...         pass
+    >>> sorted(clock.seconds), all(s >= 0 for s in clock.seconds.values())
+    (['capture', 'costs', 'guard', 'solve', 'verify'], True)
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, step: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
+
+    def price(self, total: float, solution: Solution, *, ran: set[str]) -> Price:
+        """The plan's price: ``total`` seconds, the steps timed (of the optional ones, those
+        that ``ran``), the costs ``solution`` was solved on: timed, or read from the cache."""
+        s = self.seconds
+
+        def optional(step: str) -> float | None:
+            return s[step] if step in ran else None
+
+        return Price(total=total, capture=s["capture"], costs=s["costs"],
+                     measured=solution.measured, cached=solution.cached, solve=s["solve"],
+                     guard=s["guard"], verify=s["verify"], padding=optional("padding"),
+                     memory=optional("memory"), blocked=optional("blocked"))
 
 
 def redrawn_note(modules: list[str]) -> str:
@@ -508,9 +573,10 @@ __all__ = ["Plan", "optimize"]
 def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
               memory: MemoryDecision, inputs: tuple[Any, ...], options: PlanOptions, *,
               verification: Verification, padding: tuple[PadChoice, ...],
-              blocked: BlockedReport | None, seconds: float, notes: list[str],
+              blocked: BlockedReport | None, price: Price, notes: list[str],
               training: bool, realized: list[str]) -> Plan:
-    """The plan as plain data (``training``: the model's train/eval mode)."""
+    """The plan as plain data (``training``: the model's train/eval mode; ``price``: what
+    making it cost, its total the plan's ``planning_seconds``)."""
     entry = decision.input_label
     output = options.output_label
     built = memory.build
@@ -544,7 +610,8 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         predicted=solution.predicted, regions=[r.path for r in captured.regions],
         uncaptured=[[p, r] for p, r in captured.uncaptured],
         measured=solution.measured, cached=solution.cached, measure=options.measure,
-        planning_seconds=seconds, verification=verification, guard=decision.record,
+        planning_seconds=price.total, price=price, verification=verification,
+        guard=decision.record,
         padding=padding, memory=memory.record, blocked=blocked, train=options.train,
         input_shapes=[list(t.shape) for t in iter_tensors(inputs)],
         weight_formats_kept=options.keep_weight_formats, coverage=captured.coverage,

@@ -24,6 +24,7 @@ from memlayout.plan.report.records import (
     MemoryReport,
     NodeChoice,
     PadChoice,
+    Price,
 )
 
 _METHODS = {"tensor_lifetime": "tensor-lifetime count", "cuda_allocator": "CUDA allocator"}
@@ -64,6 +65,35 @@ def drop_lines(nodes: Sequence[NodeChoice], *, shown: int = 3) -> list[str]:
         what = f"{op} ({listed})" if len(names) == 1 else f"{len(names)} {op} nodes ({listed})"
         lines.append(f"drops channels-last: {what}: {note}")
     return lines
+
+
+_STEPS = {"capture": "capture", "costs": "costs", "solve": "solve", "guard": "build and guard",
+          "padding": "padding", "memory": "memory check", "blocked": "mkldnn report",
+          "verify": "verification"}
+
+
+def price_summary(price: Price, *, here: bool = True, measure: bool = True) -> str:
+    """Where planning time went, in one line; ``here=False``: a saved plan's, made elsewhere;
+    ``measure=False``: its costs came from the analytical model.
+
+    >>> price_summary(Price(total=3.0, capture=0.5, costs=2.0, measured=10, cached=4,
+    ...                     solve=0.004, guard=0.4, verify=0.05))
+    'planning took 3.0 s: capture 0.5 s, costs 2.0 s (10 measured, 4 from the cache), solve 4 ms, build and guard 0.4 s, verification 50 ms, other 46 ms'
+    """
+    parts = []
+    for name, seconds in price.steps.items():
+        part = f"{_STEPS[name]} {_seconds(seconds)}"
+        if name == "costs":
+            part += (f" ({price.measured} measured, {price.cached} from the cache)" if measure
+                     else " (analytical)")
+        parts.append(part)
+    parts.append(f"other {_seconds(price.other)}")
+    head = "planning took" if here else "the saved plan's planning took"
+    return f"{head} {_seconds(price.total)}: " + ", ".join(parts)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s >= 0.1 else f"{s * 1e3:.0f} ms"
 
 
 def guard_summary(g: GuardRecord) -> str:

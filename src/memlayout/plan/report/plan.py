@@ -30,6 +30,7 @@ from memlayout.plan.report.records import (
     MemoryReport,
     NodeChoice,
     PadChoice,
+    Price,
     Verification,
     decode,
 )
@@ -54,7 +55,8 @@ class Plan:
     measured: int = 0
     cached: int = 0
     measure: bool = True
-    planning_seconds: float = 0.0
+    planning_seconds: float = 0.0  # making this plan object (a saved plan: applying it)
+    price: Price | None = None  # where planning time went, per step (``None``: not recorded)
     # the checks around the plan (``None``: not run)
     verification: Verification | None = None
     guard: GuardRecord | None = None  # memlayout.plan.check.guard
@@ -165,10 +167,15 @@ class Plan:
             if measured:  # what the cost table predicts against the whole model, as timed
                 parts.append(f"the planned model measured {measured * 1e3:.2f} ms by the guard")
             lines.append(f"predicted{step}: " + ", ".join(parts))
-        of_which = (f" (of which verification {self.verification.seconds:.1f} s)"
-                    if self.verification is not None else "")
-        lines.append(f"measured {self.measured}, from cache {self.cached}, "
-                     f"planning took {self.planning_seconds:.1f} s{of_which}")
+        made_here = self.price is not None and self.price.total == self.planning_seconds
+        if not made_here:  # no breakdown, or a saved plan's: this run's own figures first
+            of_which = (f" (of which verification {self.verification.seconds:.1f} s)"
+                        if self.verification is not None else "")
+            lines.append(f"measured {self.measured}, from cache {self.cached}, "
+                         f"planning took {self.planning_seconds:.1f} s{of_which}")
+        if self.price is not None:
+            lines.append(describe.price_summary(self.price, here=made_here,
+                                                measure=self.measure))
         if self.costs_noisy:
             lines.append(f"warning: {self.costs_noisy} of {self.costs_timed} costs noisy (measured "
                          f"on a busy machine, or their rounds spread beyond {SPREAD_LIMIT:.0%}): the plan may "

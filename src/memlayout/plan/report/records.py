@@ -168,6 +168,45 @@ class Verification(Record):
 
 
 @dataclass(frozen=True)
+class Price(Record):
+    """What making the plan cost: wall seconds (``time.perf_counter``) per planning step and
+    in all (``total``, from the call to the plan), and how many costs (layout nodes and
+    conversions) were timed or read from the cost cache. A step run twice (costs the guard
+    found suspect, measured again) counts both runs; ``None``: the step did not run.
+
+    >>> p = Price(total=3.0, capture=0.5, costs=2.0, measured=10, cached=4, solve=0.1,
+    ...           guard=0.2, verify=0.1)
+    >>> p.steps
+    {'capture': 0.5, 'costs': 2.0, 'solve': 0.1, 'guard': 0.2, 'verify': 0.1}
+    >>> round(p.other, 3)  # between the steps: copies, building the plan's record
+    0.1
+    """
+
+    total: float
+    capture: float  # tracing the model, one real run recording every value's strides
+    costs: float  # timing layout nodes and conversions, or reading them from the cache
+    measured: int  # costs timed here (identical ops timed once)
+    cached: int  # costs read from the cache
+    solve: float  # the min cut
+    guard: float  # steering a copy and, with the guard, timing it against one-format models
+    verify: float  # the planned model against the original (a fallback's too)
+    padding: float | None = None  # padded channels timed (measuring, inference)
+    memory: float | None = None  # peak activation memory (and a budget's candidates)
+    blocked: float | None = None  # the mkldnn report (``blocked=True``)
+
+    @property
+    def steps(self) -> dict[str, float]:
+        """The seconds of each step that ran, in the order they run."""
+        order = ("capture", "costs", "solve", "guard", "padding", "memory", "blocked", "verify")
+        return {name: getattr(self, name) for name in order if getattr(self, name) is not None}
+
+    @property
+    def other(self) -> float:
+        """Seconds of ``total`` spent outside the steps."""
+        return max(0.0, self.total - sum(self.steps.values()))
+
+
+@dataclass(frozen=True)
 class RatioRange(Record):
     """Per-round time ratios ``planned / candidate`` of a whole-model comparison: median, range."""
 
