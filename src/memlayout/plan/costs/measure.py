@@ -253,7 +253,8 @@ class _Measurer(fx.Interpreter):
         (forward, then the gradients of its inputs and parameters, see :func:`_train_step`).
         ``"1:per_call"``: in label 1, its contiguous weights converted per call."""
         gm = self.module
-        label, _, storage = str(label).partition(":")
+        # a Label's str() is its name before Python 3.11: the number, as an int, spelled out
+        label, _, storage = (label if isinstance(label, str) else str(int(label))).partition(":")
         label = int(label)
         wrt: list[torch.Tensor] = []
         args, kwargs = fx.node.map_arg((n.args, n.kwargs),
@@ -310,9 +311,9 @@ class _Measurer(fx.Interpreter):
                 start = self.clock()
                 out = fn()
                 self.sync()
-                first[str(label)] = self.clock() - start
+                first[str(int(label))] = self.clock() - start
                 records.append({"s": 0.0, "out": value_meta(out, self.ranks).label})
-                calls[str(label)] = fn
+                calls[str(int(label))] = fn
             except Exception as exc:  # this format does not work for this op: a fact
                 records.append({"s": None, "out": None, "error": f"{type(exc).__name__}"})
         if contiguous:
