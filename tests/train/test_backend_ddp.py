@@ -101,6 +101,8 @@ def test_every_ddp_split_graph_is_planned_compiled_and_trains_as_without_memlayo
     assert len(records) >= 2  # DDP's optimizer split the graph
     for r in records:
         assert r.planned and r.ran == COMPILED and not r.fallback, r
+        # a group of one: this process decides, and shares with nobody but itself
+        assert (r.rank, r.decided_by) == (0, 0) and r.digest
         assert r.verification.startswith("the plan compiled vs the graph eagerly, gradients")
     # the 1x1 convolution runs channels-last: its weight gradient is the one DDP warns about
     assert ("widen", "channels_last") in {(c.where, c.planned) for r in records
@@ -161,3 +163,51 @@ def test_two_ranks_plan_every_split_graph_without_layout_warnings(tmp_path):
         assert any("Grad strides do not match" in m for m in r["control"])
         assert r["mismatched"] == []
         assert r["close"]  # gradients averaged over both ranks, in both jobs
+
+
+SHARED = '''
+import json
+import torch, torch.distributed as dist
+import memlayout
+from memlayout.plan.compilers.backend import BackendWarning
+from tests.train.test_backend_ddp import job
+
+dist.init_process_group("gloo")
+# measured (no cache: every cost timed), on rank 0 alone
+planned = job(memlayout.backend(inner="eager", rounds=1, guard=False, cache=False))
+records = memlayout.backend_report().graphs
+report = str(memlayout.backend_report())
+reference = job("eager")
+close = all(torch.allclose(planned["state"][k], v, rtol=1e-4, atol=1e-5)
+            for k, v in reference["state"].items())
+out = {"backend_warnings": [m for c, m in planned["warnings"] if issubclass(c, BackendWarning)],
+       "graphs": [{"graph": r.graph, "planned": r.planned, "ran": r.ran, "rank": r.rank,
+                   "decided_by": r.decided_by, "measured": r.measured, "cached": r.cached,
+                   "digest": r.digest, "convolutions": [c.planned for c in r.convolutions]}
+                  for r in records],
+       "report": report, "close": close}
+with open(f"result-{dist.get_rank()}.json", "w") as fh:
+    json.dump(out, fh)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_two_ranks_run_one_plan_measured_by_rank_0(tmp_path):
+    (tmp_path / "worker.py").write_text(SHARED)
+    res = torchrun(str(tmp_path / "worker.py"), cwd=tmp_path,
+                   env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    zero, one = (json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1))
+    assert zero["backend_warnings"] == one["backend_warnings"] == []
+    assert len(zero["graphs"]) == len(one["graphs"]) >= 2  # DDP's optimizer split the graph
+    for g0, g1 in zip(zero["graphs"], one["graphs"], strict=True):
+        assert (g0["rank"], g0["decided_by"], g1["rank"], g1["decided_by"]) == (0, 0, 1, 0)
+        assert g0["planned"] and g0["ran"] == g1["ran"] == EAGER
+        assert g0["digest"] == g1["digest"] != ""  # one program on both ranks
+        assert g0["convolutions"] == g1["convolutions"]
+        assert g0["measured"] > 0  # rank 0 timed the costs ...
+        assert g1["measured"] == g1["cached"] == 0  # ... rank 1 took them from the exchange
+        assert f"rank 1: plan {g1['digest']}, decided by rank 0" in one["report"]
+        assert f"rank 0: plan {g0['digest']}, decided here" in zero["report"]
+    assert zero["close"] and one["close"]  # trains as the job without memlayout

@@ -66,6 +66,7 @@ def train(
     seed: Annotated[int, typer.Option(help="Seed of the weights, data order and dropout. Default: 0.")] = 0,
     threads: Annotated[int | None, typer.Option(help="torch.set_num_threads per process (1 is steadier on a loaded machine). Default: torch's setting (torchrun: 1).")] = None,
     strategy: Annotated[str, typer.Option(help="Under torchrun: ddp (a replica per rank) or fsdp (FSDP2 fully_shard per block then the root, parameters contiguous, activations in --layout, mixed precision by FSDP's policy, sharded checkpoints latest.dcp). Default: ddp.")] = "ddp",
+    compile: Annotated[str, typer.Option("--compile", help="none, inductor (torch.compile) or backend (torch.compile with memlayout's backend: each graph planned from --plan-costs, verified, timed against Inductor's own layouts; under torchrun rank 0 measures and every rank compiles its plan, and the run ends saying whether the ranks' plans agree). With --layout nhwc or nchw. Default: none.")] = "none",
 ) -> None:
     """Train an image classifier (reference loop) in one layout, on one process or under
     torchrun (DDP or FSDP); print images/s, loss and accuracy per interval."""
@@ -82,7 +83,7 @@ def train(
                           image_size=image_size, workers=workers, log_every=log_every, seed=seed,
                           max_steps=max_steps, device=check_device(device),
                           plan_measure=plan_costs == "measured", sync_batchnorm=sync_bn,
-                          timeout=timeout, strategy=strategy)
+                          timeout=timeout, strategy=strategy, compile=compile)
         cfg, taken = _checked(ctx, cfg, layouts)
     except MemlayoutError as exc:
         fail(exc)
@@ -149,9 +150,16 @@ def _write_synthetic(cfg: TrainConfig, info: DistInfo, images: int, seed: int) -
 def _where(cfg: TrainConfig, info: DistInfo) -> str:
     """``1 process``, or the torchrun job: ``2 processes (torchrun, DDP gloo)``."""
     if not info.distributed:
-        return "1 process"
+        return "1 process" + _compiled(cfg)
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    return f"{info.world_size} processes (torchrun, {cfg.strategy.upper()} {backend})"
+    return (f"{info.world_size} processes (torchrun, {cfg.strategy.upper()} {backend})"
+            + _compiled(cfg))
+
+
+def _compiled(cfg: TrainConfig) -> str:
+    """How the model is compiled, for the run's header: nothing, or ``, torch.compile``."""
+    return {"none": "", "inductor": ", torch.compile",
+            "backend": ", torch.compile with memlayout's backend"}[cfg.compile]
 
 
 def _printer(progress: Progress, bar: TaskID) -> Callable[[object], None]:

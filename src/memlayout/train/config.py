@@ -19,6 +19,7 @@ from typing import Any
 from memlayout.dtypes import parse_dtype
 from memlayout.errors import CheckpointError, DtypeError, TrainError
 from memlayout.train import checkpoint
+from memlayout.train.compiling import COMPILES
 from memlayout.train.data import LAYOUTS
 from memlayout.train.ddp import DEFAULT_TIMEOUT
 from memlayout.train.fsdp import fsdp_available
@@ -37,7 +38,10 @@ class TrainConfig:
     given (the learning rate too, not the checkpoint's optimizer's) and those that differ
     from the checkpoint's are named in a note.
     ``strategy``: ``"ddp"`` or ``"fsdp"`` (``fully_shard`` per block then the root, every
-    parameter contiguous, mixed precision through FSDP's policy, sharded checkpoints)."""
+    parameter contiguous, mixed precision through FSDP's policy, sharded checkpoints).
+    ``compile``: ``"none"``, ``"inductor"`` (``torch.compile``) or ``"backend"``
+    (``torch.compile`` with memlayout's backend, measured as ``plan_measure`` says; under
+    torchrun rank 0 measures each graph and every rank compiles its plan)."""
 
     model: str
     data: str
@@ -61,6 +65,7 @@ class TrainConfig:
     sync_batchnorm: bool = False
     timeout: float = DEFAULT_TIMEOUT
     strategy: str = "ddp"
+    compile: str = "none"
 
     @property
     def sharded(self) -> bool:
@@ -81,6 +86,12 @@ def _check_choices(config: TrainConfig) -> None:
         raise TrainError(f"--layout {config.layout!r} is not one of {', '.join(LAYOUTS)}")
     if config.strategy not in STRATEGIES:
         raise TrainError(f"--strategy {config.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if config.compile not in COMPILES:
+        raise TrainError(f"--compile {config.compile!r} is not one of {', '.join(COMPILES)}")
+    if config.compile == "backend" and config.layout == "planned":
+        raise TrainError("--compile backend plans every graph it compiles: train it with "
+                         "--layout nhwc (weights and batches channels-last, where the plan "
+                         "starts) or nchw, not a model planned before (--layout planned)")
     if config.sharded:
         missing = fsdp_available()
         if missing:
@@ -134,7 +145,7 @@ def _check_checkpoint(config: TrainConfig) -> None:
 #: settings a checkpoint records but a run may change without changing what it trains
 _HARMLESS = ("epochs", "log_every", "workers")
 #: settings a checkpoint does not record: they say how this run goes, not what it trains
-_NOT_SAVED = ("resume", "overwrite", "max_steps", "checkpoint", "timeout")
+_NOT_SAVED = ("resume", "overwrite", "max_steps", "checkpoint", "timeout", "compile")
 #: the ``memlayout train`` flags a resumed run takes from its checkpoint unless given again
 RESUMED = ("lr", "batch", "epochs", "dtype", "layout", "image_size", "seed", "sync_batchnorm",
            "plan_measure")

@@ -29,6 +29,7 @@ from memlayout.errors import TrainError
 from memlayout.models import ModelSpec, load_model
 from memlayout.tensors import convert_batch, convert_module
 from memlayout.train import checkpointing
+from memlayout.train.compiling import CompiledPlans, compile_model, compiled_plans, graphs_so_far
 from memlayout.train.config import TrainConfig
 from memlayout.train.data import SkipSampler, UnreadableBatch, image_folder, loader, model_input
 from memlayout.train.ddp import (
@@ -80,6 +81,7 @@ class TrainResult:
     intervals: list[IntervalLog] = field(default_factory=list)
     checkpoint: str | None = None
     plan_summary: str | None = None
+    compiled: CompiledPlans | None = None  # --compile backend: the graphs and their plans
 
 
 Event = Callable[[Any], None]
@@ -104,6 +106,7 @@ class Trainer:
     model_kind: str
     fsdp: bool
     model: nn.Module
+    graphs_before: int  # the backend's graphs compiled in this process before this trainer's
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
     step: int
@@ -222,6 +225,7 @@ def _build(trainer: Trainer, config: TrainConfig) -> None:
     trainer.model_kind = spec.kind
     trainer.plan_summary = None
     trainer.fsdp = config.sharded and info.distributed
+    trainer.graphs_before = graphs_so_far() if config.compile == "backend" else 0
     trainer.model = _model(trainer, spec)
     trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=config.lr,
                                         momentum=config.momentum,
@@ -253,6 +257,7 @@ def _model(trainer: Trainer, spec: ModelSpec) -> nn.Module:
                                               spec.example_input.to(device))
         model = planned
     model.train()
+    compile_model(model, config.compile, measure=config.plan_measure)  # before DDP or FSDP
     notice = batchnorm_notice(model, info, device=device, sync_batchnorm=config.sync_batchnorm)
     if notice and info.is_main:
         trainer._warn(notice)
@@ -360,6 +365,9 @@ def _run(trainer: Trainer) -> TrainResult:
                     trainer.on_event(f"checkpoint: {path} (step {trainer.step})")
             start = time.perf_counter()
     result.step = trainer.step
+    if cfg.compile == "backend":
+        with collectives(trainer.dist, cfg.timeout, "the ranks compared their plans"):
+            result.compiled = compiled_plans(trainer.graphs_before, trainer.dist)
     return result
 
 

@@ -71,5 +71,7 @@ def render_run(run: TrainResult, console: Console) -> None:
                       f"first interval left out as warm-up): median {statistics.median(later):.1f}, "
                       f"range {min(later):.1f}-{max(later):.1f}; final loss {run.intervals[-1].loss:.4f}",
                       markup=False, highlight=False)
+    if run.compiled is not None:
+        console.print(run.compiled.describe(), markup=False, highlight=False)
     if run.checkpoint:
         console.print(f"checkpoint: {run.checkpoint}", markup=False, highlight=False)

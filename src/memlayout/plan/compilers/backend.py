@@ -52,6 +52,15 @@ Under DDP (``torch._dynamo.config.optimize_ddp``), Dynamo's graph is split at th
 buckets and each split graph is planned, verified and guarded on its own; the next split is
 given the fake outputs of the previous one's compiled function, in its strides.
 
+Under ``torch.distributed`` (DDP, FSDP2: an initialized process group), one plan per job:
+the lowest rank of each device kind (rank 0 on a machine of one kind) measures, solves,
+verifies and guards each graph, and every other rank rebuilds its plan from the costs and
+labels it sends and runs it as it ran there, measuring nothing
+(``memlayout.plan.compilers.backend_shared``). A rank that cannot take the plan (its graph
+differs, the exchange fails) says so in a warning and runs Inductor's own layouts. Each
+record names the rank that decided and the plan's digest, equal on ranks that run the same
+program.
+
 Dynamic shapes (``dynamic=True``, ``mark_dynamic``): the graph is planned at the example's
 sizes (the size hints) and that plan serves every size the graph is reused for; a
 recompile for another size bucket is planned again at its own example. (Inductor's own
@@ -120,6 +129,14 @@ from memlayout.plan.compilers.backend_report import (
     GraphRecord,
     convolution_choices,
 )
+from memlayout.plan.compilers.backend_shared import (
+    Decision,
+    ExchangeFailed,
+    Job,
+    exchange,
+    job_of,
+    plan_digest,
+)
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import measure_costs
@@ -159,7 +176,14 @@ class Backend:
     keep the fastest (``False``: the compiled plan, untimed); ``mode``: Inductor's
     ``mode`` (``"max-autotune"``, ``"reduce-overhead"``: CUDA graphs, ...); ``inductor``:
     Inductor config options (``torch.compile(..., options=...)`` names that are not
-    memlayout's) for every graph Inductor compiles, the plan's and Inductor's own alike."""
+    memlayout's) for every graph Inductor compiles, the plan's and Inductor's own alike;
+    ``shared_plan``: under an initialized ``torch.distributed`` process group, one rank per
+    device kind measures and decides each graph and every other rank compiles its plan
+    (``memlayout.plan.compilers.backend_shared``); every rank must then compile the same
+    graphs with the same options, or the others wait for it. ``None`` (the default): shared
+    where every rank compiles the graph by construction, the split graphs of DDP's optimizer;
+    ``True``: every graph (FSDP, or a model compiled on every rank alike); ``False``: each rank
+    plans alone (a model compiled on some ranks only, an evaluation on rank 0)."""
 
     cache: bool | str | Path = True
     measure: bool = True
@@ -169,6 +193,7 @@ class Backend:
     guard: bool = True
     mode: str | None = None
     inductor: tuple[tuple[str, Any], ...] = ()
+    shared_plan: bool | None = None
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
@@ -229,13 +254,31 @@ def memlayout_backend(gm: fx.GraphModule, example_inputs: list[Any],
 @dataclass(frozen=True)
 class _Planned:
     """A graph's plan: the rewritten copy, its costs, the conversions made, each
-    convolution's choice and the weights converted on every call (name, bytes)."""
+    convolution's choice, the weights converted on every call (name, bytes) and the solved
+    labels (node name -> label)."""
 
     graph: fx.GraphModule
     table: CostTable
     conversions: int
     convolutions: tuple[ConvolutionChoice, ...]
     weights: tuple[tuple[str, int], ...] = ()
+    labels: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """One graph compiled: what Dynamo runs, its record (not yet in the report), and the
+    plan that runs with its rewritten graph's signature (``None``: no plan runs, Inductor's
+    own layouts or the graph as given)."""
+
+    fn: Callable[..., Any]
+    record: GraphRecord
+    plan: _Planned | None = None
+    planned_signature: str = ""
+
+    def digest(self, signature: str) -> str:
+        labels = dict(self.plan.labels) if self.plan is not None else {}
+        return plan_digest(signature, labels, self.record.ran, self.planned_signature)
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
@@ -244,26 +287,193 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
     compile it with ``options.inner``; record the decision in ``memlayout.backend_report()``.
     The caller's random number generators are left as they were (planning runs the graph).
     The cost cache (``options.cache``) is opened once for the graph: its costs, Inductor's
-    rule, the verdict and the guard's decision are all read and written there."""
+    rule, the verdict and the guard's decision are all read and written there.
+
+    Under an initialized ``torch.distributed`` process group (``options.shared_plan``), one
+    rank per device kind decides and every other rank compiles its plan without measuring
+    (``memlayout.plan.compilers.backend_shared``); a rank that cannot take it warns and
+    compiles the graph with Inductor's own layouts."""
     inputs = real_inputs(example_inputs)
     device = device_of(inputs)
+    with seam(device).fork_rng():
+        try:
+            shared = _ddp_split() if options.shared_plan is None else options.shared_plan
+            job = job_of(device) if shared else None
+        except ExchangeFailed as exc:
+            return _without_plan(gm, example_inputs, inputs, device, options, exc.rank,
+                                 str(exc))
+        if job is not None and not job.decides:
+            return _follow(gm, example_inputs, inputs, device, options, job)
+        return _decide(gm, example_inputs, inputs, device, options, job)
+
+
+def _decide(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
+            device: torch.device, options: Backend, job: Job | None) -> Callable[..., Any]:
+    """Plan and compile ``gm`` here, and hand the decision to the other ranks of ``job``
+    (none: this process alone). A decision that cannot be handed on is not run here either:
+    every rank then runs Inductor's own layouts."""
+    signature = graph_signature(gm, inputs)
     store = _open_cache(options.cache)
     try:
-        with seam(device).fork_rng():
-            return _compile_graph(gm, example_inputs, inputs, device, options, store)
+        made = _compile_graph(gm, example_inputs, inputs, device, options, store)
+    except Exception as exc:  # the other ranks wait for a decision: they hear of this one
+        if job is not None:
+            signal = type(exc).__name__ if isinstance(exc, _DYNAMO_SIGNALS) else ""
+            with contextlib.suppress(ExchangeFailed):
+                exchange(job, Decision(signature, None, compiled_as=options.compiled_as,
+                                       signal=signal))
+        raise
     finally:
         if store is not None:
             store.close()
+    digest = made.digest(signature)
+    if job is None:
+        RECORDS.add(dataclasses.replace(made.record, digest=digest))
+        return made.fn
+    plan = made.plan
+    decision = Decision(signature, made.record, options.compiled_as,
+                        plan.table if plan is not None else None,
+                        plan.labels if plan is not None else (), made.planned_signature)
+    try:
+        exchange(job, decision)
+    except ExchangeFailed as exc:
+        return _without_plan(gm, example_inputs, inputs, device, options, job.rank,
+                             f"its decision could not be shared: {exc}")
+    RECORDS.add(dataclasses.replace(made.record, rank=job.rank, decided_by=job.rank,
+                                    digest=digest))
+    return made.fn
+
+
+def _follow(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
+            device: torch.device, options: Backend, job: Job) -> Callable[..., Any]:
+    """``gm`` compiled as ``job``'s deciding rank decided it, nothing measured here; where
+    that decision cannot be taken, Inductor's own layouts with a warning. The deciding
+    rank's failure is raised here too (a Dynamo signal as that signal), so that every rank's
+    compiles stay in step."""
+    signature = graph_signature(gm, inputs)
+    graph = _graph_id(gm)
+    try:
+        decision = exchange(job, None)
+    except ExchangeFailed as exc:
+        return _without_plan(gm, example_inputs, inputs, device, options, job.rank,
+                             f"rank {job.decider}'s decision did not arrive: {exc}")
+    if decision.record is None:
+        signals = {cls.__name__: cls for cls in _DYNAMO_SIGNALS}
+        if decision.signal in signals:
+            raise signals[decision.signal](f"rank {job.decider} raised it compiling graph {graph}")
+        raise PlanError(f"memlayout backend: rank {job.decider} failed to compile graph "
+                        f"{graph} (its error says why); rank {job.rank} stops with it")
+    problem = _untakeable(decision, signature, options, inputs, device)
+    made = None
+    if problem is None:
+        try:
+            made = _taken(decision, gm, example_inputs, inputs, device, options)
+        except _DYNAMO_SIGNALS:
+            raise
+        except Exception as exc:
+            problem = (f"rebuilding its plan failed ({type(exc).__name__}: "
+                       f"{first_line(exc)})")
+        if made is None and problem is None:
+            problem = "the plan rebuilt here differs from the one it verified"
+    if made is None:
+        return _without_plan(gm, example_inputs, inputs, device, options, job.rank,
+                             f"rank {job.decider}'s plan cannot be taken: {problem}")
+    RECORDS.add(dataclasses.replace(made.record, rank=job.rank, decided_by=job.decider,
+                                    digest=made.digest(signature)))
+    return made.fn
+
+
+def _untakeable(decision: Decision, signature: str, options: Backend, inputs: list[Any],
+                device: torch.device) -> str | None:
+    """Why this rank cannot take ``decision`` (its graph, or how it runs, differs), else
+    ``None``."""
+    record = decision.record
+    assert record is not None
+    if decision.signature != signature:
+        return "the graph differs (its code, or its inputs' shapes, strides or dtypes)"
+    if decision.compiled_as != options.compiled_as:
+        return (f"the backend's options differ (compiled as {decision.compiled_as!r} there, "
+                f"{options.compiled_as!r} here)")
+    dtype = dtype_name(options.run_dtype(device))
+    if (record.train, record.dtype) != (_training(inputs), dtype):
+        return (f"the graph runs otherwise ({'train' if record.train else 'infer'}, "
+                f"{record.dtype} there; {'train' if _training(inputs) else 'infer'}, {dtype} "
+                "here)")
+    return None
+
+
+def _taken(decision: Decision, gm: fx.GraphModule, example_inputs: list[Any],
+           inputs: list[Any], device: torch.device, options: Backend) -> _Compiled | None:
+    """``decision`` built here: a plan that runs rebuilt from the deciding rank's costs and
+    labels (``plan_graph``, nothing measured) and run as it ran there, else the graph as
+    Inductor compiles it with its own layouts. ``None`` where the rebuilt graph is not the
+    one the deciding rank verified."""
+    start = time.perf_counter()
+    record = decision.record
+    assert record is not None
+    train, dtype = _training(inputs), options.run_dtype(device)
+    mine = {"graph": _graph_id(gm), "measured": 0, "cached": 0}
+    if decision.table is None:  # Inductor's own layouts, or the graph as given
+        given = _as_given(gm, example_inputs, train=train)
+        fn, ran = _unplanned(given, example_inputs, options, dtype, device)
+        return _Compiled(fn, dataclasses.replace(
+            record, **mine, ran=ran, plan_seconds=0.0,
+            compile_seconds=time.perf_counter() - start))
+    planned = plan_graph(gm, inputs, options, train=train, dtype=dtype, device=device,
+                         rule=record.inductor_rule,
+                         decided=(decision.table, dict(decision.labels)))
+    eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
+    planned_signature = graph_signature(eager_graph, inputs)
+    if planned_signature != decision.planned_signature:
+        return None
+    plan_seconds = time.perf_counter() - start
+    if record.ran == COMPILED:
+        fn = _inner(planned.graph, example_inputs, options, dtype, device)
+    else:
+        fn = _eager(eager_graph, options, device)
+    return _Compiled(fn, dataclasses.replace(
+        record, **mine, plan_seconds=plan_seconds,
+        compile_seconds=time.perf_counter() - start - plan_seconds), planned, planned_signature)
+
+
+def _without_plan(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
+                  device: torch.device, options: Backend, rank: int,
+                  problem: str) -> Callable[..., Any]:
+    """``gm`` compiled by Inductor with its own layouts (or as given, ``inner="eager"``) on a
+    rank that has no shared plan for it, never a plan of its own; a warning naming the rank,
+    the graph and why."""
+    start = time.perf_counter()
+    graph = _graph_id(gm)
+    warnings.warn(f"memlayout backend: rank {rank}, graph {graph}: {problem}; the graph is "
+                  "compiled with Inductor's own layouts", BackendWarning, stacklevel=3)
+    train, dtype = _training(inputs), options.run_dtype(device)
+    given = _as_given(gm, example_inputs, train=train)
+    fn, ran = _unplanned(given, example_inputs, options, dtype, device)
+    RECORDS.add(GraphRecord(graph, train, dtype_name(dtype), is_dynamic(gm), planned=False,
+                            ran=ran, reason=f"no shared plan: {problem}",
+                            compile_seconds=time.perf_counter() - start, rank=rank,
+                            digest=plan_digest(graph_signature(gm, inputs), {}, ran)))
+    return fn
+
+
+def _graph_id(gm: fx.GraphModule) -> str:
+    """Dynamo's compile id of ``gm`` (``frame/recompile``)."""
+    return str(gm.meta.get("dynamo_compile_id", "?"))
+
+
+def _training(inputs: list[Any]) -> bool:
+    """A graph is compiled for training when grad mode is on and an input requires grad."""
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
                    device: torch.device, options: Backend,
-                   store: CostCache | None) -> Callable[..., Any]:
+                   store: CostCache | None) -> _Compiled:
     start = time.perf_counter()
-    train = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+    train = _training(inputs)
     dtype = options.run_dtype(device)
-    head = {"graph": str(gm.meta.get("dynamo_compile_id", "?")), "train": train,
+    head = {"graph": _graph_id(gm), "train": train,
             "dtype": dtype_name(dtype), "dynamic": is_dynamic(gm)}
     rule = _rule(gm, example_inputs, inputs, store, dtype=dtype, train=train, device=device)
     given = _as_given(gm, example_inputs, train=train)  # what runs without a plan
@@ -274,18 +484,18 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         raise
     except NotPlanned as exc:
         fn, ran = _unplanned(given, example_inputs, options, dtype, device)
-        RECORDS.add(GraphRecord(**head, planned=False, ran=ran, reason=str(exc),
-                                inductor_rule=rule, plan_seconds=time.perf_counter() - start))
-        return fn
+        return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran, reason=str(exc),
+                                         inductor_rule=rule,
+                                         plan_seconds=time.perf_counter() - start))
     except Exception as exc:  # the planner must never stop a compile: Inductor's own instead
         warnings.warn(f"memlayout backend: graph {head['graph']} could not be planned "
                       f"({type(exc).__name__}: {first_line(exc)}); it is compiled with "
                       "Inductor's own layouts", BackendWarning, stacklevel=2)
         fn, ran = _unplanned(given, example_inputs, options, dtype, device)
-        RECORDS.add(GraphRecord(**head, planned=False, ran=ran, reason=f"planning failed: "
-                                f"{type(exc).__name__}", inductor_rule=rule,
-                                plan_seconds=time.perf_counter() - start))
-        return fn
+        return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran,
+                                         reason=f"planning failed: {type(exc).__name__}",
+                                         inductor_rule=rule,
+                                         plan_seconds=time.perf_counter() - start))
     plan_seconds = time.perf_counter() - start
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     record = {**head, "planned": True, "inductor_rule": rule,
@@ -299,11 +509,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     kept = guard.decide(known, margin=GUARD_MARGIN) if known is not None else None
     if kept == INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
         fn = _unplanned(given, example_inputs, options, dtype, device)[0]
-        RECORDS.add(GraphRecord(**record, ran=INDUCTOR_OWN, timed=_timed(known),
-                                verification="the plan not run (Inductor's own layouts kept, "
-                                "as timed before)",
-                                compile_seconds=time.perf_counter() - start - plan_seconds))
-        return fn
+        return _Compiled(fn, GraphRecord(
+            **record, ran=INDUCTOR_OWN, timed=_timed(known),
+            verification="the plan not run (Inductor's own layouts kept, as timed before)",
+            compile_seconds=time.perf_counter() - start - plan_seconds))
     compiled = options.inner != "eager" and kept != EAGER
     try:
         fn = (_inner(planned.graph, example_inputs, options, dtype, device) if compiled
@@ -326,15 +535,17 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     elif ran == COMPILED and options.guard and options.measure:
         fn, ran, timed = _fastest(fn, given, eager_graph, example_inputs, inputs, options,
                                   store, train=train, dtype=dtype, device=device)
-    RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how, max_error=check.error,
-                            timed=timed,
-                            compile_seconds=time.perf_counter() - start - plan_seconds))
-    return fn
+    runs = ran in (COMPILED, EAGER)
+    return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
+                                     max_error=check.error, timed=timed,
+                                     compile_seconds=time.perf_counter() - start - plan_seconds),
+                     planned if runs else None,
+                     graph_signature(eager_graph, inputs) if runs else "")
 
 
 def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
              dtype: torch.dtype | None, device: torch.device, check: GraphCheck,
-             record: dict[str, Any], compile_seconds: float) -> Callable[..., Any]:
+             record: dict[str, Any], compile_seconds: float) -> _Compiled:
     """A plan that failed verification (or did not compile): the graph as Inductor compiles
     it with its own layouts, a warning, and the record saying why."""
     problem = check.how + ("" if check.error is None else f": relative error {check.error:.3g}")
@@ -342,9 +553,9 @@ def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
                   f"({problem}); the graph is compiled with Inductor's own layouts instead. "
                   "Please report this with the model", BackendWarning, stacklevel=3)
     fn, ran = _unplanned(gm, example_inputs, options, dtype, device)
-    RECORDS.add(GraphRecord(**record, ran=ran, verification=check.how, max_error=check.error,
-                            fallback=problem, compile_seconds=compile_seconds))
-    return fn
+    return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
+                                     max_error=check.error, fallback=problem,
+                                     compile_seconds=compile_seconds))
 
 
 #: the ways the guard times a planned graph: the compiled plan, the plan eagerly, Inductor's own
@@ -408,9 +619,11 @@ def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphMo
 
 def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train: bool,
                dtype: torch.dtype | None, device: torch.device,
-               rule: bool | None = None, store: CostCache | None = None) -> _Planned:
+               rule: bool | None = None, store: CostCache | None = None,
+               decided: tuple[CostTable, Mapping[str, int]] | None = None) -> _Planned:
     """The plan of one Dynamo graph on real ``inputs``: a rewritten copy of ``gm`` (``gm``
-    itself is not changed), its costs measured into ``store`` (none: all measured).
+    itself is not changed), its costs measured into ``store`` (none: all measured), or
+    ``decided``: the costs and labels another rank measured and solved (nothing measured).
     ``NotPlanned`` says why a graph has nothing to plan."""
     work = copy_graph(gm)
     ranks = CONV1D_RANKS if any(op_name(n) in ("conv1d", "conv_transpose1d")
@@ -428,11 +641,14 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS
                for n in work.graph.nodes):
         raise NotPlanned("no image-like value: no layout to choose")
-    table = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype, measure=options.measure,
-                          cache=store if options.measure else None, rounds=options.rounds,
-                          train=train, device=device)
+    if decided is None:
+        table = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype,
+                              measure=options.measure, cache=store if options.measure else None,
+                              rounds=options.rounds, train=train, device=device)
+    else:
+        table = decided[0]
     form = formulate(work, table, input_label=None, output_label=Request.KEEP)
-    labels = solve_labels(form.integer)
+    labels = solve_labels(form.integer) if decided is None else dict(decided[1])
     convolutions = convolution_choices(work, table, labels, rule)
     _, made = rewrite(nn.Module(), work, form, labels)
     weights = converted_weights(work, inputs, [value for value, _, _ in made])
@@ -440,7 +656,8 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
         grads_in_parameter_strides(work, inputs)
     if is_dynamic(gm):
         _traced_conversions(work)
-    return _Planned(work, table, len(made), convolutions, weights)
+    return _Planned(work, table, len(made), convolutions, weights,
+                    tuple(sorted((k, int(v)) for k, v in labels.items())))
 
 
 def _traced_conversions(gm: fx.GraphModule) -> None:

@@ -122,7 +122,16 @@ class GraphRecord:
     bytes)`` of each parameter the plan converts on every call (stored in another format than
     it runs in; in training its gradient is converted back too); ``timed``: for each other way the
     guard timed (the plan run eagerly, Inductor's own layouts), the median per-round ratio
-    of the compiled plan's time to that way's (above 1: that way was faster)."""
+    of the compiled plan's time to that way's (above 1: that way was faster).
+
+    Under ``torch.distributed`` (one plan per job, ``memlayout.plan.compilers.backend_shared``):
+    ``rank``: this process's rank (``None``: no process group); ``decided_by``: the rank that
+    measured and decided the graph (this one, or its device kind's deciding rank, whose
+    costs, verdict and guard timings the record then shows; ``None``: this rank compiled the
+    graph without a shared plan, ``reason`` says why); ``measured`` and ``cached`` count this
+    process's own measurements. ``digest``: a short hash of what runs (the graph, the plan's
+    labels, how it runs; ``backend_shared.plan_digest``): ranks whose digests agree run the
+    same program for the graph."""
 
     graph: str
     train: bool
@@ -143,6 +152,9 @@ class GraphRecord:
     timed: tuple[tuple[str, float], ...] = ()
     plan_seconds: float = 0.0
     compile_seconds: float = 0.0
+    rank: int | None = None
+    decided_by: int | None = None
+    digest: str = ""
 
     @property
     def differing(self) -> tuple[ConvolutionChoice, ...]:
@@ -171,6 +183,21 @@ class GraphRecord:
         return (f"Inductor's own layouts took {slower:.3g}x the compiled plan's time: {where}; "
                 "a per-kernel profile of both names the kernel "
                 "(torch._inductor.config.cpp.enable_kernel_profile on the CPU)")
+
+    def job_line(self) -> str | None:
+        """Which rank measured and decided the graph, and the plan's digest (``None``: no
+        process group)."""
+        if self.rank is None:
+            return None
+        if self.decided_by is None:
+            return (f"rank {self.rank}: plan {self.digest}, compiled without a shared plan, "
+                    f"ran by {self.ran}")
+        if self.decided_by == self.rank:
+            return (f"rank {self.rank}: plan {self.digest}, decided here ({self.measured} "
+                    f"costs timed, {self.cached} from the cache), shared with the ranks of its "
+                    "device kind")
+        return (f"rank {self.rank}: plan {self.digest}, decided by rank {self.decided_by} "
+                "(its costs, verdict and timings; nothing measured here)")
 
     def headline(self) -> str:
         task = "train" if self.train else "infer"
@@ -220,6 +247,8 @@ class BackendReport:
         lines = [f"memlayout backend: {len(self.graphs)} graphs"]
         for g in self.graphs:
             lines.append(g.headline())
+            if (job := g.job_line()) is not None:
+                lines.append("  " + job)
             lines.extend("  " + c.describe() for c in g.differing)
             if (own := g.own_layouts_line()) is not None:
                 lines.append("  " + own)
@@ -247,6 +276,8 @@ class _Records:
         with self._lock:
             self._graphs.append(record)
         log.info("%s", record.headline())
+        if (job := record.job_line()) is not None:
+            log.info("  %s", job)
         for c in record.differing:
             log.debug("  %s", c.describe())
 
