@@ -116,7 +116,7 @@ def test_a_new_shape_in_eval_mode_is_planned_for_inference(db) -> None:
     with torch.no_grad():
         got = opt(x)
     assert _close(reference(x), got)
-    plan = opt.memlayout.plans[shape_signature((x,))]
+    plan = opt.memlayout.plans[(*shape_signature((x,)), ((), "eval", "mode", ""))]
     assert not plan.train and plan.input_shapes == [[3, 3, 10, 10]]
     assert all(not m.training for m in opt.modules())
 

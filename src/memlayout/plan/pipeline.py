@@ -532,7 +532,7 @@ class Replanner:
         root, xs = keyword_call(live, xs, dict(kwargs))
         # the module may have moved since the example's plan (``.to()``): this call's device
         options = dataclasses.replace(self.options, train=model.training,
-                                      device=device_of(xs, live))
+                                      device=device_of(xs, live), keywords=root is not live)
         if options.input_label is not None:
             xs = inputs_in(xs, options.input_label, options.ranks)
         plan, built = plan_model(root, xs, options, start=start)

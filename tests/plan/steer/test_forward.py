@@ -21,6 +21,7 @@ from memlayout.plan.graph import Label
 from memlayout.plan.steer import boundary
 from memlayout.plan.steer.boundary import Boundary
 from memlayout.plan.steer.forward import RootForward, SteeredForward, steered
+from memlayout.plan.steer.state import output_formats
 from memlayout.plan.steer.steering import Steering, steer
 from memlayout.tensors import iter_tensors
 from tests.support.formats import torch_formats
@@ -150,6 +151,53 @@ def test_results_come_back_in_the_originals_strides_and_values(
     planned = _plan(model, x)
     with torch.no_grad():
         assert_as_the_original(planned(x), model(x))
+
+
+#: the format a model is planned in, and the other one it is called in
+CROSSED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = {
+    "contiguous example, channels-last call": (INPUTS["contiguous input"],
+                                               INPUTS["channels-last input"]),
+    "channels-last example, contiguous call": (INPUTS["channels-last input"],
+                                               INPUTS["contiguous input"]),
+}
+
+
+@pytest.mark.parametrize(("planned_in", "called_in"), CROSSED.values(), ids=CROSSED.keys())
+@pytest.mark.parametrize(("make", "example"), MODELS.values(), ids=MODELS.keys())
+def test_a_call_in_another_format_than_the_examples_comes_back_as_the_original_returns_it(
+        make: Callable[[], nn.Module], example: Callable[[], torch.Tensor],
+        planned_in: Callable[[torch.Tensor], torch.Tensor],
+        called_in: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    model, x = make().eval(), example()
+    planned = _plan(model, planned_in(x))
+    with torch.no_grad():
+        for call in (called_in(x), planned_in(x), called_in(x)):
+            assert_as_the_original(planned(call), model(call))
+
+
+@pytest.mark.parametrize("arrive", INPUTS.values(), ids=INPUTS.keys())
+@pytest.mark.parametrize(("make", "example"), MODELS.values(), ids=MODELS.keys())
+def test_a_call_of_another_shape_comes_back_as_the_original_returns_it(
+        make: Callable[[], nn.Module], example: Callable[[], torch.Tensor],
+        arrive: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """A plan made on first sight is captured on the live parameters, some converted: its
+    results still come back as the original (parameters in their own formats) returns them."""
+    model, x = make().eval(), arrive(example())
+    planned = _plan(model, x)
+    bigger = arrive(torch.cat([example(), example()]))
+    with torch.no_grad():
+        assert_as_the_original(planned(bigger), model(bigger))
+    assert planned.memlayout.replans == 1
+
+
+def test_a_call_with_keywords_of_another_shape_comes_back_as_the_original_returns_it() -> None:
+    model, x = Pooled().eval(), torch.randn(2, 3, 12, 12)
+    planned = _plan(model, x)
+    bigger = torch.randn(3, 3, 12, 12)
+    with torch.no_grad():
+        assert_as_the_original(planned(bigger, features_only=True),
+                               model(bigger, features_only=True))
+        assert_as_the_original(planned(bigger), model(bigger))
 
 
 def test_a_result_of_another_structure_comes_back_as_the_original_returns_it() -> None:
@@ -398,3 +446,35 @@ def test_torch_jit_script_of_a_planned_model_is_refused_with_memlayouts_error() 
         assert "torch.jit.trace" in str(caught.value)  # it says what to do instead
     with torch.no_grad():
         assert_as_the_original(planned(x), model(x))  # and the model still runs
+
+
+class Noisy(FeatureMap):
+    """Draws dropout masks and counts batch statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(16)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.bn(super().forward(x)))
+
+
+@pytest.mark.filterwarnings("ignore:memlayout. random masks")
+@pytest.mark.parametrize("arrive", INPUTS.values(), ids=INPUTS.keys())
+def test_the_originals_formats_are_read_on_a_copy_leaving_the_model_and_the_rng_alone(
+        arrive: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    model = Noisy().train()
+    planned = _plan(model, torch.randn(2, 3, 12, 12), train=True)
+    state = planned.memlayout
+    assert state.original_strides  # the plan converted parameters: there is something to undo
+    x = arrive(torch.randn(4, 3, 12, 12))
+    rng = torch.get_rng_state()
+    before = {k: (v.clone(), v.stride()) for k, v in planned.state_dict().items()}
+    formats = state._original_outputs(planned, (x,), {})
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in planned.state_dict().items():  # running statistics, and parameter strides
+        assert torch.equal(v, before[k][0]) and v.stride() == before[k][1]
+    with torch.no_grad():
+        want = output_formats(model(x), (x,), state.ranks)
+    assert formats == want

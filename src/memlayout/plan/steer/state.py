@@ -6,48 +6,96 @@ runs (each steered module reads it), the input format, the autocast dtype, and h
 results are handed back (in the strides the original returns them in).
 
 >>> shape_signature((torch.zeros(2, 3, 8, 8),))
-(((2, 3, 8, 8), 'float32', 'cpu'),)
+(((2, 3, 8, 8), 'float32', 'cpu', 'contiguous'),)
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import sys
 import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import MemlayoutError
-from memlayout.plan.graph import Label, label_of, value_meta
+from memlayout.layout import Format
+from memlayout.plan.graph import Label, Request, label_of, value_meta
 from memlayout.plan.steer.boundary import convert_leaf, restride, storage_addresses
-from memlayout.tensors import device_of, iter_tensors
+from memlayout.tensors import device_of, iter_tensors, map_tensors
 
 if TYPE_CHECKING:
     from memlayout.plan.report.plan import Plan
 
-Signature = tuple[tuple[tuple[int, ...], str, str], ...]
+#: ``(shape, dtype, device type, memory format)`` of every tensor argument
+Signature = tuple[tuple[tuple[int, ...], str, str, str], ...]
 #: ``(position, label, rank)`` of each result leaf handed back in the original's format
 Formats = tuple[tuple[int, int, int], ...]
 #: plans a new input signature of a planned model: ``(model, args, kwargs, key) -> plan``
 #: (``None``: it failed; the model then runs its own computation for that signature, unsteered)
 Replanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], "Plan | None"]
 
+_CONTIGUOUS = Format.CONTIGUOUS.value
+
 
 def shape_signature(args: Any) -> Signature:
-    """What a plan is made for: shape, dtype and device type of every tensor argument.
+    """What a plan is made for: shape, dtype, device type and memory format
+    (:func:`propagated_format`) of every tensor argument. A call in another memory format is
+    planned as another shape is: the original hands its results back in other strides.
 
     >>> shape_signature((torch.zeros(2, 3, 8, 8),))
-    (((2, 3, 8, 8), 'float32', 'cpu'),)
+    (((2, 3, 8, 8), 'float32', 'cpu', 'contiguous'),)
+    >>> shape_signature((torch.zeros(2, 3, 8, 8).to(memory_format=torch.channels_last),))
+    (((2, 3, 8, 8), 'float32', 'cpu', 'channels_last'),)
     """
-    return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type)
-                 for t in iter_tensors(args))
+    return tuple(_entry(t) for t in iter_tensors(args))
+
+
+def _entry(t: torch.Tensor) -> tuple[tuple[int, ...], str, str, str]:
+    shape = tuple(t.shape)
+    fmt = _propagated_format(shape, t.stride()) \
+        if len(shape) in (4, 5) and t.layout is torch.strided else _CONTIGUOUS
+    return shape, str(t.dtype).removeprefix("torch."), t.device.type, fmt
+
+
+def propagated_format(t: torch.Tensor) -> str:
+    """The memory format torch's ops read from ``t``'s strides and give their results
+    (``Tensor.suggest_memory_format``): ``channels_last`` (``channels_last_3d``) for a 4-d
+    (5-d) tensor whose strides are like it, ``contiguous`` for any other. An ambiguous
+    tensor (C == 1, H == W == 1) is in the one torch reads from its strides: converting it
+    (a no-op) keeps its answer, and only strides that torch reads otherwise change it.
+
+    >>> propagated_format(torch.zeros(2, 1, 8, 8).contiguous(memory_format=torch.channels_last))
+    'contiguous'
+    >>> propagated_format(torch.zeros(2, 8, 8, 1).permute(0, 3, 1, 2))
+    'channels_last'
+    """
+    return _entry(t)[3]
+
+
+@lru_cache(maxsize=1024)
+def _propagated_format(shape: tuple[int, ...], strides: tuple[int, ...]) -> str:
+    # c10's is_channels_last_strides_2d / _3d: channels, then the spatial dims from the
+    # innermost out, then the batch, each stride at least the extent of the dims before it;
+    # a size-1 dim's stride counts (it tells N1H1 channels-last from contiguous), and a
+    # channel stride of 0, or a batch stride equal to the channels' (N111), reads contiguous
+    if strides[1] == 0:
+        return _CONTIGUOUS
+    least = 0
+    for d in (1, *range(len(shape) - 1, 1, -1), 0):
+        if shape[d] == 0 or strides[d] < least or (d == 0 and least == strides[1]):
+            return _CONTIGUOUS
+        least = strides[d] * shape[d] if shape[d] > 1 else strides[d]
+    return (Format.CHANNELS_LAST if len(shape) == 4 else Format.CHANNELS_LAST_3D).value
 
 
 class PlannedState:
@@ -55,11 +103,14 @@ class PlannedState:
 
     ``plan``: the example's plan; ``plans``: every plan held, by input signature;
     ``replans``: the plans made after the example's; ``enabled``: ``False`` runs the model's
-    own forward everywhere, unsteered (the parameters keep their formats)."""
+    own forward everywhere, unsteered (the parameters keep their formats);
+    ``original_strides``: the name and strides in the original of each parameter and buffer
+    the plan converted."""
 
     def __init__(self, *, plan: Plan, key: Any, dtype: torch.dtype | None,
                  ranks: tuple[int, ...], input_label: int | None, outputs: Formats,
-                 max_plans: int = 8, replanner: Replanner | None = None) -> None:
+                 max_plans: int = 8, replanner: Replanner | None = None,
+                 original_strides: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> None:
         self.plan = plan
         self.example = key
         self.dtype = dtype
@@ -69,6 +120,7 @@ class PlannedState:
         self.replanner = replanner
         self.replans = 0
         self.enabled = True
+        self.original_strides = tuple(original_strides)
         self.outputs: dict[Any, Formats] = {key: outputs}
         self._held: OrderedDict[Any, Plan | None] = OrderedDict()  # other keys, LRU order
         self._local = threading.local()
@@ -88,7 +140,9 @@ class PlannedState:
 
     def key_for(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The key of the plan for this call, planning its input signature (and, for a
-        model in the other train/eval mode than the example's plan, that mode) on first sight."""
+        model in the other train/eval mode than the example's plan, that mode) on first sight.
+        With an input format (``plan.input_format``) the layout-rank inputs are converted to
+        it on arrival: their memory format as called tells no plan apart."""
         if self.replanner is None or _tracing() or _sharded(model):
             # under a tracer or compiler the example's plan serves every shape: planning
             # would run inside the trace; a sharded model (FSDP) is planned on rank 0 before
@@ -98,9 +152,13 @@ class PlannedState:
         if model.training != (self.plan.mode == "train"):
             # a plan is made and verified for one mode (padded weights do not train): the
             # other mode is planned on first sight like another shape
-            key = (*key, ((), "train" if model.training else "eval", "mode"))
+            key = (*key, ((), "train" if model.training else "eval", "mode", ""))
         if key == self.example:
             return key
+        if self.input_label is not None:
+            key = self._arrived(key)
+            if key == self._arrived(self.example):
+                return self.example
         if key in self._held:
             self._held.move_to_end(key)
             return key
@@ -109,16 +167,56 @@ class PlannedState:
         try:
             plan = self.replanner(model, args, kwargs, key)
         except MemlayoutError as exc:
-            warnings.warn(f"memlayout: planning input shapes {[s for s, _, _ in key]} failed "
+            warnings.warn(f"memlayout: planning input shapes {[e[0] for e in key]} failed "
                           f"({exc}); the model runs its own computation, unsteered, for them",
                           stacklevel=4)
             plan = None
+        if plan is not None and self.original_strides and self.plan.output_format == Request.KEEP:
+            # the new plan was captured on the live parameters, some in the plan's formats:
+            # what the original returns, fed this call, is read from the original's strides
+            self.outputs[key] = self._original_outputs(model, args, kwargs)
         self.replans += 1
         self._held[key] = plan
         while len(self._held) > max(0, self.max_plans - 1):
             dropped, _ = self._held.popitem(last=False)
             self.outputs.pop(dropped, None)
         return key
+
+    def _arrived(self, key: Any) -> Any:
+        """``key`` with the memory format of each layout-rank tensor the one it arrives in."""
+        label = Label(int(self.input_label))  # type: ignore[arg-type]
+        return tuple((shape, dtype, device, label.format(len(shape)).value)
+                     if len(shape) in self.ranks else (shape, dtype, device, fmt)
+                     for shape, dtype, device, fmt in key)
+
+    def _original_outputs(self, model: nn.Module, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> Formats:
+        """The formats the original hands this call's results back in (:func:`output_formats`):
+        the model's own forward, unsteered, once on a copy of ``model`` that shares its
+        parameters but has those the plan converted back in their original strides, on
+        copies of the call's tensors, under the plan's autocast; the caller's tensors, the
+        model's buffers and the random state as they were."""
+        originals = dict(self.original_strides)
+        quiet = copy.copy(self)  # the copy's steered forwards read it: they run their own
+        quiet.enabled = False
+        memo: dict[int, Any] = {id(self): quiet, id(self.plan): self.plan}
+        tensors = [*model.named_parameters(remove_duplicate=False),
+                   *model.named_buffers(remove_duplicate=False)]
+        for name, t in tensors:
+            if name in originals:  # the name it was converted by (a tied one has several)
+                own = torch.empty_strided(t.shape, originals[name], dtype=t.dtype,
+                                          device=t.device).copy_(t.detach())
+                memo[id(t)] = nn.Parameter(own, t.requires_grad) \
+                    if isinstance(t, nn.Parameter) else own
+        for _, t in tensors:
+            if isinstance(t, nn.Parameter):
+                memo.setdefault(id(t), t)  # shared: the forward only reads it
+        original = copy.deepcopy(model, memo)
+        inputs = map_tensors((args, kwargs), lambda t: t.detach().clone())
+        with seam(device_of(inputs, model)).fork_rng(), torch.no_grad(), \
+                self.autocast(*inputs):
+            output = original(*inputs[0], **inputs[1])
+        return output_formats(output, inputs, self.ranks)
 
     def forget(self) -> None:
         """Drop the plans of other signatures (the model moved: its tensors are new)."""
@@ -128,11 +226,11 @@ class PlannedState:
 
     @property
     def plans(self) -> dict[Signature, Plan]:
-        """The plans held, by input signature: the example's first (a plan for the other mode
-        is held under its shapes too; its ``train`` says which)."""
+        """The plans held, by input signature: the example's first (a plan for the other
+        train/eval mode is held under its signature and a last entry
+        ``((), "train", "mode", "")``; its ``mode`` says which too)."""
         held: dict[Signature, Plan] = {self.example: self.plan}
-        held.update((tuple(e for e in key if e[2] != "mode"), plan)
-                    for key, plan in self._held.items() if plan is not None)
+        held.update((key, plan) for key, plan in self._held.items() if plan is not None)
         return held
 
     # ------------------------------------------------------------ what a call does

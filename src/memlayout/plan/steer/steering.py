@@ -73,13 +73,13 @@ def steer(model: nn.Module, steering: Steering, *, key: Any, input_label: int | 
     boundaries installed, the root's forward a :class:`RootForward` holding the model's
     :class:`PlannedState` (created here, or the one the model has: another shape's plan)."""
     state = planned_state(model)
+    converted = convert_parameters(model, steering.parameters)
     if state is None:
         state = PlannedState(plan=plan, key=key, dtype=dtype, ranks=ranks,
                              input_label=input_label, outputs=outputs, max_plans=max_plans,
-                             replanner=replanner)
+                             replanner=replanner, original_strides=converted)
         model.__dict__[STATE] = state
     state.outputs[key] = outputs
-    convert_parameters(model, steering.parameters)
     _root_forward(model, state)
     for path, boundary in steering.boundaries:
         module = model.get_submodule(path) if path else model
@@ -103,11 +103,14 @@ def _root_forward(model: nn.Module, state: PlannedState) -> None:
     model.__dict__["forward"] = root
 
 
-def convert_parameters(model: nn.Module, parameters: tuple[tuple[str, int], ...]) -> None:
+def convert_parameters(model: nn.Module, parameters: tuple[tuple[str, int], ...]
+                       ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Each named parameter or buffer of ``model`` in its label's format, in place: the same
     ``nn.Parameter`` (an optimizer holding it keeps it), its gradient too; a tensor several
-    names share is converted once."""
+    names share is converted once. Returns the name and former strides of each one whose
+    strides changed."""
     seen: set[int] = set()
+    changed = []
     for name, label in parameters:
         owner_path, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_path) if owner_path else model
@@ -119,9 +122,11 @@ def convert_parameters(model: nn.Module, parameters: tuple[tuple[str, int], ...]
         with torch.no_grad():
             new = to_format(t.detach(), fmt)
             if new.stride() != t.stride():
+                changed.append((name, tuple(t.stride())))
                 t.data = new
             if isinstance(t, nn.Parameter) and t.grad is not None:
                 t.grad = to_format(t.grad, fmt)
+    return tuple(changed)
 
 
 def planned_state(model: nn.Module) -> PlannedState | None:
