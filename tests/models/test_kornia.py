@@ -58,7 +58,16 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Inputs]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+#: torch.export before 2.11 stops at a data-dependent guard in the random augmentation's
+#: parameter sampling (``Eq(u0, 1)``), so the model is planned at its submodules, not whole
+OLD_EXPORT = pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.11",
+    reason="needs torch >= 2.11: older torch.export cannot capture kornia's random "
+           "augmentation whole (a data-dependent guard)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=OLD_EXPORT) if n.startswith("random")
+                                  else n for n in MODELS])
 def test_a_kornia_model_is_planned_whole_verified_and_a_drop_in(name: str) -> None:
     build, inputs = MODELS[name]
     assert_a_planned_drop_in(build, inputs)
