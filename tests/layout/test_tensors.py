@@ -12,7 +12,7 @@ from torch import nn
 
 from memlayout import Format, LayoutError, convert_batch, convert_module, format_of, to_format
 from memlayout.layout import channels_last_for_rank, formats_for_rank, strides_for
-from memlayout.plan.compilers import backend
+from memlayout.plan.compilers import backend_plan
 from memlayout.plan.steer import boundary
 from memlayout.tensors import to_dense
 from tests.support.formats import TORCH_FORMATS, torch_formats
@@ -77,7 +77,7 @@ def test_a_conversions_gradient_comes_back_in_the_sources_format(shape):
     converters = {"to_format": lambda t: to_format(t, fmt),
                   "to_dense": lambda t: to_dense(t, fmt),
                   "boundary": lambda t: boundary.to_label(t, 1),
-                  "backend": lambda t: backend.to_label(t, 1, (len(shape),))}
+                  "backend": lambda t: backend_plan.to_label(t, 1, (len(shape),))}
 
     def grad(convert=None) -> torch.Tensor:
         leaf = x.clone().requires_grad_(True)

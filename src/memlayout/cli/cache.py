@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import sqlite3
 import warnings
 from collections.abc import Iterator
@@ -15,9 +16,10 @@ from rich.markup import escape
 from memlayout.cli.app import app
 from memlayout.cli.common import UsageError, console, fail, writable_file
 from memlayout.errors import CacheFileError, MemlayoutError
+from memlayout.machine import SPREAD_LIMIT
 
 if TYPE_CHECKING:
-    pass
+    from memlayout.plan.costs.cache import CacheSummary
 
 
 cache_app = typer.Typer(help="The measurement cache: show, prune, clear, export, import.",
@@ -68,7 +70,6 @@ def cache_show(
     path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
 ) -> None:
     """The cache's file and its entries, grouped by machine, kind and quality, with ages."""
-    from memlayout.plan.costs.cache import render
 
     with _cache_store(path, readonly=True) as opened:
         if opened is not None:
@@ -171,3 +172,47 @@ def cache_import(
         console.print(f"imported {report.imported} entries into {file} ({report.added} new, "
                       f"{report.replaced} replacing older ones); skipped {report.skipped} "
                       "where the cache's own is as new or newer", markup=False, highlight=False)
+
+
+def render(summary: CacheSummary, console: Any) -> None:
+    """``memlayout cache show``: the file, then one row per (machine, kind, quality) group
+    with its count, ages and highest load, never one row per entry."""
+    from rich.table import Table
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    console.print(f"cache: {summary.path} ({summary.bytes / 1e6:.2f} MB, {summary.count} "
+                  f"entries)", markup=False, highlight=False)
+    console.print(f"this machine: {summary.fingerprint}", markup=False, highlight=False)
+    if summary.error is not None:
+        console.print(f"could not be read: {summary.error}", markup=False, highlight=False)
+        return
+    if not summary.groups:
+        return
+    table = Table("machine", "kind", "quality", "entries", "newest", "oldest", "max load")
+    for g in summary.groups:
+        machine = "this one" if g.fingerprint == summary.fingerprint else g.fingerprint
+        load = "-" if g.max_load is None else f"{g.max_load:.1f}"
+        table.add_row(machine, g.kind, "noisy" if g.noisy else "quiet", str(g.count),
+                      _age(g.newest, now), _age(g.oldest, now), load)
+    console.print(table)
+    noisy_count = sum(g.count for g in summary.groups if g.noisy)
+    if noisy_count:
+        console.print(f"{noisy_count} noisy entries (busy machine or rounds spread beyond "
+                      f"{SPREAD_LIMIT:.0%}): a quiet run measures them again; "
+                      "`memlayout cache prune --noisy` drops them now", markup=False,
+                      highlight=False)
+
+
+def _age(taken_at: str, now: datetime.datetime) -> str:
+    """``3.2 h ago``, ``5.0 d ago``, ``40 s ago``."""
+    try:
+        seconds = (now - datetime.datetime.fromisoformat(taken_at)).total_seconds()
+    except (ValueError, TypeError):
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h ago"
+    return f"{seconds / 86400:.1f} d ago"

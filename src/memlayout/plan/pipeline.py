@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +68,7 @@ from memlayout.plan.inputs import (
     keyword_call,
 )
 from memlayout.plan.options import PlanOptions, Progress
+from memlayout.plan.report.clock import StepClock
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import (
     BlockedReport,
@@ -232,26 +232,8 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
             captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
                                ranks=options.ranks, device=options.device)
             outputs = wanted_outputs(captured, inputs, options)
-        with clock("costs"):
-            costs = measure_regions(captured, options, store)
-        with clock("solve"):
-            solution = solve_regions(captured, costs, options)
-        with clock("guard"):
-            decision = guarded_build(reference, captured, solution, inputs, options, store,
-                                     outputs)
-        disagree = suspect_costs(captured, solution, decision)
-        if disagree is not None:
-            # the cost table and the whole model disagree (costs taken under load, or cached
-            # from a busier day): measure the costs, and the guard, once more
-            with store.remeasuring() if store is not None else contextlib.nullcontext():
-                with clock("costs"):
-                    costs = measure_regions(captured, options, store)
-                with clock("solve"):
-                    solution = solve_regions(captured, costs, options)
-                with clock("guard"):
-                    decision = guarded_build(reference, captured, solution, inputs, options,
-                                             store, outputs)
-            disagree = suspect_costs(captured, solution, decision)
+        solution, decision, disagree = decided(reference, captured, inputs, options, store,
+                                               outputs, clock)
         if decision.input_label is not None and options.auto_input:
             # the inputs arrive in this format from now on: a plan considered later (a memory
             # budget's candidates) must take them so
@@ -291,25 +273,18 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
                 notes.append(note)
                 warnings.warn(f"memlayout: {note}", stacklevel=3)
         if verification.redrawn:
-            note = redrawn_note(verification.redrawn)
-            notes.append(note)
-            warnings.warn(f"memlayout: {note}", stacklevel=3)
+            notes.append(redrawn_note(verification.redrawn))
+            warnings.warn(f"memlayout: {notes[-1]}", stacklevel=3)
         realized: list[str] = []
         if decision.kept == PLANNED:
             with clock("verify"):  # the plan's formats against the ones the model realizes
                 realized = realized_differences(memory.build.module, example, solution,
                                                 dtype=options.dtype, device=options.device)
             restore_state(memory.build.module, state)
-            if realized:
-                notes.append(f"eager propagation differed from the plan at {len(realized)} "
-                             f"module results (first: {realized[0]}): the plan's formats are "
-                             "where it steers, the model's own code decides in between")
-        if disagree is not None:
-            note = suspect_note(solution.predicted["planned"], decision.record, disagree)
-            notes.append(note)
-            warnings.warn(f"memlayout: {note}", stacklevel=3)
+        notes += later_notes(realized, solution, decision, disagree)
         restore_state(memory.build.module, state)  # as the caller's model is: nothing ran on it
-        price = clock.price(time.perf_counter() - start, solution, ran=ran)
+        price = clock.price(time.perf_counter() - start, measured=solution.measured,
+                            cached=solution.cached, ran=ran)
         plan = make_plan(captured, solution, decision, memory, inputs, options,
                          verification=verification, padding=padded, blocked=blocked,
                          price=price, notes=notes, training=reference.training,
@@ -321,41 +296,43 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
     return plan, memory.build
 
 
-class StepClock:
-    """Wall seconds per planning step (``time.perf_counter``), a step run twice counting
-    both runs; ``price`` makes them the plan's :class:`Price`.
+def decided(reference: nn.Module, captured: Captured, inputs: tuple[Any, ...],
+            options: PlanOptions, store: CostCache | None, outputs: Any,
+            clock: StepClock) -> tuple[Solution, GuardDecision, Any]:
+    """Costs, the minimum cut and the guard's build; where the cost table and the whole
+    model disagree (costs taken under load, or cached from a busier day), all three once
+    more, the costs measured again. Returns the solution, the guard's decision and what
+    still disagrees (``None``: nothing)."""
+    def once() -> tuple[Solution, GuardDecision]:
+        with clock("costs"):
+            costs = measure_regions(captured, options, store)
+        with clock("solve"):
+            solution = solve_regions(captured, costs, options)
+        with clock("guard"):
+            decision = guarded_build(reference, captured, solution, inputs, options, store,
+                                     outputs)
+        return solution, decision
 
-    >>> clock = StepClock()
-    >>> for step in ("capture", "costs", "solve", "guard", "verify", "costs"):
-    ...     with clock(step):
-    ...         pass
-    >>> sorted(clock.seconds), all(s >= 0 for s in clock.seconds.values())
-    (['capture', 'costs', 'guard', 'solve', 'verify'], True)
-    """
+    solution, decision = once()
+    if suspect_costs(captured, solution, decision) is not None:
+        with store.remeasuring() if store is not None else contextlib.nullcontext():
+            solution, decision = once()
+    return solution, decision, suspect_costs(captured, solution, decision)
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
 
-    @contextlib.contextmanager
-    def __call__(self, step: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
-
-    def price(self, total: float, solution: Solution, *, ran: set[str]) -> Price:
-        """The plan's price: ``total`` seconds, the steps timed (of the optional ones, those
-        that ``ran``), the costs ``solution`` was solved on: timed, or read from the cache."""
-        s = self.seconds
-
-        def optional(step: str) -> float | None:
-            return s[step] if step in ran else None
-
-        return Price(total=total, capture=s["capture"], costs=s["costs"],
-                     measured=solution.measured, cached=solution.cached, solve=s["solve"],
-                     guard=s["guard"], verify=s["verify"], padding=optional("padding"),
-                     memory=optional("memory"), blocked=optional("blocked"))
+def later_notes(realized: list[str], solution: Solution, decision: GuardDecision,
+                disagree: Any) -> list[str]:
+    """The notes of a verified plan: where eager propagation differed from it (``realized``),
+    and, with a warning, costs that still disagree with the whole model (``disagree``)."""
+    notes = []
+    if realized:
+        notes.append(f"eager propagation differed from the plan at {len(realized)} module "
+                     f"results (first: {realized[0]}): the plan's formats are where it "
+                     "steers, the model's own code decides in between")
+    if disagree is not None:
+        notes.append(suspect_note(solution.predicted["planned"], decision.record, disagree))
+        warnings.warn(f"memlayout: {notes[-1]}", stacklevel=4)
+    return notes
 
 
 def redrawn_note(modules: list[str]) -> str:

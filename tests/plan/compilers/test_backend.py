@@ -26,7 +26,7 @@ import memlayout
 from memlayout.errors import PlanError
 from memlayout.plan.check import guard
 from memlayout.plan.compilers import backend as b
-from memlayout.plan.compilers import backend_check
+from memlayout.plan.compilers import backend_check, backend_inner, backend_plan
 from memlayout.plan.compilers.backend_report import AS_GIVEN, COMPILED, EAGER, INDUCTOR_OWN
 from memlayout.plan.compilers.compiled import inductor_layout_decision
 from memlayout.plan.costs.cache import CostCache
@@ -132,7 +132,7 @@ def test_inductor_options_and_mode_reach_inductor_and_key_the_guard(monkeypatch)
     patches = {}
     monkeypatch.setattr(fx_module, "compile_fx",
                         lambda g, xs, config_patches=None: patches.update(config_patches or {}))
-    b._inner(gm, [torch.randn(1, 3, 8, 8)], chosen, None, torch.device("cpu"))
+    backend_inner.inner_compile(gm, [torch.randn(1, 3, 8, 8)], chosen, None, torch.device("cpu"))
     assert patches["epilogue_fusion"] is False and patches["max_autotune"] is True
     assert patches["layout_optimization"] is False  # the plan stands whatever was asked
     keys = {backend_check._guard_key(["planned"], gm, [torch.randn(1, 3, 8, 8)], train=False,
@@ -265,8 +265,8 @@ def test_asking_inductors_rule_adds_no_guard_and_writes_nothing_of_dynamos(monke
 
     last = {"pairs": _Pairs, "calls": _Calls, "batch_norm": lambda: nn.BatchNorm2d(8)}[tail]
     model, asked, real_traces = nn.Sequential(nn.Conv2d(3, 8, 3), last()).train(), [], []
-    on_real = b._on_real_inputs
-    monkeypatch.setattr(b, "_on_real_inputs",
+    on_real = backend_plan.on_real_inputs
+    monkeypatch.setattr(backend_plan, "on_real_inputs",
                         lambda *a, **k: real_traces.append(1) or on_real(*a, **k))
 
     def state(example_inputs):
@@ -384,11 +384,11 @@ def _spied_inner(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     about); returns the config patches of every compile asked for, in order."""
     asked: list[dict] = []
 
-    def inner(gm, example_inputs, options, dtype, device, patches=b.PLAN_STANDS,
+    def inner(gm, example_inputs, options, dtype, device, patches=backend_inner.PLAN_STANDS,
               backward_now=True):
         asked.append(dict(patches))
         return gm.forward
-    monkeypatch.setattr(b, "_inner", inner)
+    monkeypatch.setattr(backend_inner, "inner_compile", inner)
     return asked
 
 
@@ -404,7 +404,7 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     Inductor's rule is asked once: later compiles of the graph read it from the cache, which
     each compile of the graph opens once, for all it reads and writes."""
     rules = []
-    monkeypatch.setattr(b, "inductor_rule", lambda *args, **kwargs: rules.append(1) or True)
+    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: rules.append(1) or True)
     model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
     cache = str(tmp_path / "costs.sqlite")
     _measure_into(cache, model, x, train=False)
@@ -425,8 +425,8 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
         for how, ratio in timed.items():  # the compiled plan's time over that way's
             assert ratio == pytest.approx(2.0 if how == fastest else
                                           (0.5 if fastest == COMPILED else 1.0))
-        built = {COMPILED: [b.PLAN_STANDS], EAGER: [], INDUCTOR_OWN: [{}]}[fastest]
-        assert asked == ([b.PLAN_STANDS, {}] if run == "measured" else built)
+        built = {COMPILED: [backend_inner.PLAN_STANDS], EAGER: [], INDUCTOR_OWN: [{}]}[fastest]
+        assert asked == ([backend_inner.PLAN_STANDS, {}] if run == "measured" else built)
         if fastest == COMPILED:  # verified by the first compile, read by the second
             assert ("verified before" in graph.verification) == (run == "cached")
         assert len(opened) == 1
@@ -442,7 +442,7 @@ def test_inductors_own_is_timed_even_where_every_convolution_agrees_with_its_rul
     """Inductor's rule stated off (convolutions keep their traced strides) and the plan
     contiguous: no convolution differs, yet the layouts between them may, so Inductor's own
     is timed too, and kept where it is faster."""
-    monkeypatch.setattr(b, "inductor_rule", lambda *args, **kwargs: False)
+    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: False)
     model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
     cache = str(tmp_path / "costs.sqlite")
     _measure_into(cache, model, x, train=False)
@@ -455,7 +455,7 @@ def test_inductors_own_is_timed_even_where_every_convolution_agrees_with_its_rul
     (graph,) = memlayout.backend_report().graphs
     assert not graph.differing and graph.ran == INDUCTOR_OWN
     assert {how for how, _ in graph.timed} == {EAGER, INDUCTOR_OWN}
-    assert asked == [b.PLAN_STANDS, {}]
+    assert asked == [backend_inner.PLAN_STANDS, {}]
 
 
 def _no_timing(*args, **kwargs):
@@ -534,7 +534,7 @@ def _rewrite_then(monkeypatch: pytest.MonkeyPatch,
                   tail: Callable[[fx.Graph, fx.Node], fx.Node]) -> None:
     """The backend's rewrite, then the planned graph's one output replaced by what ``tail``
     makes of it (nodes added to the graph before its output)."""
-    real = b.rewrite
+    real = backend_plan.rewrite
 
     def rewrite(root, gm, form, labels):
         out = real(root, gm, form, labels)
@@ -545,7 +545,7 @@ def _rewrite_then(monkeypatch: pytest.MonkeyPatch,
         gm.recompile()
         return out
 
-    monkeypatch.setattr(b, "rewrite", rewrite)
+    monkeypatch.setattr(backend_plan, "rewrite", rewrite)
 
 
 def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch, tmp_path):

@@ -23,6 +23,7 @@ from torch import nn
 
 import memlayout
 from memlayout.plan.compilers import backend as b
+from memlayout.plan.compilers import backend_plan
 from memlayout.plan.compilers.backend import BackendWarning
 from memlayout.plan.compilers.backend_report import AS_GIVEN, COMPILED, EAGER
 from memlayout.plan.compilers.backend_shared import Decision, ExchangeFailed, Job, plan_digest
@@ -102,7 +103,7 @@ def _no_measuring(*args: Any, **kwargs: Any) -> Any:
 def test_a_rank_takes_the_deciding_ranks_plan_and_measures_nothing(monkeypatch):
     sent, (grads0, records0, warned0) = _decided(monkeypatch)
     _as(monkeypatch, Job(1, 0), _playing(sent))
-    monkeypatch.setattr(b, "measure_costs", _no_measuring)
+    monkeypatch.setattr(backend_plan, "measure_costs", _no_measuring)
     grads1, records1, warned1 = _step()
 
     assert warned0 == warned1 == []
@@ -153,7 +154,7 @@ def test_a_rank_that_cannot_take_the_plan_says_so_and_runs_the_graph_as_given(
         monkeypatch, tamper, why):
     sent, (grads0, _, _) = _decided(monkeypatch)
     _as(monkeypatch, Job(1, 0), _playing([tamper(d) for d in sent]))
-    monkeypatch.setattr(b, "measure_costs", _no_measuring)  # never a plan of its own
+    monkeypatch.setattr(backend_plan, "measure_costs", _no_measuring)  # never a plan of its own
     grads1, records, warned = _step()
 
     refused = [r for r in records if r.decided_by is None]

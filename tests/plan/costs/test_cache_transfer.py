@@ -19,13 +19,8 @@ from memlayout import machine
 from memlayout.cli import app
 from memlayout.machine import Conditions
 from memlayout.plan.costs import cache as cache_module
-from memlayout.plan.costs.cache import (
-    CacheWarning,
-    CostCache,
-    CostTableError,
-    OtherMachineError,
-    read_cost_table,
-)
+from memlayout.plan.costs.cache import CacheWarning, CostCache
+from memlayout.plan.costs.transfer import CostTableError, OtherMachineError, read_cost_table
 from tests.support.models import batch as _x
 
 QUIET = Conditions(0.5, 2, 2, "PASSIVE", "2026-12-01T10:00:00+00:00")

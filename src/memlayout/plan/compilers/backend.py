@@ -79,8 +79,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -91,43 +89,48 @@ from typing import Any
 import torch
 import torch._dynamo.exc
 import torch._functorch.config
-from torch import fx, nn
+from torch import fx
 
 from memlayout.devices import seam
-from memlayout.dtypes import autocast, dtype_name, parse_dtype
-from memlayout.errors import MemlayoutError, PlanError, first_line
-from memlayout.plan.capture.regions import propagate
+from memlayout.dtypes import dtype_name, parse_dtype
+from memlayout.errors import PlanError, first_line
 from memlayout.plan.check import guard
+from memlayout.plan.compilers import backend_inner
 from memlayout.plan.compilers.backend_check import (
     GraphCheck,
-    cached_guard,
     graph_signature,
-    guard_graph,
     verify_graph,
     verify_once,
 )
 from memlayout.plan.compilers.backend_graphs import (
     NotPlanned,
-    converted_weights,
     copy_graph,
-    fresh_inputs,
-    grads_in_parameter_strides,
     is_dynamic,
-    mutated_aliases,
-    op_name,
     real_inputs,
-    refuse_module_state,
+)
+from memlayout.plan.compilers.backend_inner import (
+    as_given,
+    ddp_split,
+    eager_run,
+    fastest_way,
+    guard_ratios,
+    inductor_option,
+    known_decision,
+    unplanned,
+)
+from memlayout.plan.compilers.backend_plan import (
+    Planned,
+    cached_rule,
+    inductor_rule,
+    plan_graph,
 )
 from memlayout.plan.compilers.backend_report import (
-    AS_GIVEN,
     COMPILED,
     EAGER,
     GUARD_MARGIN,
     INDUCTOR_OWN,
     RECORDS,
-    ConvolutionChoice,
     GraphRecord,
-    convolution_choices,
 )
 from memlayout.plan.compilers.backend_shared import (
     Decision,
@@ -137,19 +140,10 @@ from memlayout.plan.compilers.backend_shared import (
     job_of,
     plan_digest,
 )
-from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
-from memlayout.plan.costs.measure import measure_costs
-from memlayout.plan.costs.table import CostTable, measured_on
-from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, LABELS, META_KEY, Label, Request
-from memlayout.plan.solve.formulate import formulate
-from memlayout.plan.solve.regions import solve_labels
-from memlayout.plan.steer.rewrite import rewrite
-from memlayout.spatial import mark_spatial
-from memlayout.tensors import device_of, to_dense
+from memlayout.tensors import device_of
 
 INNER_COMPILERS = ("inductor", "eager")
-PLAN_STANDS = {"layout_optimization": False}
 
 #: Dynamo's control flow (trace again, skip the frame): raised through, never a failure
 _DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
@@ -204,7 +198,7 @@ class Backend:
             raise PlanError(f"memlayout backend: rounds={self.rounds!r}; expected an int >= 1")
         if self.dtype is not None:
             parse_dtype(self.dtype)  # DtypeError names the choices
-        unknown = [k for k, _ in self.inductor if not _inductor_option(k)]
+        unknown = [k for k, _ in self.inductor if not inductor_option(k)]
         if unknown:
             raise PlanError(f"memlayout backend: options {unknown} are neither memlayout's "
                             f"({', '.join(f.name for f in dataclasses.fields(self))}) nor "
@@ -251,18 +245,6 @@ def memlayout_backend(gm: fx.GraphModule, example_inputs: list[Any],
     return Backend()(gm, example_inputs, **kwargs)
 
 
-@dataclass(frozen=True)
-class _Planned:
-    """A graph's plan: the rewritten copy, its costs, the conversions made, each
-    convolution's choice, the weights converted on every call (name, bytes) and the solved
-    labels (node name -> label)."""
-
-    graph: fx.GraphModule
-    table: CostTable
-    conversions: int
-    convolutions: tuple[ConvolutionChoice, ...]
-    weights: tuple[tuple[str, int], ...] = ()
-    labels: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -273,7 +255,7 @@ class _Compiled:
 
     fn: Callable[..., Any]
     record: GraphRecord
-    plan: _Planned | None = None
+    plan: Planned | None = None
     planned_signature: str = ""
 
     def digest(self, signature: str) -> str:
@@ -297,7 +279,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
     device = device_of(inputs)
     with seam(device).fork_rng():
         try:
-            shared = _ddp_split() if options.shared_plan is None else options.shared_plan
+            shared = ddp_split() if options.shared_plan is None else options.shared_plan
             job = job_of(device) if shared else None
         except ExchangeFailed as exc:
             return _without_plan(gm, example_inputs, inputs, device, options, exc.rank,
@@ -414,8 +396,8 @@ def _taken(decision: Decision, gm: fx.GraphModule, example_inputs: list[Any],
     train, dtype = _training(inputs), options.run_dtype(device)
     mine = {"graph": _graph_id(gm), "measured": 0, "cached": 0}
     if decision.table is None:  # Inductor's own layouts, or the graph as given
-        given = _as_given(gm, example_inputs, train=train)
-        fn, ran = _unplanned(given, example_inputs, options, dtype, device)
+        given = as_given(gm, example_inputs, train=train)
+        fn, ran = unplanned(given, example_inputs, options, dtype, device)
         return _Compiled(fn, dataclasses.replace(
             record, **mine, ran=ran, plan_seconds=0.0,
             compile_seconds=time.perf_counter() - start))
@@ -428,9 +410,9 @@ def _taken(decision: Decision, gm: fx.GraphModule, example_inputs: list[Any],
         return None
     plan_seconds = time.perf_counter() - start
     if record.ran == COMPILED:
-        fn = _inner(planned.graph, example_inputs, options, dtype, device)
+        fn = backend_inner.inner_compile(planned.graph, example_inputs, options, dtype, device)
     else:
-        fn = _eager(eager_graph, options, device)
+        fn = eager_run(eager_graph, options, device)
     return _Compiled(fn, dataclasses.replace(
         record, **mine, plan_seconds=plan_seconds,
         compile_seconds=time.perf_counter() - start - plan_seconds), planned, planned_signature)
@@ -447,8 +429,8 @@ def _without_plan(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[An
     warnings.warn(f"memlayout backend: rank {rank}, graph {graph}: {problem}; the graph is "
                   "compiled with Inductor's own layouts", BackendWarning, stacklevel=3)
     train, dtype = _training(inputs), options.run_dtype(device)
-    given = _as_given(gm, example_inputs, train=train)
-    fn, ran = _unplanned(given, example_inputs, options, dtype, device)
+    given = as_given(gm, example_inputs, train=train)
+    fn, ran = unplanned(given, example_inputs, options, dtype, device)
     RECORDS.add(GraphRecord(graph, train, dtype_name(dtype), is_dynamic(gm), planned=False,
                             ran=ran, reason=f"no shared plan: {problem}",
                             compile_seconds=time.perf_counter() - start, rank=rank,
@@ -475,15 +457,15 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     dtype = options.run_dtype(device)
     head = {"graph": _graph_id(gm), "train": train,
             "dtype": dtype_name(dtype), "dynamic": is_dynamic(gm)}
-    rule = _rule(gm, example_inputs, inputs, store, dtype=dtype, train=train, device=device)
-    given = _as_given(gm, example_inputs, train=train)  # what runs without a plan
+    rule = cached_rule(gm, example_inputs, inputs, store, dtype=dtype, train=train, device=device)
+    given = as_given(gm, example_inputs, train=train)  # what runs without a plan
     try:
         planned = plan_graph(gm, inputs, options, train=train, dtype=dtype, device=device,
                              rule=rule, store=store)
     except _DYNAMO_SIGNALS:
         raise
     except NotPlanned as exc:
-        fn, ran = _unplanned(given, example_inputs, options, dtype, device)
+        fn, ran = unplanned(given, example_inputs, options, dtype, device)
         return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran, reason=str(exc),
                                          inductor_rule=rule,
                                          plan_seconds=time.perf_counter() - start))
@@ -491,7 +473,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         warnings.warn(f"memlayout backend: graph {head['graph']} could not be planned "
                       f"({type(exc).__name__}: {first_line(exc)}); it is compiled with "
                       "Inductor's own layouts", BackendWarning, stacklevel=2)
-        fn, ran = _unplanned(given, example_inputs, options, dtype, device)
+        fn, ran = unplanned(given, example_inputs, options, dtype, device)
         return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran,
                                          reason=f"planning failed: {type(exc).__name__}",
                                          inductor_rule=rule,
@@ -504,19 +486,19 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
               "measured": planned.table.measured, "cached": planned.table.cached,
               "plan_seconds": plan_seconds}
     # the guard decided this graph before (the cost cache): build only what will run
-    known = _known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
+    known = known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
                             device=device)
     kept = guard.decide(known, margin=GUARD_MARGIN) if known is not None else None
     if kept == INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
-        fn = _unplanned(given, example_inputs, options, dtype, device)[0]
+        fn = unplanned(given, example_inputs, options, dtype, device)[0]
         return _Compiled(fn, GraphRecord(
-            **record, ran=INDUCTOR_OWN, timed=_timed(known),
+            **record, ran=INDUCTOR_OWN, timed=guard_ratios(known),
             verification="the plan not run (Inductor's own layouts kept, as timed before)",
             compile_seconds=time.perf_counter() - start - plan_seconds))
     compiled = options.inner != "eager" and kept != EAGER
     try:
-        fn = (_inner(planned.graph, example_inputs, options, dtype, device) if compiled
-              else _eager(eager_graph, options, device))
+        fn = (backend_inner.inner_compile(planned.graph, example_inputs, options, dtype, device) if compiled
+              else eager_run(eager_graph, options, device))
         check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train, dtype=dtype,
                             device=device, compiled=compiled,
                             way=options.compiled_as if compiled else EAGER)
@@ -531,9 +513,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                         compile_seconds)
     ran, timed = (EAGER if options.inner == "eager" else COMPILED), ()
     if kept is not None:
-        ran, timed = (EAGER if kept == EAGER else COMPILED), _timed(known)
+        ran, timed = (EAGER if kept == EAGER else COMPILED), guard_ratios(known)
     elif ran == COMPILED and options.guard and options.measure:
-        fn, ran, timed = _fastest(fn, given, eager_graph, example_inputs, inputs, options,
+        fn, ran, timed = fastest_way(fn, given, eager_graph, example_inputs, inputs, options,
                                   store, train=train, dtype=dtype, device=device)
     runs = ran in (COMPILED, EAGER)
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
@@ -552,346 +534,30 @@ def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
     warnings.warn(f"memlayout backend: the plan of graph {record['graph']} was dropped "
                   f"({problem}); the graph is compiled with Inductor's own layouts instead. "
                   "Please report this with the model", BackendWarning, stacklevel=3)
-    fn, ran = _unplanned(gm, example_inputs, options, dtype, device)
+    fn, ran = unplanned(gm, example_inputs, options, dtype, device)
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
                                      max_error=check.error, fallback=problem,
                                      compile_seconds=compile_seconds))
 
 
-#: the ways the guard times a planned graph: the compiled plan, the plan eagerly, Inductor's own
-WAYS = [guard.PLANNED, EAGER, INDUCTOR_OWN]
 
 
-def _known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Backend,
-                    store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
-                    device: torch.device) -> dict[str, Any] | None:
-    """The guard's cached record for this planned graph, if the guard runs and one stands."""
-    if options.inner == "eager" or not (options.guard and options.measure) or store is None:
-        return None
-    return cached_guard(WAYS, eager_graph, inputs, store=store, margin=GUARD_MARGIN,
-                        train=train, dtype=dtype, device=device,
-                        compiled_as=options.compiled_as)
 
 
-def _timed(record: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
-    """Each other way's median ratio in a guard record (the compiled plan's time over its)."""
-    return tuple((name, statistics.median(r)) for name, r in record["ratios"].items() if r)
 
 
-def _fastest(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
-             example_inputs: list[Any], inputs: list[Any], options: Backend,
-             store: CostCache | None, *,
-             train: bool, dtype: torch.dtype | None,
-             device: torch.device) -> tuple[Callable[..., Any], str, tuple[tuple[str, float], ...]]:
-    """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
-    the plan compiled (``fn``, kept unless another is faster by more than ``GUARD_MARGIN``),
-    the plan run eagerly, and ``gm`` compiled by Inductor with its own layouts: what
-    ``torch.compile`` alone would run. That one is timed even where every convolution's
-    planned format is the one Inductor's rule gives it: the layouts between them (attention,
-    normalization, conversions) differ too, and can cost more than the convolutions save.
-    Returns the function, what runs it and each other way's median ratio (the compiled
-    plan's time over its)."""
-    made: dict[str, Callable[..., Any]] = {}
-
-    def own() -> Callable[..., Any]:
-        if INDUCTOR_OWN not in made:
-            made[INDUCTOR_OWN] = _unplanned(gm, example_inputs, options, dtype, device,
-                                            backward_now=True)[0]  # timed here
-        return made[INDUCTOR_OWN]
-
-    makers: dict[str, Callable[[], Callable[..., Any]]] = {
-        guard.PLANNED: lambda: fn, EAGER: lambda: _eager(eager_graph, options, device),
-        INDUCTOR_OWN: own}
-    record = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
-                         margin=GUARD_MARGIN, train=train, dtype=dtype, device=device,
-                         compiled_as=options.compiled_as)
-    timed = _timed(record)
-    kept = guard.decide(record, margin=GUARD_MARGIN)
-    if kept == EAGER:
-        return _eager(eager_graph, options, device), EAGER, timed
-    if kept == INDUCTOR_OWN:
-        return own(), INDUCTOR_OWN, timed
-    return fn, COMPILED, timed
 
 
-# ---------------------------------------------------------------- planning
 
 
-def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train: bool,
-               dtype: torch.dtype | None, device: torch.device,
-               rule: bool | None = None, store: CostCache | None = None,
-               decided: tuple[CostTable, Mapping[str, int]] | None = None) -> _Planned:
-    """The plan of one Dynamo graph on real ``inputs``: a rewritten copy of ``gm`` (``gm``
-    itself is not changed), its costs measured into ``store`` (none: all measured), or
-    ``decided``: the costs and labels another rank measured and solved (nothing measured).
-    ``NotPlanned`` says why a graph has nothing to plan."""
-    work = copy_graph(gm)
-    ranks = CONV1D_RANKS if any(op_name(n) in ("conv1d", "conv_transpose1d")
-                                for n in work.graph.nodes) else BASE_RANKS
-    try:
-        # no run facts: nothing steers a Dynamo graph by module calls
-        propagate(work, tuple(fresh_inputs(inputs)), dtype=dtype, ranks=ranks, device=device,
-                  facts=False)
-    except MemlayoutError as exc:
-        raise NotPlanned(f"the graph does not run on real tensors: {first_line(exc)}") from exc
-    mark_spatial(work)
-    for n in mutated_aliases(work):  # converting these would lose a write someone reads
-        n.meta[META_KEY] = dataclasses.replace(n.meta[META_KEY], label=None)
-    refuse_module_state(work, ranks)
-    if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS
-               for n in work.graph.nodes):
-        raise NotPlanned("no image-like value: no layout to choose")
-    if decided is None:
-        table = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype,
-                              measure=options.measure, cache=store if options.measure else None,
-                              rounds=options.rounds, train=train, device=device)
-    else:
-        table = decided[0]
-    form = formulate(work, table, input_label=None, output_label=Request.KEEP)
-    labels = solve_labels(form.integer) if decided is None else dict(decided[1])
-    convolutions = convolution_choices(work, table, labels, rule)
-    _, made = rewrite(nn.Module(), work, form, labels)
-    weights = converted_weights(work, inputs, [value for value, _, _ in made])
-    if train:
-        grads_in_parameter_strides(work, inputs)
-    if is_dynamic(gm):
-        _traced_conversions(work)
-    return _Planned(work, table, len(made), convolutions, weights,
-                    tuple(sorted((k, int(v)) for k, v in labels.items())))
 
 
-def _traced_conversions(gm: fx.GraphModule) -> None:
-    """The rewrite's conversions as ``to_label`` calls, which trace with symbolic sizes (the
-    layout algebra's cached stride rules hash sizes, and a symbolic size has no hash)."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is convert_value:
-            n.target = to_label
-        elif n.op == "call_function" and n.target is convert_value_1d:
-            n.target, n.args = to_label, (*n.args, CONV1D_RANKS)
-    gm.recompile()
 
 
-def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
-    """Every tensor in ``value`` of a rank in ``ranks`` dense in ``label``'s format (1: N L C,
-    channels_last, channels_last_3d by rank; 0: contiguous), by ``contiguous`` (its gradient
-    back in the source's format, ``to_dense``): a no-op for a tensor already dense
-    in it; other values unchanged.
-
-    >>> to_label((torch.empty(2, 3, 4, 4), 1), 1, (4, 5))[0].stride()
-    (48, 1, 12, 3)
-    """
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_label(v, label, ranks) for v in value)
-    if not isinstance(value, torch.Tensor) or value.dim() not in ranks:
-        return value
-    return to_dense(value, Label(label).format(value.dim()))
 
 
-def inductor_rule(gm: fx.GraphModule, example_inputs: list[Any], *, dtype: torch.dtype | None,
-                  train: bool, device: torch.device) -> bool | None:
-    """Inductor's whole-graph layout decision for ``gm`` under the current config:
-    ``True`` when it would require channels-last for every 2-d convolution; ``None`` when
-    this torch cannot say (the internal ``GraphLowering.decide_layout_opt`` missing, or the
-    graph not traceable to aten). ``gm`` is traced to aten in Dynamo's own fake mode and
-    shape env (``_in_dynamos_mode``: fast, and symbolic where Dynamo's sizes are, as
-    Inductor sees them); a graph that does not trace there (one that reads a value, such as
-    a float Dynamo passes as a tensor) is traced on real inputs of its sizes instead."""
-    try:
-        from torch._inductor.graph import GraphLowering
-
-        decide = GraphLowering.decide_layout_opt
-    except (ImportError, AttributeError):
-        return None
-    for trace in (_in_dynamos_mode, _on_real_inputs):
-        try:
-            aten = trace(gm, example_inputs, dtype=dtype, device=device)
-            return bool(decide(aten, is_inference=not train))
-        except Exception:  # untraceable this way, or a changed internal: the next, or no answer
-            continue
-    return None
 
 
-def _in_dynamos_mode(gm: fx.GraphModule, example_inputs: list[Any], *,
-                     dtype: torch.dtype | None, device: torch.device) -> fx.GraphModule:
-    """``gm`` traced to aten on new fake tensors of ``example_inputs``' sizes and strides in
-    Dynamo's fake mode (a fake mode of their own outside Dynamo), guards suppressed so the
-    trace adds none to Dynamo's, and nothing the graph writes in place touching its inputs;
-    a real tensor the graph holds (an attribute) read as fake."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    mode = detect_fake_mode(example_inputs) or FakeTensorMode()
-    quiet = (mode.shape_env.suppress_guards() if mode.shape_env is not None
-             else contextlib.nullcontext())
-    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
-    try:
-        with mode, quiet, torch.no_grad(), autocast(device, dtype):
-            fakes = [torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-                     if isinstance(x, torch.Tensor) else x for x in example_inputs]
-            return make_fx(gm, tracing_mode="real")(*fakes)  # "real": the inputs as given
-    finally:
-        mode.allow_non_fake_inputs = allowed
-
-
-def _on_real_inputs(gm: fx.GraphModule, example_inputs: list[Any], *,
-                    dtype: torch.dtype | None, device: torch.device) -> fx.GraphModule:
-    """``gm`` traced to aten from real inputs made of ``example_inputs`` (``real_inputs``),
-    outside Dynamo's tracing context, every size symbolic in a dynamic graph."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    inputs = fresh_inputs(real_inputs(example_inputs))
-    with torch._guards.tracing(None), torch.no_grad(), autocast(device, dtype):
-        return make_fx(gm, tracing_mode="symbolic" if is_dynamic(gm) else "fake",
-                       _allow_non_fake_inputs=True)(*inputs)
-
-
-def _rule(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
-          store: CostCache | None, *, dtype: torch.dtype | None, train: bool,
-          device: torch.device) -> bool | None:
-    """``inductor_rule``, read from the cost cache where this graph's (same code, input
-    shapes, strides and dtypes, torch and Inductor layout config) was found before: asking
-    it traces the graph to aten, a large part of a cached compile."""
-    if store is None:
-        return inductor_rule(gm, example_inputs, dtype=dtype, train=train, device=device)
-    from torch._inductor import config
-
-    key = json.dumps(["backend-rule", measured_on(device), torch.__version__, str(dtype),
-                      "train" if train else "infer", config.layout_optimization,
-                      config.force_layout_optimization, torch.backends.mkldnn.enabled,
-                      graph_signature(gm, inputs)])
-    found = store.get(key, lambda r: isinstance(r, dict) and r.get("rule") in (True, False, None))
-    if found is not None:
-        return found["rule"]
-    rule = inductor_rule(gm, example_inputs, dtype=dtype, train=train, device=device)
-    store.put(key, {"rule": rule}, is_noisy=False)
-    return rule
-
-
-# ---------------------------------------------------------------- compiling
-
-
-def _inner(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
-           dtype: torch.dtype | None, device: torch.device,
-           patches: Mapping[str, Any] = PLAN_STANDS,
-           backward_now: bool = True) -> Callable[..., Any]:
-    """``gm`` compiled by the inner compiler (Inductor with ``patches``), or run eagerly;
-    ``backward_now``: the backward compiled with the forward, for a graph run before Dynamo
-    runs it (verified, timed by the guard): compiled lazily, it would be at its first
-    backward, inside the backend's call, where Inductor's compile context is already open."""
-    if options.inner == "eager":
-        return _eager(gm, options, device)
-    from torch._inductor.compile_fx import compile_fx
-
-    config = {**dict(options.inductor), **patches}  # the plan's patches win
-    if options.mode not in (None, "default"):
-        from torch._inductor import list_mode_options
-
-        config = {**list_mode_options(options.mode), **config}
-    functorch = torch._functorch.config
-    # a torch without the option compiles the backward lazily, as it always did; in a graph
-    # of DDP's optimizer never: a lazy backward takes its forward's metadata by counting the
-    # split graphs back from the last, which holds only where every split's is lazy
-    eager_backward = (functorch.patch(force_non_lazy_backward_lowering=backward_now
-                                      or _ddp_split())
-                      if hasattr(functorch, "force_non_lazy_backward_lowering")
-                      else contextlib.nullcontext())
-    with _autocast_for(options, device, dtype), eager_backward:
-        fn = compile_fx(gm, example_inputs, config_patches=config or None)
-    return _fake_first_call_made(fn, example_inputs)
-
-
-def _ddp_split() -> bool:
-    """Whether the graph being compiled is one of the split graphs of DDP's optimizer
-    (``torch._dynamo.config.optimize_ddp``: one graph per gradient bucket)."""
-    context = torch._guards.TracingContext.try_get()
-    return getattr(context, "ddp_optimizer_ctx", None) is not None
-
-
-def _fake_first_call_made(fn: Callable[..., Any],
-                          example_inputs: list[Any]) -> Callable[..., Any]:
-    """``fn`` (compiled by AOTAutograd) runnable on real tensors from its first call.
-
-    DDP's optimizer compiles each split graph with ``fakify_first_call`` set: the compiled
-    function's first call returns fake outputs in the strides Inductor chose, whatever it is
-    given, and DDP's optimizer makes that call, on fake tensors, to learn what the next split
-    graph is given. The backend runs what it compiles first (verification, the guard), so
-    here that first call is made, on the fake example inputs in their fake mode as DDP's
-    optimizer makes it, and a later call on fake tensors is answered with its outputs."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import is_fake
-
-    context = torch._guards.TracingContext.try_get()
-    mode = detect_fake_mode(example_inputs)
-    if context is None or not getattr(context, "fakify_first_call", False) or mode is None:
-        return fn
-    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
-    try:
-        with mode:
-            pending = [fn(*example_inputs)]
-    finally:
-        mode.allow_non_fake_inputs = allowed
-
-    def run(*args: Any) -> Any:
-        if pending and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
-            return pending.pop()
-        return fn(*args)
-    return run
-
-
-def _as_given(gm: fx.GraphModule, example_inputs: list[Any], *, train: bool) -> fx.GraphModule:
-    """``gm`` as the backend runs it without a plan (Inductor's own layouts, or eagerly): in
-    training, a copy whose parameters hand their gradients back in their own strides
-    (``grads_in_parameter_strides``; Inductor's own channels-last gives a 1x1 convolution's
-    weight the gradient strides DDP's buckets warn about), else ``gm`` itself."""
-    if not train:
-        return gm
-    work = copy_graph(gm)
-    return work if grads_in_parameter_strides(work, example_inputs) else gm
-
-
-def _unplanned(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
-               dtype: torch.dtype | None, device: torch.device,
-               backward_now: bool = False) -> tuple[Callable[..., Any], str]:
-    """``gm`` as Inductor compiles it with its own layouts (or as given, run eagerly);
-    ``backward_now`` as for ``_inner``."""
-    if options.inner == "eager":
-        return _eager(gm, options, device), AS_GIVEN
-    return (_inner(gm, example_inputs, options, dtype, device, patches={},
-                   backward_now=backward_now), INDUCTOR_OWN)
-
-
-def _eager(gm: fx.GraphModule, options: Backend, device: torch.device) -> Callable[..., Any]:
-    """``gm`` run eagerly (under ``options.dtype``'s autocast when one is set)."""
-    if options.dtype is None:
-        return gm.forward
-
-    def run(*args: Any) -> Any:
-        with _autocast_for(options, device, options.run_dtype(device)):
-            return gm(*args)
-    return run
-
-
-def _autocast_for(options: Backend, device: torch.device, dtype: torch.dtype | None) -> Any:
-    """The autocast an explicit ``options.dtype`` asks for (fp32: autocast off); none else."""
-    if options.dtype is None:
-        return contextlib.nullcontext()
-    if dtype is None:
-        return torch.autocast(device.type, enabled=False)
-    return autocast(device, dtype)
-
-
-def _inductor_option(name: str) -> bool:
-    """``name`` is one of Inductor's config options (dotted for a nested one:
-    ``triton.cudagraphs``)."""
-    from torch._inductor import config
-
-    holder: Any = config
-    for part in name.split("."):
-        if not hasattr(holder, part):
-            return False
-        holder = getattr(holder, part)
-    return True
 
 
 # ---------------------------------------------------------------- the cost cache

@@ -67,6 +67,7 @@ from memlayout.machine import Conditions
 from memlayout.plan.check.guard import save as save_guard_record
 from memlayout.plan.check.guard import time_candidates, valid_record
 from memlayout.plan.check.speed import ModelComparison, busier
+from memlayout.plan.compilers.backend_inner import PLAN_STANDS
 from memlayout.plan.compilers.runtime_model import (
     Reference,
     RuntimeModule,
@@ -89,7 +90,6 @@ from memlayout.timing import interleaved
 PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
 INDUCTOR = "inductor"  # the original model compiled with the settings given: Inductor decides
 FROZEN = "inductor+freezing"  # the same with Inductor's freezing: weights folded and prepacked
-PLAN_STANDS = {"layout_optimization": False}
 FREEZING = {"freezing": True}
 RUNTIMES: tuple[str, ...] = rt.ADAPTERS  # tried by default, where installed
 

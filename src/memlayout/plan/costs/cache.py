@@ -55,17 +55,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from memlayout.errors import MemlayoutError
 from memlayout.files import write_atomic
-from memlayout.machine import SPREAD_LIMIT, Conditions, fingerprint, noisy, overloaded
+from memlayout.machine import Conditions, fingerprint, noisy, overloaded
+from memlayout.plan.costs.transfer import (
+    CostTableError,
+    ExportReport,
+    ImportReport,
+    newer,
+    now_utc,
+    read_cost_table,
+    table_text,
+)
 
 SCHEMA = 2  # ``PRAGMA user_version`` of a cache file this code reads
 #: ``PRAGMA application_id`` of every cache file memlayout creates ("MLay"): only a file that
 #: carries it (or holds exactly this schema, written before the id was set) is memlayout's
 APPLICATION_ID = int.from_bytes(b"MLay", "big")
-_SQLITE_HEADER = b"SQLite format 3\x00"
+SQLITE_HEADER = b"SQLite format 3\x00"
 #: seconds a read or write waits for another process's lock before the cache is turned off
 #: (a planning run commits one small row at a time: a longer lock is a stuck process)
 TIMEOUT = 1.0
@@ -79,22 +85,6 @@ _CREATE = """CREATE TABLE entries (
 
 class CacheWarning(RuntimeWarning):
     """The cache could not be used as is (repaired, or off for this run); planning goes on."""
-
-
-class CostTableError(MemlayoutError, ValueError):
-    """A cost-table file that cannot be exported or imported as asked: not one ``memlayout
-    cache export`` wrote, damaged, or a cache that cannot be read or written now. Nothing of
-    it was imported."""
-
-
-class OtherMachineError(CostTableError):
-    """A cost-table file measured on a machine of another fingerprint (``theirs``) than this
-    one (``ours``): its timings say nothing of this machine."""
-
-    def __init__(self, message: str, *, theirs: str, ours: str) -> None:
-        super().__init__(message)
-        self.theirs = theirs
-        self.ours = ours
 
 
 def cache_path() -> Path:
@@ -166,61 +156,6 @@ class CacheSummary:
     @property
     def count(self) -> int:
         return sum(g.count for g in self.groups)
-
-
-#: the first field of a cost-table file's header, and the version of its layout this code reads
-TABLE_FORMAT = "memlayout cost table"
-TABLE_VERSION = 1
-_TABLE_FIELDS = ("key", "value", "load_average", "cpu_count", "spread", "noisy", "taken_at")
-
-
-@dataclass(frozen=True)
-class CostTableHeader:
-    """The first line of a cost-table file: whose timings it holds and what wrote it."""
-
-    fingerprint: str  # ``machine.fingerprint()`` of the machine that measured them
-    memlayout: str
-    torch: str
-    count: int
-    exported_at: str  # UTC, ISO 8601
-    busy: bool  # entries taken while the machine was busy are in it
-
-
-@dataclass(frozen=True)
-class CostTableFile:
-    """A cost-table file read whole (:func:`read_cost_table`)."""
-
-    path: Path
-    header: CostTableHeader
-    entries: tuple[Entry, ...]
-
-
-@dataclass(frozen=True)
-class ExportReport:
-    """What ``export_table`` wrote, and what it left out."""
-
-    path: Path
-    fingerprint: str
-    exported: int
-    busy: int  # taken on a busy machine, left out (a quiet machine measures them again)
-    other_machines: int  # entries of other fingerprints, never exported
-    unreadable: int  # records that are not JSON (a read would measure them again)
-
-
-@dataclass(frozen=True)
-class ImportReport:
-    """What ``import_table`` took in: ``added`` new keys, ``replaced`` older local entries;
-    ``skipped`` entries where the local one is as new or newer."""
-
-    path: Path
-    fingerprint: str
-    added: int
-    replaced: int
-    skipped: int
-
-    @property
-    def imported(self) -> int:
-        return self.added + self.replaced
 
 
 class CostCache:
@@ -401,7 +336,7 @@ class CostCache:
         row = (key, self.fingerprint, kind_of(key), json.dumps(value),
                conditions.load_average, conditions.cpu_count, spread,
                int(conditions.busy or noisy(spread) if is_noisy is None else is_noisy),
-               conditions.taken_at or _now())
+               conditions.taken_at or now_utc())
         try:
             with self._db:
                 self._db.execute(f"INSERT OR REPLACE INTO entries ({', '.join(_COLUMNS)}) "
@@ -509,7 +444,7 @@ class CostCache:
             except sqlite3.Error as exc:
                 raise CostTableError(f"the cache {self.path} cannot be read now ({exc}); "
                                      "nothing was exported") from exc
-        lines: list[str] = []
+        kept: list[Entry] = []
         left_busy = others = unreadable = 0
         for row in rows:
             if row[1] != self.fingerprint:
@@ -523,22 +458,13 @@ class CostCache:
             if found.noisy and found.taken_busy and not busy:
                 left_busy += 1
                 continue
-            lines.append(json.dumps({
-                "key": found.key, "value": found.value, "load_average": found.load_average,
-                "cpu_count": found.cpu_count, "spread": found.spread, "noisy": found.noisy,
-                "taken_at": found.taken_at}))
-        from memlayout import __version__  # the package's own module: loaded by now
-
-        header = {"format": TABLE_FORMAT, "version": TABLE_VERSION,
-                  "fingerprint": self.fingerprint, "memlayout": __version__,
-                  "torch": torch.__version__, "count": len(lines), "exported_at": _now(),
-                  "busy": busy}
+            kept.append(found)
         try:
-            write_atomic(path, "".join(f"{line}\n" for line in [json.dumps(header), *lines]))
+            write_atomic(path, table_text(self.fingerprint, kept, busy=busy))
         except OSError as exc:
             raise CostTableError(f"cannot write the cost table {path} "
                                  f"({exc.strerror or exc})") from exc
-        return ExportReport(path, self.fingerprint, len(lines), left_busy, others, unreadable)
+        return ExportReport(path, self.fingerprint, len(kept), left_busy, others, unreadable)
 
     def import_table(self, path: Path | str) -> ImportReport:
         """Take in the cost-table file at ``path`` (:meth:`export_table`'s), all of it in one
@@ -560,7 +486,7 @@ class CostCache:
                     local = self._db.execute(
                         "SELECT taken_at FROM entries WHERE key = ? AND fingerprint = ?",
                         (e.key, self.fingerprint)).fetchone()
-                    if local is not None and not _newer(e.taken_at, str(local[0])):
+                    if local is not None and not newer(e.taken_at, str(local[0])):
                         skipped += 1
                         continue
                     self._db.execute(insert, (
@@ -594,7 +520,7 @@ def _application_id(path: Path) -> int | None:
             head = f.read(100)
     except OSError:
         return None
-    if len(head) < 72 or not head.startswith(_SQLITE_HEADER):
+    if len(head) < 72 or not head.startswith(SQLITE_HEADER):
         return None
     return int.from_bytes(head[68:72], "big")
 
@@ -643,117 +569,6 @@ def foreign_reason(path: Path | str) -> str | None:
             f"{', '.join(tables) or 'none'})")
 
 
-def read_cost_table(path: Path | str, *, machine: str | None = None) -> CostTableFile:
-    """The cost-table file at ``path``, checked whole: its header, every entry's fields and
-    types, one entry per key, and as many entries as the header counts (a file cut short is
-    damaged). Raises :class:`CostTableError` naming the file and what is wrong with it, and
-    :class:`OtherMachineError` where ``machine`` is given and the file's fingerprint is
-    another."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise CostTableError(f"cannot read the cost table {path} "
-                             f"({exc.strerror or exc})") from exc
-    what = ("an SQLite database (a measurement cache itself?)" if data.startswith(_SQLITE_HEADER)
-            else "a file")
-    not_table = (f"{path} is {what}, not a cost table `memlayout cache export` wrote; "
-                 "nothing was imported")
-    try:
-        lines = data.decode("utf-8").splitlines()
-        header = json.loads(lines[0]) if lines else None
-    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CostTableError(not_table) from exc
-    if not isinstance(header, dict) or header.get("format") != TABLE_FORMAT:
-        raise CostTableError(not_table)
-    if header.get("version") != TABLE_VERSION:
-        raise CostTableError(f"{path} is a cost table of layout version "
-                             f"{header.get('version')!r}, and this memlayout reads version "
-                             f"{TABLE_VERSION}; nothing was imported (export it again with "
-                             "this memlayout)")
-    try:
-        head = CostTableHeader(
-            _typed(header, "fingerprint", str), _typed(header, "memlayout", str),
-            _typed(header, "torch", str), _typed(header, "count", int),
-            _typed(header, "exported_at", str), _typed(header, "busy", bool))
-    except ValueError as exc:
-        raise CostTableError(f"{path} is damaged: its header {exc}; nothing was "
-                             "imported") from exc
-    if machine is not None and head.fingerprint != machine:
-        raise OtherMachineError(
-            f"{path} was measured on another machine: its fingerprint is "
-            f"{head.fingerprint!r}, this machine's {machine!r}; nothing was imported (timings "
-            "hold only where they were taken: export the table on a machine of this "
-            "fingerprint, or plan here to measure)", theirs=head.fingerprint, ours=machine)
-    entries: list[Entry] = []
-    keys: set[str] = set()
-    for number, line in enumerate(lines[1:], start=2):
-        try:
-            entry = _table_entry(line, head.fingerprint)
-            if entry.key in keys:
-                raise ValueError(f"the key {entry.key} comes twice")
-        except ValueError as exc:
-            raise CostTableError(f"{path} is damaged at line {number}: {exc}; nothing was "
-                                 "imported") from exc
-        keys.add(entry.key)
-        entries.append(entry)
-    if len(entries) != head.count:
-        raise CostTableError(f"{path} is damaged: its header counts {head.count} entries and "
-                             f"it holds {len(entries)} (cut short?); nothing was imported")
-    return CostTableFile(path, head, tuple(entries))
-
-
-def _typed(record: dict[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
-    """``record[name]`` when it is of ``kind`` (an int where a float is asked; ``None`` where
-    ``optional``), else a ``ValueError`` naming the field.
-
-    >>> _typed({"count": 3}, "count", float), _typed({"spread": None}, "spread", float, optional=True)
-    (3.0, None)
-    """
-    value = record.get(name)
-    if value is None and optional and name in record:
-        return None
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = number if kind is float else (isinstance(value, kind)
-                                       and (kind is bool or not isinstance(value, bool)))
-    if not ok:
-        raise ValueError(f"has no {kind.__name__} {name!r} (found {value!r})")
-    return float(value) if kind is float else value
-
-
-def _table_entry(line: str, machine: str) -> Entry:
-    """One line of a cost-table file as an entry of ``machine``; a ``ValueError`` says what
-    is wrong with it."""
-    record = json.loads(line)  # a ValueError of its own where the line is not JSON
-    if not isinstance(record, dict) or set(record) != set(_TABLE_FIELDS):
-        raise ValueError(f"an entry has exactly the fields {', '.join(_TABLE_FIELDS)}")
-    key = _typed(record, "key", str)
-    taken_at = _typed(record, "taken_at", str)
-    _utc(taken_at)  # a time, or a ValueError
-    return Entry(key, kind_of(key), record["value"], machine,
-                 _typed(record, "load_average", float, optional=True),
-                 _typed(record, "cpu_count", int, optional=True),
-                 _typed(record, "spread", float, optional=True),
-                 _typed(record, "noisy", bool), taken_at)
-
-
-def _utc(stamp: str) -> datetime.datetime:
-    """An ISO 8601 time as an aware UTC datetime (one without a zone is taken as UTC)."""
-    moment = datetime.datetime.fromisoformat(stamp)
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=datetime.timezone.utc)
-    return moment
-
-
-def _newer(imported: str, local: str) -> bool:
-    """The imported entry was taken after the local one (a local time that does not parse
-    loses: the imported one was checked when read)."""
-    try:
-        return _utc(imported) > _utc(local)
-    except ValueError:
-        return True
-
-
 def _schema_problem(db: sqlite3.Connection) -> str | None:
     """``None`` (this schema), ``"empty"``, ``"corrupt"`` or ``"foreign"``; raises
     ``OperationalError`` when the file cannot be read now (a lock)."""
@@ -776,50 +591,3 @@ def _entry(row: tuple[Any, ...]) -> Entry:
                  None if load is None else float(load), None if cpus is None else int(cpus),
                  None if spread is None else float(spread), bool(is_noisy), str(taken))
 
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def render(summary: CacheSummary, console: Any) -> None:
-    """``memlayout cache show``: the file, then one row per (machine, kind, quality) group
-    with its count, ages and highest load, never one row per entry."""
-    from rich.table import Table
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    console.print(f"cache: {summary.path} ({summary.bytes / 1e6:.2f} MB, {summary.count} "
-                  f"entries)", markup=False, highlight=False)
-    console.print(f"this machine: {summary.fingerprint}", markup=False, highlight=False)
-    if summary.error is not None:
-        console.print(f"could not be read: {summary.error}", markup=False, highlight=False)
-        return
-    if not summary.groups:
-        return
-    table = Table("machine", "kind", "quality", "entries", "newest", "oldest", "max load")
-    for g in summary.groups:
-        machine = "this one" if g.fingerprint == summary.fingerprint else g.fingerprint
-        load = "-" if g.max_load is None else f"{g.max_load:.1f}"
-        table.add_row(machine, g.kind, "noisy" if g.noisy else "quiet", str(g.count),
-                      _age(g.newest, now), _age(g.oldest, now), load)
-    console.print(table)
-    noisy_count = sum(g.count for g in summary.groups if g.noisy)
-    if noisy_count:
-        console.print(f"{noisy_count} noisy entries (busy machine or rounds spread beyond "
-                      f"{SPREAD_LIMIT:.0%}): a quiet run measures them again; "
-                      "`memlayout cache prune --noisy` drops them now", markup=False,
-                      highlight=False)
-
-
-def _age(taken_at: str, now: datetime.datetime) -> str:
-    """``3.2 h ago``, ``5.0 d ago``, ``40 s ago``."""
-    try:
-        seconds = (now - datetime.datetime.fromisoformat(taken_at)).total_seconds()
-    except (ValueError, TypeError):
-        return "?"
-    if seconds < 120:
-        return f"{seconds:.0f} s ago"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.0f} min ago"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h ago"
-    return f"{seconds / 86400:.1f} d ago"

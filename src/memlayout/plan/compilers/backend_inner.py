@@ -1,0 +1,221 @@
+"""Compiling and running one Dynamo graph for the ``torch.compile`` backend
+(``backend.py``): Inductor with the plan standing, Inductor's own layouts, the graph
+run eagerly, and the guard's choice among them."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch._dynamo.exc
+import torch._functorch.config
+from torch import fx
+
+from memlayout.dtypes import autocast
+from memlayout.plan.check import guard
+from memlayout.plan.compilers.backend_check import (
+    cached_guard,
+    guard_graph,
+)
+from memlayout.plan.compilers.backend_graphs import (
+    copy_graph,
+    grads_in_parameter_strides,
+)
+from memlayout.plan.compilers.backend_report import (
+    AS_GIVEN,
+    COMPILED,
+    EAGER,
+    GUARD_MARGIN,
+    INDUCTOR_OWN,
+)
+from memlayout.plan.costs.cache import CostCache
+
+if TYPE_CHECKING:
+    from memlayout.plan.compilers.backend import Backend
+    from memlayout.plan.costs.cache import CostCache
+
+#: Inductor's config with the plan standing: its own layout optimization off, so the strides
+#: of the traced graph reach the kernels (``memlayout.compile``'s planned candidate too)
+PLAN_STANDS = {"layout_optimization": False}
+
+
+#: the ways the guard times a planned graph: the compiled plan, the plan eagerly, Inductor's own
+WAYS = [guard.PLANNED, EAGER, INDUCTOR_OWN]
+
+
+def known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Backend,
+                    store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
+                    device: torch.device) -> dict[str, Any] | None:
+    """The guard's cached record for this planned graph, if the guard runs and one stands."""
+    if options.inner == "eager" or not (options.guard and options.measure) or store is None:
+        return None
+    return cached_guard(WAYS, eager_graph, inputs, store=store, margin=GUARD_MARGIN,
+                        train=train, dtype=dtype, device=device,
+                        compiled_as=options.compiled_as)
+
+
+def guard_ratios(record: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    """Each other way's median ratio in a guard record (the compiled plan's time over its)."""
+    return tuple((name, statistics.median(r)) for name, r in record["ratios"].items() if r)
+
+
+def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
+             example_inputs: list[Any], inputs: list[Any], options: Backend,
+             store: CostCache | None, *,
+             train: bool, dtype: torch.dtype | None,
+             device: torch.device) -> tuple[Callable[..., Any], str, tuple[tuple[str, float], ...]]:
+    """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
+    the plan compiled (``fn``, kept unless another is faster by more than ``GUARD_MARGIN``),
+    the plan run eagerly, and ``gm`` compiled by Inductor with its own layouts: what
+    ``torch.compile`` alone would run. That one is timed even where every convolution's
+    planned format is the one Inductor's rule gives it: the layouts between them (attention,
+    normalization, conversions) differ too, and can cost more than the convolutions save.
+    Returns the function, what runs it and each other way's median ratio (the compiled
+    plan's time over its)."""
+    made: dict[str, Callable[..., Any]] = {}
+
+    def own() -> Callable[..., Any]:
+        if INDUCTOR_OWN not in made:
+            made[INDUCTOR_OWN] = unplanned(gm, example_inputs, options, dtype, device,
+                                            backward_now=True)[0]  # timed here
+        return made[INDUCTOR_OWN]
+
+    makers: dict[str, Callable[[], Callable[..., Any]]] = {
+        guard.PLANNED: lambda: fn, EAGER: lambda: eager_run(eager_graph, options, device),
+        INDUCTOR_OWN: own}
+    record = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
+                         margin=GUARD_MARGIN, train=train, dtype=dtype, device=device,
+                         compiled_as=options.compiled_as)
+    timed = guard_ratios(record)
+    kept = guard.decide(record, margin=GUARD_MARGIN)
+    if kept == EAGER:
+        return eager_run(eager_graph, options, device), EAGER, timed
+    if kept == INDUCTOR_OWN:
+        return own(), INDUCTOR_OWN, timed
+    return fn, COMPILED, timed
+
+
+def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
+           dtype: torch.dtype | None, device: torch.device,
+           patches: Mapping[str, Any] = PLAN_STANDS,
+           backward_now: bool = True) -> Callable[..., Any]:
+    """``gm`` compiled by the inner compiler (Inductor with ``patches``), or run eagerly;
+    ``backward_now``: the backward compiled with the forward, for a graph run before Dynamo
+    runs it (verified, timed by the guard): compiled lazily, it would be at its first
+    backward, inside the backend's call, where Inductor's compile context is already open."""
+    if options.inner == "eager":
+        return eager_run(gm, options, device)
+    from torch._inductor.compile_fx import compile_fx
+
+    config = {**dict(options.inductor), **patches}  # the plan's patches win
+    if options.mode not in (None, "default"):
+        from torch._inductor import list_mode_options
+
+        config = {**list_mode_options(options.mode), **config}
+    functorch = torch._functorch.config
+    # a torch without the option compiles the backward lazily, as it always did; in a graph
+    # of DDP's optimizer never: a lazy backward takes its forward's metadata by counting the
+    # split graphs back from the last, which holds only where every split's is lazy
+    eager_backward = (functorch.patch(force_non_lazy_backward_lowering=backward_now
+                                      or ddp_split())
+                      if hasattr(functorch, "force_non_lazy_backward_lowering")
+                      else contextlib.nullcontext())
+    with autocast_for(options, device, dtype), eager_backward:
+        fn = compile_fx(gm, example_inputs, config_patches=config or None)
+    return fake_first_call_made(fn, example_inputs)
+
+
+def ddp_split() -> bool:
+    """Whether the graph being compiled is one of the split graphs of DDP's optimizer
+    (``torch._dynamo.config.optimize_ddp``: one graph per gradient bucket)."""
+    context = torch._guards.TracingContext.try_get()
+    return getattr(context, "ddp_optimizer_ctx", None) is not None
+
+
+def fake_first_call_made(fn: Callable[..., Any],
+                          example_inputs: list[Any]) -> Callable[..., Any]:
+    """``fn`` (compiled by AOTAutograd) runnable on real tensors from its first call.
+
+    DDP's optimizer compiles each split graph with ``fakify_first_call`` set: the compiled
+    function's first call returns fake outputs in the strides Inductor chose, whatever it is
+    given, and DDP's optimizer makes that call, on fake tensors, to learn what the next split
+    graph is given. The backend runs what it compiles first (verification, the guard), so
+    here that first call is made, on the fake example inputs in their fake mode as DDP's
+    optimizer makes it, and a later call on fake tensors is answered with its outputs."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import is_fake
+
+    context = torch._guards.TracingContext.try_get()
+    mode = detect_fake_mode(example_inputs)
+    if context is None or not getattr(context, "fakify_first_call", False) or mode is None:
+        return fn
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        with mode:
+            pending = [fn(*example_inputs)]
+    finally:
+        mode.allow_non_fake_inputs = allowed
+
+    def run(*args: Any) -> Any:
+        if pending and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+            return pending.pop()
+        return fn(*args)
+    return run
+
+
+def as_given(gm: fx.GraphModule, example_inputs: list[Any], *, train: bool) -> fx.GraphModule:
+    """``gm`` as the backend runs it without a plan (Inductor's own layouts, or eagerly): in
+    training, a copy whose parameters hand their gradients back in their own strides
+    (``grads_in_parameter_strides``; Inductor's own channels-last gives a 1x1 convolution's
+    weight the gradient strides DDP's buckets warn about), else ``gm`` itself."""
+    if not train:
+        return gm
+    work = copy_graph(gm)
+    return work if grads_in_parameter_strides(work, example_inputs) else gm
+
+
+def unplanned(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
+               dtype: torch.dtype | None, device: torch.device,
+               backward_now: bool = False) -> tuple[Callable[..., Any], str]:
+    """``gm`` as Inductor compiles it with its own layouts (or as given, run eagerly);
+    ``backward_now`` as for ``inner_compile``."""
+    if options.inner == "eager":
+        return eager_run(gm, options, device), AS_GIVEN
+    return (inner_compile(gm, example_inputs, options, dtype, device, patches={},
+                   backward_now=backward_now), INDUCTOR_OWN)
+
+
+def eager_run(gm: fx.GraphModule, options: Backend, device: torch.device) -> Callable[..., Any]:
+    """``gm`` run eagerly (under ``options.dtype``'s autocast when one is set)."""
+    if options.dtype is None:
+        return gm.forward
+
+    def run(*args: Any) -> Any:
+        with autocast_for(options, device, options.run_dtype(device)):
+            return gm(*args)
+    return run
+
+
+def autocast_for(options: Backend, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """The autocast an explicit ``options.dtype`` asks for (fp32: autocast off); none else."""
+    if options.dtype is None:
+        return contextlib.nullcontext()
+    if dtype is None:
+        return torch.autocast(device.type, enabled=False)
+    return autocast(device, dtype)
+
+
+def inductor_option(name: str) -> bool:
+    """``name`` is one of Inductor's config options (dotted for a nested one:
+    ``triton.cudagraphs``)."""
+    from torch._inductor import config
+
+    holder: Any = config
+    for part in name.split("."):
+        if not hasattr(holder, part):
+            return False
+        holder = getattr(holder, part)
+    return True

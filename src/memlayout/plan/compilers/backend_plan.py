@@ -1,0 +1,217 @@
+"""Planning one Dynamo graph for the ``torch.compile`` backend (``backend.py``): the graph
+propagated on real inputs, its costs measured (or another rank's taken), the minimum cut
+solved and a rewritten copy made; and Inductor's own whole-graph layout rule, for the
+report."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch._dynamo.exc
+import torch._functorch.config
+from torch import fx, nn
+
+from memlayout.dtypes import autocast
+from memlayout.errors import MemlayoutError, first_line
+from memlayout.plan.capture.regions import propagate
+from memlayout.plan.compilers.backend_check import graph_signature
+from memlayout.plan.compilers.backend_graphs import (
+    NotPlanned,
+    converted_weights,
+    copy_graph,
+    fresh_inputs,
+    grads_in_parameter_strides,
+    is_dynamic,
+    mutated_aliases,
+    op_name,
+    real_inputs,
+    refuse_module_state,
+)
+from memlayout.plan.compilers.backend_report import (
+    ConvolutionChoice,
+    convolution_choices,
+)
+from memlayout.plan.convert import convert_value, convert_value_1d
+from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.measure import measure_costs
+from memlayout.plan.costs.table import CostTable, measured_on
+from memlayout.plan.graph import BASE_RANKS, CONV1D_RANKS, LABELS, META_KEY, Label, Request
+from memlayout.plan.solve.formulate import formulate
+from memlayout.plan.solve.regions import solve_labels
+from memlayout.plan.steer.rewrite import rewrite
+from memlayout.spatial import mark_spatial
+from memlayout.tensors import to_dense
+
+if TYPE_CHECKING:
+    from memlayout.plan.compilers.backend import Backend
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A graph's plan: the rewritten copy, its costs, the conversions made, each
+    convolution's choice, the weights converted on every call (name, bytes) and the solved
+    labels (node name -> label)."""
+
+    graph: fx.GraphModule
+    table: CostTable
+    conversions: int
+    convolutions: tuple[ConvolutionChoice, ...]
+    weights: tuple[tuple[str, int], ...] = ()
+    labels: tuple[tuple[str, int], ...] = ()
+
+
+def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train: bool,
+               dtype: torch.dtype | None, device: torch.device,
+               rule: bool | None = None, store: CostCache | None = None,
+               decided: tuple[CostTable, Mapping[str, int]] | None = None) -> Planned:
+    """The plan of one Dynamo graph on real ``inputs``: a rewritten copy of ``gm`` (``gm``
+    itself is not changed), its costs measured into ``store`` (none: all measured), or
+    ``decided``: the costs and labels another rank measured and solved (nothing measured).
+    ``NotPlanned`` says why a graph has nothing to plan."""
+    work = copy_graph(gm)
+    ranks = CONV1D_RANKS if any(op_name(n) in ("conv1d", "conv_transpose1d")
+                                for n in work.graph.nodes) else BASE_RANKS
+    try:
+        # no run facts: nothing steers a Dynamo graph by module calls
+        propagate(work, tuple(fresh_inputs(inputs)), dtype=dtype, ranks=ranks, device=device,
+                  facts=False)
+    except MemlayoutError as exc:
+        raise NotPlanned(f"the graph does not run on real tensors: {first_line(exc)}") from exc
+    mark_spatial(work)
+    for n in mutated_aliases(work):  # converting these would lose a write someone reads
+        n.meta[META_KEY] = dataclasses.replace(n.meta[META_KEY], label=None)
+    refuse_module_state(work, ranks)
+    if not any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS
+               for n in work.graph.nodes):
+        raise NotPlanned("no image-like value: no layout to choose")
+    if decided is None:
+        table = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype,
+                              measure=options.measure, cache=store if options.measure else None,
+                              rounds=options.rounds, train=train, device=device)
+    else:
+        table = decided[0]
+    form = formulate(work, table, input_label=None, output_label=Request.KEEP)
+    labels = solve_labels(form.integer) if decided is None else dict(decided[1])
+    convolutions = convolution_choices(work, table, labels, rule)
+    _, made = rewrite(nn.Module(), work, form, labels)
+    weights = converted_weights(work, inputs, [value for value, _, _ in made])
+    if train:
+        grads_in_parameter_strides(work, inputs)
+    if is_dynamic(gm):
+        traced_conversions(work)
+    return Planned(work, table, len(made), convolutions, weights,
+                    tuple(sorted((k, int(v)) for k, v in labels.items())))
+
+
+def traced_conversions(gm: fx.GraphModule) -> None:
+    """The rewrite's conversions as ``to_label`` calls, which trace with symbolic sizes (the
+    layout algebra's cached stride rules hash sizes, and a symbolic size has no hash)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is convert_value:
+            n.target = to_label
+        elif n.op == "call_function" and n.target is convert_value_1d:
+            n.target, n.args = to_label, (*n.args, CONV1D_RANKS)
+    gm.recompile()
+
+
+def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
+    """Every tensor in ``value`` of a rank in ``ranks`` dense in ``label``'s format (1: N L C,
+    channels_last, channels_last_3d by rank; 0: contiguous), by ``contiguous`` (its gradient
+    back in the source's format, ``to_dense``): a no-op for a tensor already dense
+    in it; other values unchanged.
+
+    >>> to_label((torch.empty(2, 3, 4, 4), 1), 1, (4, 5))[0].stride()
+    (48, 1, 12, 3)
+    """
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_label(v, label, ranks) for v in value)
+    if not isinstance(value, torch.Tensor) or value.dim() not in ranks:
+        return value
+    return to_dense(value, Label(label).format(value.dim()))
+
+
+def inductor_rule(gm: fx.GraphModule, example_inputs: list[Any], *, dtype: torch.dtype | None,
+                  train: bool, device: torch.device) -> bool | None:
+    """Inductor's whole-graph layout decision for ``gm`` under the current config:
+    ``True`` when it would require channels-last for every 2-d convolution; ``None`` when
+    this torch cannot say (the internal ``GraphLowering.decide_layout_opt`` missing, or the
+    graph not traceable to aten). ``gm`` is traced to aten in Dynamo's own fake mode and
+    shape env (``in_dynamos_mode``: fast, and symbolic where Dynamo's sizes are, as
+    Inductor sees them); a graph that does not trace there (one that reads a value, such as
+    a float Dynamo passes as a tensor) is traced on real inputs of its sizes instead."""
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        decide = GraphLowering.decide_layout_opt
+    except (ImportError, AttributeError):
+        return None
+    for trace in (in_dynamos_mode, on_real_inputs):
+        try:
+            aten = trace(gm, example_inputs, dtype=dtype, device=device)
+            return bool(decide(aten, is_inference=not train))
+        except Exception:  # untraceable this way, or a changed internal: the next, or no answer
+            continue
+    return None
+
+
+def in_dynamos_mode(gm: fx.GraphModule, example_inputs: list[Any], *,
+                     dtype: torch.dtype | None, device: torch.device) -> fx.GraphModule:
+    """``gm`` traced to aten on new fake tensors of ``example_inputs``' sizes and strides in
+    Dynamo's fake mode (a fake mode of their own outside Dynamo), guards suppressed so the
+    trace adds none to Dynamo's, and nothing the graph writes in place touching its inputs;
+    a real tensor the graph holds (an attribute) read as fake."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    quiet = (mode.shape_env.suppress_guards() if mode.shape_env is not None
+             else contextlib.nullcontext())
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        with mode, quiet, torch.no_grad(), autocast(device, dtype):
+            fakes = [torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+                     if isinstance(x, torch.Tensor) else x for x in example_inputs]
+            return make_fx(gm, tracing_mode="real")(*fakes)  # "real": the inputs as given
+    finally:
+        mode.allow_non_fake_inputs = allowed
+
+
+def on_real_inputs(gm: fx.GraphModule, example_inputs: list[Any], *,
+                    dtype: torch.dtype | None, device: torch.device) -> fx.GraphModule:
+    """``gm`` traced to aten from real inputs made of ``example_inputs`` (``real_inputs``),
+    outside Dynamo's tracing context, every size symbolic in a dynamic graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = fresh_inputs(real_inputs(example_inputs))
+    with torch._guards.tracing(None), torch.no_grad(), autocast(device, dtype):
+        return make_fx(gm, tracing_mode="symbolic" if is_dynamic(gm) else "fake",
+                       _allow_non_fake_inputs=True)(*inputs)
+
+
+def cached_rule(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
+                store: CostCache | None, *, dtype: torch.dtype | None, train: bool,
+                device: torch.device) -> bool | None:
+    """``inductor_rule``, read from the cost cache where this graph's (same code, input
+    shapes, strides and dtypes, torch and Inductor layout config) was found before: asking
+    it traces the graph to aten, a large part of a cached compile."""
+    if store is None:
+        return inductor_rule(gm, example_inputs, dtype=dtype, train=train, device=device)
+    from torch._inductor import config
+
+    key = json.dumps(["backend-rule", measured_on(device), torch.__version__, str(dtype),
+                      "train" if train else "infer", config.layout_optimization,
+                      config.force_layout_optimization, torch.backends.mkldnn.enabled,
+                      graph_signature(gm, inputs)])
+    found = store.get(key, lambda r: isinstance(r, dict) and r.get("rule") in (True, False, None))
+    if found is not None:
+        return found["rule"]
+    rule = inductor_rule(gm, example_inputs, dtype=dtype, train=train, device=device)
+    store.put(key, {"rule": rule}, is_noisy=False)
+    return rule
