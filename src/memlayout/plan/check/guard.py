@@ -408,11 +408,10 @@ def build_uniform(reference: nn.Module, captured: Captured, solution: Solution, 
     """The original model run entirely in ``label``, as eager NCHW / NHWC: a copy with its
     weights in it, inputs converted on entry, results handed back as the plan hands them."""
     model = reference.module if options.keywords else reference
-    steering = uniform_steering(solution, captured.calls, label, options, model)
-    return build(reference, steering, options, outputs=outputs, input_label=arrive,
-                 nodes=node_choices(solution, label), label=label,
-                 conversions=uniform_conversions(solution, captured.calls, label, options,
-                                                 arrive))
+    conversions = uniform_conversions(solution, captured.calls, label, options, arrive)
+    return build(reference, uniform_steering(label, options, model, conversions), options,
+                 outputs=outputs, input_label=arrive, nodes=node_choices(solution, label),
+                 label=label, conversions=conversions)
 
 
 def is_uniform(solution: Solution, label: int, root: str = "") -> bool:

@@ -125,40 +125,34 @@ def _weight_owner(gm: Any, n: Any) -> str | None:
     return None
 
 
-def uniform_steering(solution: Solution, calls: Mapping[str, ModuleCall], label: int,
-                     options: PlanOptions, model: nn.Module) -> Steering:
+def uniform_steering(label: int, options: PlanOptions, model: nn.Module,
+                     conversions: tuple[Conversion, ...]) -> Steering:
     """The model run entirely in ``label``: every layout-rank parameter and buffer in it
-    (none with contiguous weights: they stay as they are), the model's layout-rank inputs
-    converted on entry, except one the forward changes in place or returns a view of."""
+    (none with contiguous weights: they stay as they are), and the model's inputs converted
+    on entry exactly where ``conversions`` (:func:`uniform_conversions`) lists them."""
     parameters: tuple[tuple[str, int], ...] = ()
     if not options.contiguous_weights:
         parameters = tuple((name, label) for name, t in _tensors(model)
                            if t.dim() in options.ranks)
-    root = "module" if options.keywords else ""
-    record = calls.get(root)
-    if record is None:
-        return Steering(parameters)
-    kept = set(record.mutated)  # positions of inputs a copy would split from the caller's
-    for s in solution.regions:
-        if s.region.path != "":
-            continue
-        unsafe = unsafe_values(s.region.gm)
-        for n in s.region.gm.graph.nodes:
-            if n.op == "placeholder" and n.name in unsafe and RUN_KEY in n.meta:
-                kept.update(positions(record.inputs, n.meta[RUN_KEY].leaves))
-    leaves = tuple((p, label, len(leaf.shape)) for p, leaf in enumerate(record.inputs)
-                   if leaf is not None and len(leaf.shape) in options.ranks and p not in kept)
+    leaves = tuple(sorted({(p, label, rank) for c in conversions for p, rank in c.leaves}))
     return Steering(parameters, (("", Boundary(inputs=leaves)),) if leaves else ())
 
 
 def uniform_conversions(solution: Solution, calls: Mapping[str, ModuleCall], label: int,
                         options: PlanOptions, arrive: int | None) -> tuple[Conversion, ...]:
     """The conversions of the model run entirely in ``label``: each top-level input that
-    arrives in the other format (``arrive``; ``None``: as the example is), on entry."""
+    arrives in the other format (``arrive``; ``None``: as the example is), on entry, except
+    one the forward changes in place or returns a view of (a copy would split it from the
+    caller's)."""
     record = calls.get("module" if options.keywords else "")
     top = next((s for s in solution.regions if s.region.path == ""), None)
     if record is None or top is None:
         return ()
+    kept = set(record.mutated)
+    unsafe = unsafe_values(top.region.gm)
+    for n in top.region.gm.graph.nodes:
+        if n.op == "placeholder" and n.name in unsafe and RUN_KEY in n.meta:
+            kept.update(positions(record.inputs, n.meta[RUN_KEY].leaves))
     found = []
     for n in top.region.gm.graph.nodes:
         meta = n.meta.get(META_KEY)
@@ -166,8 +160,12 @@ def uniform_conversions(solution: Solution, calls: Mapping[str, ModuleCall], lab
             continue
         if (meta.label if arrive is None else arrive) == label or RUN_KEY not in n.meta:
             continue
+        where = [p for p in positions(record.inputs, n.meta[RUN_KEY].leaves)
+                 if p not in kept and (leaf := record.inputs[p]) is not None
+                 and len(leaf.shape) in options.ranks]
+        if not where:
+            continue
         cost = top.table.conversions.get(n.name)
-        where = positions(record.inputs, n.meta[RUN_KEY].leaves)
         found.append(Conversion(
             "", n.name, Label(label).text, [list(t.shape) for t in meta.layout_tensors],
             meta.nbytes, 0.0 if cost is None else cost.to_1 if label else cost.to_0,
