@@ -28,7 +28,7 @@ from memlayout.tensors import convert_batch, convert_module, format_of, to_forma
 
 __version__ = "0.1.0"
 
-_PLANNER = {"optimize", "apply", "Plan", "plan_of", "prepare_inputs"}
+_PLANNER = {"optimize", "apply", "Plan", "PlanOptions", "plan_of", "prepare_inputs"}
 
 
 def __getattr__(name: str):
@@ -50,12 +50,13 @@ def __getattr__(name: str):
 
         return backend_report.backend_report
     if name in _PLANNER:
-        from memlayout.plan import apply, pipeline
+        from memlayout.plan import apply, options, pipeline
         from memlayout.plan.report import plan as plan_record
         from memlayout.plan.steer import steering
 
         return {"optimize": pipeline.optimize, "apply": apply.apply, "Plan": plan_record.Plan,
-                "plan_of": steering.plan_of, "prepare_inputs": steering.prepare_inputs}[name]
+                "PlanOptions": options.PlanOptions, "plan_of": steering.plan_of,
+                "prepare_inputs": steering.prepare_inputs}[name]
     raise AttributeError(f"module 'memlayout' has no attribute {name!r}")
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "ModelSpecError",
     "Plan",
     "PlanError",
+    "PlanOptions",
     "apply",
     "audit",
     "convert_batch",

@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-from memlayout.timing import interleaved
-
 #: the relative spread of a measurement's rounds, (max - min) / median, above which it is
 #: noisy: quiet runs stay well under it, runs beside another job on a small machine reach
 #: spreads of 1 or more (docs/benchmarks.md)
@@ -146,6 +144,8 @@ def bf16_speed() -> Bf16Speed:
     name: what torch's kernels do with bf16 here is what counts. (A GPU's verdict is the
     device seam's: ``memlayout.devices.seam(device).bf16()``; a matmul this small is
     launch-bound there.)"""
+    from memlayout.timing import interleaved  # the timer's records carry Conditions
+
     gen = torch.Generator().manual_seed(0)
     a32, b32 = (torch.randn(BF16_SIDE, BF16_SIDE, generator=gen) for _ in range(2))
     a16, b16 = a32.bfloat16(), b32.bfloat16()

@@ -22,6 +22,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from memlayout.machine import Conditions
+
+#: a candidate replaces the default one (what would run without the race: Inductor's own
+#: layouts in ``memlayout.compile``, the compiled plan in the backend) only when faster by
+#: more than this in the median of per-round ratios: noise and near ties keep the default
+KEEP_MARGIN = 0.02
+#: a best median ratio this near the threshold ``1 + margin`` is a close call (``Race.is_close``)
+CLOSE = 0.03
 
 @dataclass(frozen=True)
 class ModeTiming:
@@ -156,6 +164,101 @@ class Ratio:
     def max(self) -> float:
         return max(self.per_round)
 
+@dataclass(frozen=True)
+class Race:
+    """What an interleaved race of candidates against a ``reference`` measured: per candidate,
+    the :class:`Ratio` of the reference's time over its own (> 1: the candidate is faster),
+    the rounds and calls per sample (``repeat``), the candidates that failed (``errors``),
+    whether a close call was timed for more rounds (``extended``), the machine's conditions
+    (the busier of before and after), and the reference's median seconds per call with the
+    relative spread of its rounds. It is stored as JSON: ``dataclasses.asdict`` out,
+    ``memlayout.plan.report.records.decode`` back.
+
+    >>> r = Race("planned", {"nhwc": Ratio("planned", "nhwc", 1.2, (1.1, 1.3, 1.2))}, rounds=3)
+    >>> r.median("nhwc"), r.median("planned"), r.kept("planned", 0.02), r.kept("planned", 0.25)
+    (1.2, 1.0, 'nhwc', 'planned')
+    """
+
+    reference: str
+    ratios: dict[str, Ratio]  # numerator: the reference, denominator: the candidate
+    rounds: int
+    repeat: int = 1
+    errors: dict[str, str] = field(default_factory=dict)
+    extended: bool = False
+    conditions: Conditions | None = None
+    reference_seconds: float | None = None
+    spread: float | None = None
+
+    def median(self, name: str) -> float:
+        """``name``'s median per-round ratio (the reference counts 1.0)."""
+        return 1.0 if name == self.reference else self.ratios[name].median
+
+    def min(self, name: str) -> float:
+        return 1.0 if name == self.reference else self.ratios[name].min
+
+    def max(self, name: str) -> float:
+        return 1.0 if name == self.reference else self.ratios[name].max
+
+    @property
+    def speeds(self) -> dict[str, float]:
+        """Every candidate that ran with its median ratio, the reference first (1.0)."""
+        return {self.reference: 1.0, **{n: r.median for n, r in self.ratios.items()}}
+
+    def beats(self, name: str, default: str, margin: float) -> bool:
+        """``name`` is faster than ``default`` by more than ``margin`` (relative) in the
+        median; a ``default`` that did not run counts as the reference."""
+        speeds = self.speeds
+        return speeds[name] > speeds.get(default, 1.0) * (1.0 + margin)
+
+    def kept(self, default: str | None = None, margin: float = 0.0) -> str:
+        """The candidate to keep: ``default`` (the reference when ``None`` or when it did
+        not run) unless the fastest by median ratio beats it by more than ``margin``; ties go
+        to the first listed, the reference first.
+
+        >>> r = Race("planned", {"inductor": Ratio("planned", "inductor", 1.0, (0.99, 1.0, 0.985)),
+        ...                      "openvino": Ratio("planned", "openvino", 0.5, (0.5, 0.5, 0.5))},
+        ...          rounds=3)
+        >>> r.kept("inductor", 0.02), r.kept(None, 0.02), r.kept("mkldnn", 0.02)
+        ('inductor', 'planned', 'planned')
+        """
+        speeds = self.speeds
+        default = default if default in speeds else self.reference
+        best = max(speeds, key=speeds.__getitem__)
+        return best if self.beats(best, default, margin) else default
+
+    def is_close(self, margin: float) -> bool:
+        """Too near to decide on this many rounds: the best candidate's median ratio (the one
+        :meth:`kept` weighs against the reference) is within ``CLOSE`` of the threshold
+        ``1 + margin``, or its rounds spread so that their quartiles lie on both sides of it.
+
+        >>> def race(**rounds):
+        ...     return Race("planned", {n: Ratio("planned", n, 1.0, r) for n, r in rounds.items()},
+        ...                 rounds=len(next(iter(rounds.values()))))
+        >>> race(nhwc=(1.01, 0.99, 1.02)).is_close(0.0), race(nhwc=(1.2, 1.1, 1.3)).is_close(0.0)
+        (True, False)
+        >>> race(nchw=(1.054, 1.282, 0.876, 0.931, 0.89)).is_close(0.0)
+        True
+        """
+        threshold = 1.0 + margin
+        if not self.ratios:
+            return False
+        best = max(self.ratios.values(), key=lambda r: r.median).per_round
+        if abs(statistics.median(best) - threshold) < CLOSE:
+            return True
+        if len(best) < 2:
+            return False
+        q1, _, q3 = statistics.quantiles(best, n=4)
+        return q1 <= threshold <= q3
+
+    def settled(self, margin: float) -> bool:
+        """A (stored) race whose decision stands: not a close call, or one timed longer."""
+        return self.extended or not self.is_close(margin)
+
+    @property
+    def busy(self) -> bool:
+        """Measured while the machine was busy: not to be reused."""
+        return self.conditions is not None and self.conditions.busy
+
 
 def interleaved(
     fns: Mapping[str, Callable[[], object]],
@@ -233,25 +336,6 @@ def round_ratios(top: Sequence[float], bottom: Sequence[float]) -> tuple[float, 
     """Per-round ratios ``top / bottom`` of two modes' times, rounds paired in order, over the
     rounds both ran."""
     return tuple(t / b for t, b in zip(top, bottom, strict=False) if b > 0)
-
-
-def fastest(speeds: Mapping[str, float], default: str, margin: float = 0.0) -> str:
-    """The candidate to keep: the one with the highest speed (a median of per-round ratios
-    baseline time / its time: > 1 is faster than the baseline) when it beats ``default``'s by
-    more than ``margin`` (relative), else ``default``. ``default`` counts 1.0 when it is not
-    in ``speeds`` (it is the baseline itself); ties go to the first listed.
-
-    >>> fastest({"nhwc": 1.10, "planned": 1.30}, "nchw", margin=0.02)
-    'planned'
-    >>> fastest({"planned": 1.01}, "nchw", margin=0.02), fastest({}, "nchw")
-    ('nchw', 'nchw')
-    >>> fastest({"inductor": 1.0, "planned": 0.96}, "inductor")
-    'inductor'
-    """
-    if not speeds:
-        return default
-    best = max(speeds, key=speeds.__getitem__)
-    return best if speeds[best] > speeds.get(default, 1.0) * (1.0 + margin) else default
 
 
 def round_order(names: Sequence[str], r: int) -> list[str]:

@@ -7,12 +7,16 @@ independently of the code under test.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 
 import pytest
 import scipy.stats
 
-from memlayout.timing import geomean, interleaved
+from memlayout.machine import Conditions
+from memlayout.plan.check import guard
+from memlayout.timing import Race, Ratio, geomean, interleaved
 
 
 class FakeClock:
@@ -186,3 +190,51 @@ def test_geomean_agrees_with_scipy():
     assert geomean(values) == pytest.approx(float(scipy.stats.gmean(values)))
     with pytest.raises(ValueError):
         geomean([])
+
+
+# --- Race: what an interleaved race decided -----------------------------------------------
+
+def _race(reference: str = "ref", **per_round: tuple[float, ...]) -> Race:
+    return Race(reference, {n: Ratio(reference, n, statistics.median(r), r)
+                            for n, r in per_round.items()}, rounds=3)
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.02, 0.1])
+def test_a_race_keeps_the_default_unless_the_fastest_median_beats_it_by_the_margin(margin):
+    rounds = {"a": (1.04, 1.06, 1.05), "b": (0.9, 1.2, 1.08), "c": (0.7, 0.8, 0.75)}
+    race = _race(**rounds)
+    medians = {"ref": 1.0, **{n: statistics.median(r) for n, r in rounds.items()}}
+    best = max(medians, key=medians.__getitem__)
+    for default in ("ref", "a", "c", "failed"):
+        base = medians.get(default, 1.0)  # a default that did not run: the reference
+        want = best if medians[best] > base * (1 + margin) else (
+            default if default in medians else "ref")
+        assert race.kept(default, margin) == want, (default, margin)
+    assert race.kept() == race.kept("ref", 0.0)
+    assert (race.median("b"), race.min("b"), race.max("b")) == (
+        statistics.median(rounds["b"]), min(rounds["b"]), max(rounds["b"]))
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.02])
+def test_a_close_call_is_a_median_near_the_threshold_or_quartiles_across_it(margin):
+    threshold = 1 + margin
+    near = tuple(threshold + d for d in (-0.01, 0.0, 0.01))
+    far = tuple(threshold + d for d in (0.2, 0.3, 0.25))
+    wide = tuple(threshold + d for d in (-0.5, -0.2, 0.4, 0.6, 0.3))  # median 0.3 above it
+    assert _race(x=near).is_close(margin)
+    assert not _race(x=far).is_close(margin)
+    q1, _, q3 = statistics.quantiles(wide, n=4)
+    assert _race(x=wide).is_close(margin) == (q1 <= threshold <= q3)
+    assert not _race().is_close(margin)  # nothing but the reference ran
+    assert _race(x=near).settled(margin) is False
+    assert dataclasses.replace(_race(x=near), extended=True).settled(margin)
+
+
+def test_a_race_goes_through_json_and_the_records_codec_unchanged():
+    busy = Conditions(load_average=9.0, cpu_count=2, threads=2, omp_wait_policy="")
+    race = dataclasses.replace(_race("planned", nhwc=(1.1, 1.3, 1.2)), errors={"x": "boom"},
+                               extended=True, conditions=busy, reference_seconds=0.5,
+                               spread=0.1)
+    back = guard.load(json.loads(json.dumps(dataclasses.asdict(race))))
+    assert back == race and back.busy
+    assert not guard.is_race({"ratios": {"nhwc": [1.1]}, "rounds": 1})  # no reference

@@ -5,6 +5,7 @@ built. Tests inject the measured fact; the measurement itself is checked once.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -64,8 +65,9 @@ def test_optimize_says_so_up_front_and_plans_without_padding(models, speed, monk
     speed(fact)
     asked: dict = {}
 
-    def planner(module, example, **kwargs):  # what the command hands the planner
-        asked.update(kwargs)
+    def planner(module, example, *, options=None, **kwargs):  # what the command hands it
+        asked.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+                     if options is not None else {}, **kwargs)
         raise MemlayoutError("stopped by the test")
 
     monkeypatch.setattr("memlayout.plan.pipeline.optimize", planner)

@@ -175,6 +175,28 @@ def test_dropout_drawn_in_another_memory_order_is_warned_about_once(train: bool)
     assert any("drop (Dropout)" in n for n in opt.plan.notes)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_same_draws_drops_the_elements_the_original_drops(train: bool) -> None:
+    model, x = Dropped().train(), _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: the masks are the original's
+        opt = _plan(model, x, train=train, same_draws=True)
+    _channels_last(opt, "conv", "conv2")
+    assert opt.plan.verification.redrawn == ["drop (Dropout)"]
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        want = model(x)
+        torch.manual_seed(seed)
+        got = opt(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        if train:  # and the gradients through the masks
+            model.zero_grad(), opt.zero_grad()
+            want.square().sum().backward()
+            got.square().sum().backward()
+            torch.testing.assert_close(opt.conv.weight.grad, model.conv.weight.grad,
+                                       rtol=1e-3, atol=1e-4)
+
+
 def test_no_warning_where_the_masks_are_drawn_as_in_the_original() -> None:
     model, x = Dropped().eval(), _x()  # eval: dropout draws nothing
     with warnings.catch_warnings():
@@ -188,3 +210,118 @@ def test_no_warning_where_the_masks_are_drawn_as_in_the_original() -> None:
         opt = _plan(model, x_last, train=True)
     _channels_last(opt, "conv", "conv2")
     assert opt.plan.verification.redrawn == []
+
+
+def _storage_view(y: torch.Tensor) -> torch.Tensor:
+    raw = torch.empty(0, dtype=y.dtype).set_(y.detach().untyped_storage())
+    return y + raw[: y.numel()].view(y.shape)
+
+
+#: Python that computes with a value's layout: each gives other values on another layout
+LAYOUT_READS: dict[str, Any] = {
+    "is_contiguous": lambda y: y * 2 if y.is_contiguous() else y,
+    "stride": lambda y: y * (y.stride(1) / 64),
+    "data_ptr": lambda y: y + 1 if y.data_ptr() == y.contiguous().data_ptr() else y,
+    "untyped_storage": _storage_view,
+    "view": lambda y: y.view(y.shape[0], -1).softmax(-1).view(y.shape),
+}
+
+
+class ReadsLayout(nn.Module):
+    """Convolutions around a read of an activation's layout (``LAYOUT_READS``), in the
+    model's own forward."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.conv(x))
+        return self.conv2(LAYOUT_READS[self.kind](y))
+
+
+class Reader(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return LAYOUT_READS[self.kind](y)
+
+
+class ReadsInASubmodule(nn.Module):
+    """The read in a submodule between convolutions, more convolutions after it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.reader = Reader(kind)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1)
+        self.conv3 = nn.Conv2d(32, 32, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv3(F.relu(self.conv2(self.reader(F.relu(self.conv(x))))))
+
+
+def _same_as_original(planned: nn.Module, model: nn.Module, x: torch.Tensor,
+                      both: bool = True) -> None:
+    """On ``x``, and (``both``) on ``x`` channels-last, which the planned model plans anew."""
+    for arrives in (x, x.contiguous(memory_format=torch.channels_last))[:2 if both else 1]:
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.testing.assert_close(planned(arrives), model(arrives), rtol=1e-4, atol=1e-4)
+        # the new plan holds by itself: no fallback after a failed verification
+        assert not any("failed verification" in str(w.message) for w in caught)
+
+
+def _named(planned: nn.Module, call: str, module: str) -> bool:
+    return any(f"{module}: .{call}() at test_layout_dependent.py:" in note
+               for note in planned.plan.notes)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUT_READS))
+def test_layout_reading_code_is_named_and_sees_the_original_layouts(kind: str) -> None:
+    torch.manual_seed(0)
+    model, x = ReadsLayout(kind).eval(), _x()
+    with pytest.warns(UserWarning, match="reads layouts") as caught:
+        planned = _plan(model, x)
+    assert _named(planned, "view" if kind == "view" else kind, "the model")
+    # kept by the plan itself, not by a fallback after a failed verification
+    assert not any("failed verification" in str(w.message) for w in caught)
+    _same_as_original(planned, model, x, both=kind != "view")  # the original's view refuses
+    # a channels-last input
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_reading_submodule_keeps_its_formats_and_the_rest_is_planned(train: bool) -> None:
+    torch.manual_seed(0)
+    model, x = ReadsInASubmodule("is_contiguous"), _x()
+    model.train(train)
+    with pytest.warns(UserWarning, match="reads layouts") as caught:
+        planned = _plan(model, x, train=train)
+    assert _named(planned, "is_contiguous", "reader")
+    assert not any("failed verification" in str(w.message) for w in caught)
+    # after the read the plan is free again: the last convolution (conv3) runs channels-last
+    assert planned.plan.nodes[-1].format == "channels_last", planned.plan.nodes
+    model.eval(), planned.eval()
+    _same_as_original(planned, model, x)
+
+
+def test_a_declared_input_format_with_layout_reads_is_refused_in_one_line() -> None:
+    with pytest.raises(MemlayoutError) as refused:
+        _plan(ReadsLayout("stride").eval(), _x(), input_format="channels_last")
+    message = str(refused.value)
+    assert "\n" not in message and ".stride() at test_layout_dependent.py:" in message
+
+
+def test_a_declared_input_format_is_verified_on_the_other_format_too(monkeypatch: Any) -> None:
+    """With the reads hidden from capture, the verification's call on an input in the other
+    format than the declared one still catches a model whose results depend on it."""
+    from memlayout.plan.capture.reads import LayoutReads
+
+    monkeypatch.setattr(LayoutReads, "_record", lambda self, call: None)
+    model, x = ReadsLayout("is_contiguous").eval(), _x()
+    with pytest.raises(LayoutVerificationError, match="arrives contiguous"):
+        _plan(model, x, input_format="channels_last")

@@ -321,9 +321,9 @@ def test_a_call_counter_starts_from_the_caller_s_state_after_guarded_planning(
     """Capture, cost measurement, the guard's timing and verification all ran the model:
     none of those calls shows in the returned model (the guard keeps eager NCHW here, which
     runs the counter as the original does, whatever this machine measures)."""
-    from memlayout.plan.check import guard
+    from memlayout.timing import Race
 
-    monkeypatch.setattr(guard, "decide", lambda record, margin: "all_contiguous")
+    monkeypatch.setattr(Race, "kept", lambda self, default=None, margin=0.0: "all_contiguous")
     model = CallCounter().eval()
     opt = optimize(model, _x(), cache=tmp_path / "c.sqlite", **HOW["guarded"])
     assert opt.plan.guard.kept == "all_contiguous" and opt.plan.guard.source == "measured"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,3 +20,14 @@ def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subpro
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def run_worker(script: str, tmp_path: Path) -> tuple[str, list[dict]]:
+    """``script`` run by two ranks from ``tmp_path`` (this repository importable), each writing
+    ``result-{rank}.json``: the log, and the two results. Fails the test when a rank fails."""
+    (tmp_path / "worker.py").write_text(script)
+    res = torchrun(str(tmp_path / "worker.py"), cwd=tmp_path,
+                   env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-3000:]
+    return log, [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]

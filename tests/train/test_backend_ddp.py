@@ -13,9 +13,7 @@ torch's CPU convolution takes with more than one thread: the jobs run with two.
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import memlayout
 from memlayout.plan.compilers.backend import BackendWarning
-from memlayout.plan.compilers.backend_report import COMPILED, EAGER
-from tests.support.torchrun import LAYOUT_WARNINGS, torchrun
+from memlayout.plan.compilers.runners import Runner
+from tests.support.torchrun import LAYOUT_WARNINGS, run_worker
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -100,7 +98,7 @@ def test_every_ddp_split_graph_is_planned_compiled_and_trains_as_without_memlayo
     assert [m for c, m in planned["warnings"] if issubclass(c, BackendWarning)] == []
     assert len(records) >= 2  # DDP's optimizer split the graph
     for r in records:
-        assert r.planned and r.ran == COMPILED and not r.fallback, r
+        assert r.planned and r.ran == Runner.PLAN_COMPILED and not r.fallback, r
         # a group of one: this process decides, and shares with nobody but itself
         assert (r.rank, r.decided_by) == (0, 0) and r.digest
         assert r.verification.startswith("the plan compiled vs the graph eagerly, gradients")
@@ -148,15 +146,11 @@ dist.destroy_process_group()
 
 
 def test_two_ranks_plan_every_split_graph_without_layout_warnings(tmp_path):
-    (tmp_path / "worker.py").write_text(WORKER)
-    res = torchrun(str(tmp_path / "worker.py"), cwd=tmp_path,
-                   env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    for rank in (0, 1):
-        r = json.loads((tmp_path / f"result-{rank}.json").read_text())
+    _, results = run_worker(WORKER, tmp_path)
+    for r in results:
         assert r["backend_warnings"] == [] and r["layout_warnings"] == []
         assert len(r["graphs"]) >= 2
-        assert all(planned and ran == EAGER and how.startswith("the plan vs the graph")
+        assert all(planned and ran == Runner.PLAN_EAGER and how.startswith("the plan vs the graph")
                    for planned, ran, how in r["graphs"]), r["graphs"]
         # the control: torch warns once per process, and the job without memlayout, second,
         # is the one that warns
@@ -194,16 +188,12 @@ dist.destroy_process_group()
 
 
 def test_two_ranks_run_one_plan_measured_by_rank_0(tmp_path):
-    (tmp_path / "worker.py").write_text(SHARED)
-    res = torchrun(str(tmp_path / "worker.py"), cwd=tmp_path,
-                   env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    zero, one = (json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1))
+    _, (zero, one) = run_worker(SHARED, tmp_path)
     assert zero["backend_warnings"] == one["backend_warnings"] == []
     assert len(zero["graphs"]) == len(one["graphs"]) >= 2  # DDP's optimizer split the graph
     for g0, g1 in zip(zero["graphs"], one["graphs"], strict=True):
         assert (g0["rank"], g0["decided_by"], g1["rank"], g1["decided_by"]) == (0, 0, 1, 0)
-        assert g0["planned"] and g0["ran"] == g1["ran"] == EAGER
+        assert g0["planned"] and g0["ran"] == g1["ran"] == Runner.PLAN_EAGER
         assert g0["digest"] == g1["digest"] != ""  # one program on both ranks
         assert g0["convolutions"] == g1["convolutions"]
         assert g0["measured"] > 0  # rank 0 timed the costs ...

@@ -71,9 +71,10 @@ from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.machine import CpuIsa
 from memlayout.plan.compare import compare as compare_outputs
-from memlayout.plan.compilers.backend_report import COMPILED, EAGER, BackendReport
+from memlayout.plan.compilers.backend_report import BackendReport
 from memlayout.plan.compilers.backend_report import backend_report as report_backend
 from memlayout.plan.compilers.compiled import compile as plan_and_compile
+from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.steer.steering import prepare_inputs
@@ -283,7 +284,7 @@ def _backend_note(report: BackendReport, inner: str) -> str:
                     for how in dict.fromkeys(g.ran for g in report.graphs))
     differ = [c.where for _, c in report.differing]
     shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
-    weights = [size for g in report.graphs if g.ran in (COMPILED, EAGER)
+    weights = [size for g in report.graphs if g.ran in (Runner.PLAN_COMPILED, Runner.PLAN_EAGER)
                for _, size in g.converted_weights]
     slower = [s for g in report.graphs if (s := g.own_layouts_slower) is not None]
     own = (f"; the guard timed Inductor's own layouts at up to {max(slower):.3g}x the compiled "

@@ -34,6 +34,7 @@ from memlayout.tensors import format_name, format_of, iter_tensors
 
 if TYPE_CHECKING:
     from memlayout.plan.check.speed import ModelComparison
+    from memlayout.plan.options import PlanOptions
     from memlayout.plan.report.plan import Plan
 
 
@@ -95,9 +96,9 @@ def optimize(
 
 @dataclass(frozen=True)
 class _Flags:
-    """``optimize``'s flags. :func:`_checked` adds ``run_dtype`` (the autocast dtype) and,
-    with ``--plan``, the ``saved`` plan, whose example (shape, dtype, input format, task)
-    replaces the flags'."""
+    """``optimize``'s flags. :func:`_checked` adds ``run_dtype`` (the autocast dtype), the
+    ``options`` ``memlayout.optimize`` is given and, with ``--plan``, the ``saved`` plan, whose
+    example (shape, dtype, input format, task) replaces the flags'."""
 
     model: str
     dtype: str
@@ -119,30 +120,39 @@ class _Flags:
     debug: bool
     plan_file: str | None
     run_dtype: torch.dtype | None = None
+    options: PlanOptions | None = None
     saved: Plan | None = None
 
 
 def _checked(ctx: typer.Context, flags: _Flags) -> _Flags:
     """``flags`` checked (a ``UsageError`` or ``MemlayoutError`` names the bad one), the
-    dtype parsed, the saved plan read; bf16 bounded where it is emulated."""
-    from memlayout.plan.inputs import format_label
-
+    dtype parsed, the planner's options made, the saved plan read; bf16 bounded where it is
+    emulated."""
     run_dtype = parse_dtype(flags.dtype)
-    if flags.input_format is not None and flags.input_format.strip().lower() != "auto":
-        format_label(flags.input_format, "input_format")
+    options = _plan_options(flags)
     device = check_device(flags.device)
     at_least(1, batch=flags.batch, image_size=flags.image_size)
     at_least(0, rounds=flags.rounds)
     if flags.save:
         writable_file("--save", Path(flags.save))
-    flags = replace(flags, run_dtype=run_dtype, device=device)
+    flags = replace(flags, run_dtype=run_dtype, device=device, options=options)
     if flags.plan_file is not None:
         return _from_saved(flags)
     if run_dtype is torch.bfloat16:
-        return replace(flags, padding=_bounded_for_bf16(ctx, device, measure=flags.measure,
-                                                        compile=flags.compile,
-                                                        padding=flags.padding))
+        padding = _bounded_for_bf16(ctx, device, measure=flags.measure, compile=flags.compile,
+                                    padding=flags.padding)
+        return replace(flags, padding=padding, options=replace(options, padding=padding))
     return flags
+
+
+def _plan_options(flags: _Flags) -> PlanOptions:
+    """What the flags ask ``memlayout.optimize`` for (``PlanError`` names a bad option)."""
+    from memlayout.plan.options import PlanOptions
+
+    return PlanOptions(dtype=flags.dtype, input_format=flags.input_format, measure=flags.measure,
+                       cache=flags.cache, name=flags.model, guard=flags.guard,
+                       refresh=flags.refresh, memory_budget=flags.memory_budget,
+                       padding=flags.padding, train=flags.train)
 
 
 def _from_saved(flags: _Flags) -> _Flags:
@@ -207,11 +217,8 @@ def _plan(module: nn.Module, example: tuple[Any, ...], flags: _Flags) -> nn.Modu
                                     cache=flags.cache, progress=progress, name=flags.model,
                                     guard=flags.guard, input_format=flags.input_format,
                                     plan_kwargs={"refresh": flags.refresh})
-        return plan_model(module, example, dtype=flags.dtype, measure=flags.measure,
-                          cache=flags.cache, progress=progress, name=flags.model,
-                          guard=flags.guard, memory_budget=flags.memory_budget,
-                          padding=flags.padding, train=flags.train, refresh=flags.refresh,
-                          input_format=flags.input_format)
+        assert flags.options is not None  # made by _checked
+        return plan_model(module, example, options=replace(flags.options, progress=progress))
 
 
 def _report(plan: Plan, example: tuple[Any, ...], flags: _Flags) -> None:

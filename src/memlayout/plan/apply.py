@@ -41,11 +41,12 @@ from memlayout.plan.check.verification import verify
 from memlayout.plan.costs.regions import measure_regions
 from memlayout.plan.graph import Label
 from memlayout.plan.inputs import check_materialized, example_inputs_of, inputs_in, keyword_call
+from memlayout.plan.options import PlanOptions, RunOptions, run_options
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import UNPADDED
 from memlayout.plan.solve.mincut import Problem
 from memlayout.plan.solve.regions import RegionSolution, Solution, region_formulation, solve_labels
-from memlayout.plan.steer.boundary import Boundary
+from memlayout.plan.steer.boundary import Boundary, Leaf
 from memlayout.plan.steer.build import build, node_choices, steering_of, wanted_outputs
 from memlayout.plan.steer.steering import Steering
 from memlayout.tensors import device_of, iter_tensors
@@ -84,13 +85,7 @@ def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None,
                         f"{mode} mode (BatchNorm and dropout run otherwise): call "
                         f"model.{plan.mode}() first, or plan it in {mode} mode with "
                         "memlayout.optimize")
-    options = pipeline.plan_options(
-        root, inputs, dtype=plan.dtype, input_format=plan.input_format,
-        output_format=plan.output_format, measure=False, cache=False, progress=None,
-        rounds=1, name=plan.model, guard=False, guard_rounds=0, train=plan.train,
-        keep_weight_formats=plan.weight_formats_kept, max_plans=8, guard_margin=0.0,
-        memory=False, memory_budget=None, padding=False, blocked=False, refresh=False,
-        weights=plan.weights, keywords=root is not model)
+    options = run_options(saved_options(plan), root, inputs, keywords=root is not model)
     if options.input_label is not None:
         inputs = inputs_in(inputs, options.input_label, options.ranks)
     reference = pipeline.reference_copy(root)
@@ -131,14 +126,24 @@ def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None,
     return pipeline.finish(model, built, applied, inputs, options, inplace=inplace)
 
 
-def _steering(plan: Plan, solution: Solution, options: Any) -> Steering:
+def saved_options(plan: Plan) -> PlanOptions:
+    """The options ``plan`` was made with, as ``apply`` runs them: nothing measured, guarded,
+    padded or timed for memory (the plan's choices stand), verified as a fresh plan."""
+    return PlanOptions(
+        dtype=plan.dtype, input_format=plan.input_format, output_format=plan.output_format,
+        measure=False, cache=False, rounds=1, name=plan.model, guard=False, guard_rounds=0,
+        train=plan.train, keep_weight_formats=plan.weight_formats_kept, memory=False,
+        padding=False, weights=plan.weights)
+
+
+def _steering(plan: Plan, solution: Solution, options: RunOptions) -> Steering:
     """The plan's parameters (from its nodes' formats) and its boundaries as it recorded them."""
     params = steering_of(solution, options, {(n.region, n.name): n.weights for n in plan.nodes})
-    boundaries: dict[str, dict[str, list[tuple[int, int, int]]]] = {}
+    boundaries: dict[str, dict[str, list[Leaf]]] = {}
     for c in plan.conversions:
-        to = int(Label.parse(c.to))
+        to = Label.parse(c.to)
         side = boundaries.setdefault(c.module, {"in": [], "out": []})[c.side]
-        side.extend((position, to, rank) for position, rank in c.leaves)
+        side.extend(Leaf(position, to, rank) for position, rank in c.leaves)
     weights = {path: b.weight_label for path, b in params.boundaries
                if b.weight_label is not None}
     paths = sorted({*boundaries, *weights})
@@ -210,12 +215,12 @@ def _check_matches(plan: Plan, captured: Captured, costs: Any, inputs: tuple[Any
                         "another input dtype; plan it with memlayout.optimize")
 
 
-def _solution(plan: Plan, captured: Captured, costs: Any, options: Any) -> Solution:
+def _solution(plan: Plan, captured: Captured, costs: Any, options: RunOptions) -> Solution:
     """Each region's formulation with every layout node pinned to the plan's format."""
     regions = []
     for region, table in zip(captured.regions, costs.tables, strict=True):
         form = region_formulation(captured, region, table, options)
-        pins = {**form.integer.pins, **{n.name: int(Label.parse(n.format)) for n in plan.nodes
+        pins = {**form.integer.pins, **{n.name: Label.parse(n.format) for n in plan.nodes
                                          if n.region == region.path}}
         labels = solve_labels(Problem(form.integer.unary, form.integer.tensors, pins,
                                       form.integer.ties))

@@ -15,7 +15,7 @@ from memlayout.plan.weights import convert_per_call as _convert_per_call
 from memlayout.tensors import convert_module, to_format
 
 
-def convert_value(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
+def convert_value(value: Any, label: Label, ranks: tuple[int, ...]) -> Any:
     """Every tensor inside ``value`` whose rank is in ``ranks`` (the planned model's layout
     ranks) in the format ``label`` means for its rank (canonical strides: ``to_format``);
     other tensors and objects unchanged.
@@ -34,7 +34,7 @@ def convert_value(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
     return value
 
 
-def fresh_value(value: Any, label: int | None, ranks: tuple[int, ...]) -> Any:
+def fresh_value(value: Any, label: Label | None, ranks: tuple[int, ...]) -> Any:
     """A copy of ``value`` (``label``: in that format for the layout ``ranks``; ``None``: same
     strides), so a timed op that works in place never touches the real activations."""
     if isinstance(value, torch.Tensor):
@@ -51,7 +51,7 @@ def fresh_value(value: Any, label: int | None, ranks: tuple[int, ...]) -> Any:
     return value
 
 
-def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...], *,
+def convert_module_to(module: nn.Module, label: Label, ranks: tuple[int, ...], *,
                       weights: str = CONVERTED) -> nn.Module:
     """``module``'s weights of the layout ``ranks`` in label's format, in place (returns
     ``module``). ``weights=CONTIGUOUS``: every weight contiguous whatever the label, and
@@ -70,7 +70,7 @@ def convert_module_to(module: nn.Module, label: int, ranks: tuple[int, ...], *,
     return module
 
 
-def convert_value_1d(value: Any, label: int) -> Any:
+def convert_value_1d(value: Any, label: Label) -> Any:
     """``convert_value`` for a value holding rank-3 tensors of a 1-d convolution model: every
     rank-3/4/5 tensor in ``label``'s format (rank 3: channels_last_1d).
 

@@ -93,6 +93,8 @@ BASE_RANKS = (4, 5)
 CONV1D_RANKS = (3, 4, 5)
 CONV1D_MODULES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 META_KEY = "memlayout"
+# node.meta key: a value layout-reading code sees (capture.reads): the plan keeps its format
+KEEP_KEY = "memlayout.keep"
 
 
 @dataclass(frozen=True)

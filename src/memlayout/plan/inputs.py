@@ -144,7 +144,7 @@ def _add_prefix(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
 
 
-def inputs_in(inputs: tuple[Any, ...], label: int, ranks: tuple[int, ...]) -> tuple[Any, ...]:
+def inputs_in(inputs: tuple[Any, ...], label: Label, ranks: tuple[int, ...]) -> tuple[Any, ...]:
     """``inputs`` with every tensor of a layout rank in ``ranks`` in ``label``'s format; the
     same tensor when it already is."""
     return convert_value(tuple(inputs), label, ranks)

@@ -1,11 +1,13 @@
 """``memlayout.optimize``: capture -> costs -> solve -> steer -> guard -> memory -> verify.
 
-``optimize`` derives one :class:`~memlayout.plan.options.PlanOptions` from its keywords and
-runs the steps below in order, each returning a frozen record the next one reads. Analysis
-(capture, costs, the min cut) works on a throwaway copy of the model; what is built,
-guarded, verified and returned is the model's own class and tree (a copy, or the caller's
-object with ``inplace=True``), steered: parameters in their planned formats, conversions at
-module boundaries (``memlayout.plan.steer``).
+``optimize`` takes one :class:`~memlayout.plan.options.PlanOptions` (or its fields as
+keywords), resolves it against the model and example into a
+:class:`~memlayout.plan.options.RunOptions`, and runs the steps below in order, each
+returning a frozen record the next one reads. Analysis (capture, costs, the min cut) works on
+a throwaway copy of the model; what is built, guarded, verified and returned is the model's
+own class and tree (a copy, or the caller's object with ``inplace=True``), steered:
+parameters in their planned formats, conversions at module boundaries
+(``memlayout.plan.steer``).
 
 >>> import torch
 >>> from torch import nn
@@ -30,13 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlayout import dtypes
-from memlayout.errors import DtypeError, LayoutVerificationError, PlanError
-from memlayout.layout import Format
+from memlayout.errors import LayoutVerificationError, PlanError
 from memlayout.plan.candidates.blocked import measure_blocked
-from memlayout.plan.candidates.padding import (
-    padding_step,
-)
+from memlayout.plan.candidates.padding import padding_step
+from memlayout.plan.capture.reads import reads_note, refuse_declared_input
 from memlayout.plan.capture.regions import Captured, capture, model_signature
 from memlayout.plan.check.guard import (
     PLANNED,
@@ -46,28 +45,23 @@ from memlayout.plan.check.guard import (
     suspect_costs,
     suspect_note,
 )
-from memlayout.plan.check.memory import MemoryDecision, budget_bytes, plan_signature
+from memlayout.plan.check.memory import MemoryDecision, plan_signature
 from memlayout.plan.check.memory import memory_step as peak_memory_step
 from memlayout.plan.check.realized import realized_differences
 from memlayout.plan.check.semantics import module_state, restore_state
-from memlayout.plan.check.verification import (
-    changed_inputs,
-    fall_back,
-    verify,
-)
+from memlayout.plan.check.verification import changed_inputs, fall_back, verify
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.regions import measure_regions
 from memlayout.plan.costs.table import measured_on
-from memlayout.plan.graph import Label, Request, planned_ranks
+from memlayout.plan.graph import Label
 from memlayout.plan.inputs import (
     KeywordCall,
     check_materialized,
     example_inputs_of,
-    format_label,
     inputs_in,
     keyword_call,
 )
-from memlayout.plan.options import PlanOptions, Progress
+from memlayout.plan.options import PlanOptions, RunOptions, run_options
 from memlayout.plan.report.clock import StepClock
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import (
@@ -77,6 +71,7 @@ from memlayout.plan.report.records import (
     Verification,
     conv1d_notes,
 )
+from memlayout.plan.solve.refine import refined_solution
 from memlayout.plan.solve.regions import Solution, solve_regions
 from memlayout.plan.steer.build import (
     Build,
@@ -88,29 +83,26 @@ from memlayout.plan.steer.build import (
 )
 from memlayout.plan.steer.state import Formats, shape_signature
 from memlayout.plan.steer.steering import STATE, Steering, planned_state, steer, unsteer
-from memlayout.plan.weights import CONTIGUOUS, CONVERTED, WEIGHTS, storage_counts
+from memlayout.plan.weights import storage_counts
 from memlayout.tensors import device_of, iter_tensors
 
 
-def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,
-             input_format: str | Format | None = None, output_format: str | Format | None = "keep",
-             measure: bool = True, cache: bool | str | Path = True,
-             progress: Progress | None = None, rounds: int = 5, name: str | None = None,
-             guard: bool = True, guard_rounds: int = 5, train: bool = False,
-             keep_weight_formats: bool = False, max_plans: int = 8,
-             guard_margin: float = 0.0, memory: bool = True,
-             memory_budget: int | str | None = None, padding: bool = True,
-             blocked: bool = False, refresh: bool = False,
-             kwargs: dict[str, Any] | None = None,
-             weights: str = CONVERTED, fallback: bool = True,
-             inplace: bool = False) -> nn.Module:
+def optimize(model: nn.Module, example_inputs: Any, *, options: PlanOptions | None = None,
+             kwargs: dict[str, Any] | None = None, inplace: bool = False,
+             **overrides: Any) -> nn.Module:
     """Plan a format per layout-sensitive operation from costs measured here, steer a copy of
     ``model`` with it and verify it; the caller's model is left unchanged (``inplace=True``:
     the caller's object is planned instead, after the copy verified). What comes back is the
     model's own class and tree running its own ``forward``: parameters in their planned
     formats, conversions at module boundaries (``memlayout.plan.steer``), results in the
     original's strides, each module in its own train/eval mode; ``model.plan`` and
-    ``model.memlayout`` hold the plans. Each option in full: ``docs/planner.md``.
+    ``model.memlayout`` hold the plans.
+
+    ``options``: a :class:`~memlayout.plan.options.PlanOptions` (default: its defaults);
+    ``overrides``: any of its fields by name, replacing the record's, so
+    ``optimize(model, x, measure=False)`` is ``optimize(model, x,
+    options=PlanOptions(measure=False))``; a name that is no field is a ``TypeError``. The
+    options (each a documented field of ``PlanOptions``; in full: ``docs/planner.md``):
 
     - ``dtype``: plan and run under autocast (``"bf16"``, ``"fp16"``); ``None``/fp32: as is.
     - ``input_format``: the format inputs arrive in (default: as the example is), or
@@ -133,65 +125,36 @@ def optimize(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype 
       ``blocked``: mkldnn blocked chains timed and reported, never applied.
     - ``memory``: ``plan.memory`` reports peak activation memory; ``memory_budget`` (bytes or
       ``"300MB"``): the fastest plan whose peak fits.
-    - ``kwargs``: the example's keyword inputs (a diffusers UNet's ``encoder_hidden_states``).
+    - ``name``: the model's name in the plan (default: its class name).
     - ``fallback``: a plan that fails verification gives way to the model run in one format
       (the faster first), verified the same way, with a warning and a note; ``False`` raises.
+
+    Besides the options, what this call plans: ``kwargs``, the example's keyword inputs (a
+    diffusers UNet's ``encoder_hidden_states``); ``inplace``, the caller's object itself.
 
     Raises ``PlanError`` / ``CaptureError`` for bad input, ``LayoutVerificationError`` when the
     planned model would compute something else (and, with ``fallback``, no model run in one
     format verifies either).
     """
     start = time.perf_counter()
+    asked = PlanOptions.of(options, overrides, also=("kwargs", "inplace"))
     if not isinstance(model, nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if planned_state(model) is not None:
         raise PlanError(f"{type(model).__name__} is planned already (it has a plan, "
                         "model.memlayout): plan the original model, or use it as it is")
     inputs = example_inputs_of(example_inputs)
-    name = name or type(model).__name__
+    if asked.name is None:
+        asked = dataclasses.replace(asked, name=type(model).__name__)
     root, inputs = keyword_call(model, inputs, dict(kwargs or {}))
     check_materialized(root, inputs)
-    options = plan_options(
-        root, inputs, dtype=dtype, input_format=input_format, output_format=output_format,
-        measure=measure, cache=cache, progress=progress, rounds=rounds, name=name, guard=guard,
-        guard_rounds=guard_rounds, train=train, keep_weight_formats=keep_weight_formats,
-        max_plans=max_plans, guard_margin=guard_margin, memory=memory,
-        memory_budget=memory_budget, padding=padding, blocked=blocked, refresh=refresh,
-        weights=weights, fallback=fallback,
-        keywords=root is not model or isinstance(model, KeywordCall))
-    if options.input_label is not None:
-        inputs = inputs_in(inputs, options.input_label, options.ranks)
+    run = run_options(asked, root, inputs,
+                      keywords=root is not model or isinstance(model, KeywordCall))
+    if run.input_label is not None:
+        inputs = inputs_in(inputs, run.input_label, run.ranks)
     reference = reference_copy(root)
-    plan, built = plan_model(reference, inputs, options, start=start)
-    return finish(model, built, plan, inputs, options, inplace=inplace)
-
-
-def plan_options(model: nn.Module, inputs: tuple[Any, ...], *, dtype: str | torch.dtype | None,
-                 input_format: str | Format | None, output_format: str | Format | None,
-                 name: str | None, memory_budget: int | str | None, max_plans: int,
-                 weights: str = CONVERTED, **rest: Any) -> PlanOptions:
-    """The options record of one planning run: keywords checked and parsed once, the device
-    read from the example, the layout ranks from the model."""
-    try:
-        run_dtype = dtypes.parse_dtype(dtype)
-    except DtypeError as exc:
-        raise PlanError(f"optimize: {exc}") from None
-    if not isinstance(max_plans, int) or max_plans < 1:
-        raise PlanError(f"max_plans must be an int >= 1 (the example's plan is always held), "
-                        f"got {max_plans!r}; 1 plans every other shape at each call")
-    if weights not in WEIGHTS:
-        raise PlanError(f"weights must be one of {', '.join(map(repr, WEIGHTS))}, got "
-                        f"{weights!r}; 'contiguous' keeps every parameter contiguous (FSDP)")
-    auto_input = isinstance(input_format, str) and input_format.strip().lower() == Request.AUTO
-    output_label = (Request.KEEP if output_format == Request.KEEP
-                    else format_label(output_format, "output_format"))
-    return PlanOptions(
-        name=name or type(model).__name__, device=device_of(inputs, model), dtype=run_dtype,
-        ranks=planned_ranks(model),
-        input_label=None if auto_input else format_label(input_format, "input_format"),
-        auto_input=auto_input, output_label=output_label, max_plans=max_plans,
-        memory_budget=budget_bytes(memory_budget),
-        contiguous_weights=weights == CONTIGUOUS, **rest)
+    plan, built = plan_model(reference, inputs, run, start=start)
+    return finish(model, built, plan, inputs, run, inplace=inplace)
 
 
 def reference_copy(model: nn.Module) -> nn.Module:
@@ -217,7 +180,7 @@ def analysis_copy(reference: nn.Module) -> nn.Module:
                         "traces the model itself") from exc
 
 
-def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptions, *,
+def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOptions, *,
                start: float) -> tuple[Plan, Build]:
     """The steps, in order. ``reference`` is the original (a copy of the caller's model): it
     is run, never changed (state restored after each check), and every candidate is a copy of
@@ -232,6 +195,8 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
             captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
                                ranks=options.ranks, device=options.device)
             outputs = wanted_outputs(captured, inputs, options)
+        refuse_declared_input(captured.reads,
+                              options.input_label is not None or options.auto_input)
         solution, decision, disagree = decided(reference, captured, inputs, options, store,
                                                outputs, clock)
         if decision.input_label is not None and options.auto_input:
@@ -258,6 +223,9 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
                                        ("memory", memory.record is not None),
                                        ("blocked", blocked is not None)) if done}
         notes: list[str] = []
+        if captured.reads:
+            notes.append(reads_note(captured.reads))
+            warnings.warn(f"memlayout: {notes[-1]}", stacklevel=3)
         inplace = changed_inputs(captured, options)
         with clock("verify"):
             try:
@@ -272,7 +240,11 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
                 memory, padded, blocked = MemoryDecision(decision.build, None), (), None
                 notes.append(note)
                 warnings.warn(f"memlayout: {note}", stacklevel=3)
-        if verification.redrawn:
+        if verification.draws:
+            notes.append(f"random masks drawn as the original draws them (same_draws): "
+                         f"{', '.join(verification.redrawn)} each on a copy of its activation "
+                         "in the original's format")
+        elif verification.redrawn:
             notes.append(redrawn_note(verification.redrawn))
             warnings.warn(f"memlayout: {notes[-1]}", stacklevel=3)
         realized: list[str] = []
@@ -284,6 +256,8 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
         notes += later_notes(realized, solution, decision, disagree)
         restore_state(memory.build.module, state)  # as the caller's model is: nothing ran on it
         price = clock.price(time.perf_counter() - start, measured=solution.measured,
+                            predicted=(solution.prediction.predicted
+                                       if solution.prediction is not None else 0),
                             cached=solution.cached, ran=ran)
         plan = make_plan(captured, solution, decision, memory, inputs, options,
                          verification=verification, padding=padded, blocked=blocked,
@@ -297,26 +271,29 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: PlanOptio
 
 
 def decided(reference: nn.Module, captured: Captured, inputs: tuple[Any, ...],
-            options: PlanOptions, store: CostCache | None, outputs: Any,
+            options: RunOptions, store: CostCache | None, outputs: Any,
             clock: StepClock) -> tuple[Solution, GuardDecision, Any]:
     """Costs, the minimum cut and the guard's build; where the cost table and the whole
     model disagree (costs taken under load, or cached from a busier day), all three once
     more, the costs measured again. Returns the solution, the guard's decision and what
     still disagrees (``None``: nothing)."""
-    def once() -> tuple[Solution, GuardDecision]:
-        with clock("costs"):
-            costs = measure_regions(captured, options, store)
-        with clock("solve"):
-            solution = solve_regions(captured, costs, options)
+    def once(predict: bool) -> tuple[Solution, GuardDecision]:
+        if predict:  # only the nodes whose costs could change the cut are measured
+            solution = refined_solution(captured, options, store, clock)
+        else:
+            with clock("costs"):
+                costs = measure_regions(captured, options, store)
+            with clock("solve"):
+                solution = solve_regions(captured, costs, options)
         with clock("guard"):
             decision = guarded_build(reference, captured, solution, inputs, options, store,
                                      outputs)
         return solution, decision
 
-    solution, decision = once()
+    solution, decision = once(options.predict and options.measure and not options.refresh)
     if suspect_costs(captured, solution, decision) is not None:
         with store.remeasuring() if store is not None else contextlib.nullcontext():
-            solution, decision = once()
+            solution, decision = once(False)  # suspect costs: every node measured again
     return solution, decision, suspect_costs(captured, solution, decision)
 
 
@@ -341,11 +318,12 @@ def redrawn_note(modules: list[str]) -> str:
     return (f"random masks drawn in another memory order than the original's: "
             f"{', '.join(modules)}. PyTorch draws a mask in memory order, so under the same "
             "seed the planned model drops other (equally random) elements than the original "
-            "there; verification compared them with masks drawn in logical order")
+            "there; verification compared them with masks drawn in logical order "
+            "(same_draws=True draws them as the original)")
 
 
 def finish(model: nn.Module, built: Build, plan: Plan, inputs: tuple[Any, ...],
-           options: PlanOptions, *, inplace: bool) -> nn.Module:
+           options: RunOptions, *, inplace: bool) -> nn.Module:
     """The planned model as the caller gets it: the steered copy, or (``inplace``) the
     caller's own object with the same steering, checked once more as it will run; either way
     holding its plan (``model.memlayout``, ``model.plan``) and planning other input shapes on
@@ -390,12 +368,12 @@ def _key(model: nn.Module) -> Any:
     return planned_state(model).example
 
 
-def _arrival(plan: Plan) -> int | None:
-    return None if plan.input_format is None else int(Label.parse(plan.input_format))
+def _arrival(plan: Plan) -> Label | None:
+    return None if plan.input_format is None else Label.parse(plan.input_format)
 
 
 def _check_inplace(model: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
-                   options: PlanOptions) -> None:
+                   options: RunOptions) -> None:
     """The caller's object, steered in place, computes what the verified copy computes."""
     from memlayout.plan.check.semantics import call_twice
     from memlayout.plan.compare import compare
@@ -419,35 +397,9 @@ def _check_inplace(model: nn.Module, planned: nn.Module, inputs: tuple[Any, ...]
 # ---------------------------------------------------------------- steps
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def memory_step(reference: nn.Module, captured: Captured, solution: Solution,
                 decision: GuardDecision, inputs: tuple[Any, ...], padded: tuple[PadChoice, ...],
-                options: PlanOptions, store: CostCache | None, signature: str,
+                options: RunOptions, store: CostCache | None, signature: str,
                 outputs: Formats) -> MemoryDecision:
     """The peak activation memory of the plan against the original's; with a budget, the
     fastest plan whose peak fits (``memlayout.plan.check.memory``)."""
@@ -467,21 +419,13 @@ def memory_step(reference: nn.Module, captured: Captured, solution: Solution,
     return MemoryDecision(chosen, record)
 
 
-def blocked_step(built: Build, inputs: tuple[Any, ...], options: PlanOptions,
+def blocked_step(built: Build, inputs: tuple[Any, ...], options: RunOptions,
                  store: CostCache | None, signature: str) -> BlockedReport | None:
     """The mkldnn report (opt-in, never applied): chains of supported ops timed blocked."""
     if not (options.blocked and options.measure):
         return None
     return measure_blocked(built.module, inputs, dtype=options.dtype, cache=store,
                            rounds=options.rounds, signature=signature, device=options.device)
-
-
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------- other shapes
@@ -492,7 +436,7 @@ class Replanner:
     kept: one set of parameters serves every shape), no guard, verified against the model's
     own computation unsteered; installs the plan's boundaries under the signature's key."""
 
-    def __init__(self, options: PlanOptions) -> None:
+    def __init__(self, options: RunOptions) -> None:
         # a plan per shape chooses boundaries only, on the weights as they are: no guard, no
         # padding, memory or mkldnn steps (they stay the example's), one plan
         self.options = dataclasses.replace(
@@ -544,11 +488,8 @@ def _set_rng_state(state: tuple[torch.Tensor, Any]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
-__all__ = ["Plan", "optimize"]
-
-
 def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
-              memory: MemoryDecision, inputs: tuple[Any, ...], options: PlanOptions, *,
+              memory: MemoryDecision, inputs: tuple[Any, ...], options: RunOptions, *,
               verification: Verification, padding: tuple[PadChoice, ...],
               blocked: BlockedReport | None, price: Price, notes: list[str],
               training: bool, realized: list[str]) -> Plan:
@@ -587,6 +528,7 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         predicted=solution.predicted, regions=[r.path for r in captured.regions],
         uncaptured=[[p, r] for p, r in captured.uncaptured],
         measured=solution.measured, cached=solution.cached, measure=options.measure,
+        prediction=solution.prediction,
         planning_seconds=price.total, price=price, verification=verification,
         guard=decision.record,
         padding=padding, memory=memory.record, blocked=blocked, train=options.train,
@@ -597,3 +539,6 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
         model_signature=model_signature(captured), notes=notes,
         weights=options.weights, mode="train" if training else "eval", realized=realized,
     )
+
+
+__all__ = ["Plan", "optimize"]

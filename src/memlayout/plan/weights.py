@@ -26,6 +26,7 @@ Either way gradients come back in their parameters' strides.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -115,7 +116,7 @@ def keep_contiguous(module: nn.Module, ranks: tuple[int, ...]) -> nn.Module:
     return module
 
 
-def store_weights(root: nn.Module, gm: fx.GraphModule, labels: dict[str, int],
+def store_weights(root: nn.Module, gm: fx.GraphModule, labels: Mapping[str, Label],
                   storage: dict[str, str | None], ranks: tuple[int, ...]) -> nn.Module:
     """Apply ``weights="contiguous"`` to a rewritten region: every parameter contiguous again,
     and each channels-last node whose measured storage is ``per_call`` converting its weight
@@ -128,7 +129,7 @@ def store_weights(root: nn.Module, gm: fx.GraphModule, labels: dict[str, int],
     return root
 
 
-def storage_counts(labels: dict[str, int], storage: dict[str, str | None]) -> dict[str, int]:
+def storage_counts(labels: Mapping[str, Label], storage: dict[str, str | None]) -> dict[str, int]:
     """How many channels-last nodes read their contiguous weights as they are, and how many
     convert them per call."""
     counts = {AS_IS: 0, PER_CALL: 0}

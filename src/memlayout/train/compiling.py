@@ -28,19 +28,46 @@ COMPILES = ("none", "inductor", "backend")
 Graph = tuple[str, str, int | None, int]
 
 
-def compile_model(model: nn.Module, how: str, *, measure: bool) -> None:
+def compile_model(model: nn.Module, how: str, *, measure: bool, per_block: bool = False) -> None:
     """``model`` compiled in place (``nn.Module.compile``: its parameters, names and
     ``state_dict`` unchanged) before DDP or FSDP wraps it: by Inductor (``"inductor"``), with
     memlayout's backend (``"backend"``: ``memlayout.backend(measure=measure)``), or not at all
     (``"none"``). Under DDP its graphs are split at the gradient buckets (Dynamo's DDP
     optimizer), as for ``torch.compile`` of the wrapped model, and a model whose ``forward``
-    is torch's own (``nn.Sequential``) is compiled too."""
-    if how == "inductor":
-        model.compile()
-    elif how == "backend":
+    is torch's own (``nn.Sequential``) is compiled too.
+
+    ``per_block`` (FSDP2): each block of ``memlayout.train.fsdp.shard_groups`` compiled on its
+    own, what runs outside the blocks (a stem, a head) left eager. ``fully_shard`` of each
+    block (``wrap_fsdp(..., per_block=True)``) then puts FSDP's all-gather and its hooks
+    around the block's compiled forward, outside its graph: one graph per block, planned
+    like any graph.
+
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    >>> compile_model(net, "inductor", measure=False, per_block=True)
+    >>> [net[i]._compiled_call_impl is not None for i in (0, 2)], net._compiled_call_impl
+    ([True, True], None)
+    """
+    if how == "none":
+        return
+    backend: Any = "inductor"
+    if how == "backend":
         from memlayout.plan.compilers.backend import Backend
 
-        model.compile(backend=Backend(measure=measure, shared_plan=True))  # every rank compiles it
+        backend = Backend(measure=measure, shared_plan=True)  # every rank compiles it
+    if per_block:
+        compile_blocks(model, backend)
+    else:
+        model.compile(backend=backend)
+
+
+def compile_blocks(model: nn.Module, backend: Any) -> None:
+    """Each block of ``model`` (``memlayout.train.fsdp.shard_groups``) compiled in place with
+    ``backend``, the rest of ``model`` left as it is."""
+    from memlayout.train.fsdp import shard_groups
+
+    for name, _ in shard_groups(model):
+        model.get_submodule(name).compile(backend=backend)
 
 
 def graphs_so_far() -> int:
@@ -100,4 +127,5 @@ def compiled_plans(since: int, info: DistInfo) -> CompiledPlans:
     return CompiledPlans(tuple(tuple(tuple(g) for g in r) for r in gathered))
 
 
-__all__ = ["COMPILES", "CompiledPlans", "compile_model", "compiled_plans", "graphs_so_far"]
+__all__ = ["COMPILES", "CompiledPlans", "compile_blocks", "compile_model", "compiled_plans",
+           "graphs_so_far"]

@@ -92,11 +92,16 @@ def _is_planned(model: nn.Module) -> bool:
 
 
 def wrap_fsdp(model: nn.Module, *, dtype: torch.dtype | None = None,
-              reshard_after_forward: bool = True) -> nn.Module:
+              reshard_after_forward: bool = True, per_block: bool = False) -> nn.Module:
     """``fully_shard`` each block of ``model`` (its parameter owners as one group, see the
     module docstring), then the root, with :func:`mixed_precision`. The model's layouts must
     be final and every parameter contiguous (plan with ``weights="contiguous"``); returns
-    ``model``, sharded in place. Needs an initialized process group."""
+    ``model``, sharded in place. Needs an initialized process group.
+
+    ``per_block``: each block sharded as the block module itself, for blocks compiled one
+    by one (``memlayout.train.compiling.compile_model(..., per_block=True)``): FSDP's hooks
+    then run around the block's compiled forward, and its graph is the whole block (hooks on
+    its leaf modules would break it at each of them)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -110,9 +115,10 @@ def wrap_fsdp(model: nn.Module, *, dtype: torch.dtype | None = None,
             f"{bad[0]}: plan with memlayout.optimize(..., weights='contiguous') and run "
             "activations channels-last on contiguous weights (do not convert_module the model)")
     policy = mixed_precision(dtype)
-    for _name, owners in shard_groups(model):
-        fully_shard(owners if len(owners) > 1 else owners[0], mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward)
+    for name, owners in shard_groups(model):
+        block = model.get_submodule(name) if per_block else None
+        fully_shard(block if block is not None else owners if len(owners) > 1 else owners[0],
+                    mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # A planned model keys its plans by the inputs' dtype and runs its forward under the
     # autocast it was planned with: its inputs reach it as they come (cast to bf16 first, they
     # would make it plan that "new shape" again, on sharded weights)

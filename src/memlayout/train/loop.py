@@ -257,7 +257,8 @@ def _model(trainer: Trainer, spec: ModelSpec) -> nn.Module:
                                               spec.example_input.to(device))
         model = planned
     model.train()
-    compile_model(model, config.compile, measure=config.plan_measure)  # before DDP or FSDP
+    # before DDP or FSDP; under FSDP block by block, FSDP's all-gathers between the blocks
+    compile_model(model, config.compile, measure=config.plan_measure, per_block=trainer.fsdp)
     notice = batchnorm_notice(model, info, device=device, sync_batchnorm=config.sync_batchnorm)
     if notice and info.is_main:
         trainer._warn(notice)
@@ -265,7 +266,8 @@ def _model(trainer: Trainer, spec: ModelSpec) -> nn.Module:
         if config.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         with collectives(info, config.timeout, "fully_shard (FSDP) of the model"):
-            return wrap_fsdp(model, dtype=trainer.autocast_dtype)
+            return wrap_fsdp(model, dtype=trainer.autocast_dtype,
+                             per_block=config.compile != "none")
     if info.distributed:
         with collectives(info, config.timeout, "the ranks compared parameter layouts"):
             return wrap_ddp(model, device_ids=[device.index] if device.type == "cuda" else None,

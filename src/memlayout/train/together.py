@@ -34,7 +34,7 @@ from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import TrainError
 from memlayout.tensors import mean_square_loss
-from memlayout.timing import Ratio, fastest, interleaved
+from memlayout.timing import Race, Ratio, interleaved
 
 #: timed rounds (each model once per round) and training steps per timed call
 ROUNDS = 5
@@ -53,7 +53,8 @@ class TogetherCheck:
 
     @property
     def kept(self) -> str:
-        return fastest({PLANNED: self.ratio.median}, ORIGINAL)
+        race = Race(ORIGINAL, {PLANNED: self.ratio}, rounds=len(self.ratio.per_round))
+        return race.kept(ORIGINAL)
 
     def describe(self) -> str:
         """One line for the log: the ratio, its range, and what is trained."""

@@ -15,6 +15,8 @@ from memlayout.errors import LayoutVerificationError
 from memlayout.plan.candidates import padding as padding_mod
 from memlayout.plan.candidates.padding import UNPADDED, PaddedConv2d, block_sizes, decide, variants
 from memlayout.plan.pipeline import optimize
+from memlayout.plan.report.records import PadChoice
+from memlayout.timing import Race, Ratio
 from tests.support.machine import AVX512, as_cpu
 
 # Which padded variants exist is the CPU's vector width (block_sizes): `make test` runs these
@@ -93,7 +95,7 @@ def test_the_plan_reports_both_costs_and_pads_only_where_measured_faster(tmp_pat
         assert seconds[UNPADDED] is not None and seconds[UNPADDED] > 0
         assert set(seconds) == {UNPADDED, *variants(net.get_submodule(p.module), blocks)}
         assert all(v is not None and v > 0 for v in seconds.values())
-        alone = decide(seconds, p.ratios, 0.02)  # its own measurements decide
+        alone = decide(seconds, _race(p), 0.02)  # its own measurements decide
         if p.reverted:  # faster alone, but the whole model padded was not
             assert p.reverted == alone and p.chosen == UNPADDED
             assert p.whole_model is None or p.whole_model <= 1.0
@@ -107,6 +109,12 @@ def test_the_plan_reports_both_costs_and_pads_only_where_measured_faster(tmp_pat
     assert "padded channels:" in plan.summary()
 
 
+def _race(choice: PadChoice) -> Race:
+    """The race a choice records, as the medians it keeps (all that ``decide`` weighs)."""
+    return Race(UNPADDED, {n: Ratio(UNPADDED, n, m, (m,)) for n, m in (choice.ratios or {}).items()},
+                rounds=1)
+
+
 def _padded(opt: nn.Module) -> set[str]:
     """The convolutions a planned model runs padded (for the example's shape)."""
     key = opt.memlayout.example
@@ -117,7 +125,7 @@ def _padded(opt: nn.Module) -> set[str]:
 def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every convolution that can be padded is, whatever was measured."""
     monkeypatch.setattr(padding_mod, "decide",
-                        lambda seconds, ratios, margin: max(s for s in seconds if s != UNPADDED))
+                        lambda seconds, race, margin: max(s for s in seconds if s != UNPADDED))
     monkeypatch.setattr(padding_mod, "whole_model_ratio", lambda *args, **kwargs: 2.0)
 
 

@@ -15,6 +15,7 @@ from memlayout.plan.graph import Label
 from memlayout.plan.report.records import RatioRange
 from memlayout.plan.solve import regions as solve_regions
 from memlayout.plan.solve.mincut import Solution
+from memlayout.timing import Race
 from tests.support.machine import fake_guard_clock as _clock
 from tests.support.machine import fake_load as _machine
 from tests.support.models import Branchy, Features
@@ -201,7 +202,7 @@ def test_rounds_that_spread_across_the_threshold_are_a_close_call(db, monkeypatc
     _spread_clock(monkeypatch, (0.8, 1.2, 1.3))
     model, x = Branchy().eval(), _x()
     with monkeypatch.context() as mp:  # as a record cached before close calls were known
-        mp.setattr(guard, "is_close", lambda record, margin: False)
+        mp.setattr(Race, "is_close", lambda race, margin: False)
         first = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=3)
     assert not first.plan.guard.extended and first.plan.guard.rounds == 3
     second = memlayout.optimize(model, x, cache=db, rounds=1, guard_rounds=3)

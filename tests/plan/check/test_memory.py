@@ -12,7 +12,8 @@ from torch import nn
 from memlayout.bench.unets import unet_small
 from memlayout.errors import PlanError
 from memlayout.plan.candidates import padding as padding_mod
-from memlayout.plan.check.memory import budget_bytes, peak_memory
+from memlayout.plan.check.memory import peak_memory
+from memlayout.plan.options import budget_bytes
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.report.plan import Plan
 from tests.support.machine import AVX512, as_cpu
@@ -97,7 +98,7 @@ def _pad_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every convolution that can be padded is, whatever was measured: a plan that allocates
     more than the unpadded one."""
     monkeypatch.setattr(padding_mod, "decide",
-                        lambda seconds, ratios, margin: next(n for n in seconds if n != "unpadded"))
+                        lambda seconds, race, margin: next(n for n in seconds if n != "unpadded"))
     monkeypatch.setattr(padding_mod, "whole_model_ratio", lambda *args, **kwargs: 2.0)
 
 

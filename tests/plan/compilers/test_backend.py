@@ -27,8 +27,8 @@ from memlayout.errors import PlanError
 from memlayout.plan.check import guard
 from memlayout.plan.compilers import backend as b
 from memlayout.plan.compilers import backend_check, backend_inner, backend_plan
-from memlayout.plan.compilers.backend_report import AS_GIVEN, COMPILED, EAGER, INDUCTOR_OWN
 from memlayout.plan.compilers.compiled import inductor_layout_decision
+from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
 from tests.support.machine import fake_guard_clock
 
@@ -181,7 +181,8 @@ def test_eager_inner_plans_every_subgraph_and_trains_as_the_model_does(tmp_path)
     assert len(graphs) >= 2  # the graph break: each side planned on its own
     convolutions = [c for g in graphs for c in g.convolutions]
     assert {c.where for c in convolutions} == {"stem.0", "body.0"}
-    assert all(g.train and g.planned and g.ran == EAGER and g.verification for g in graphs
+    assert all(g.train and g.planned and g.ran == Runner.PLAN_EAGER and g.verification
+               for g in graphs
                if g.convolutions)
     # inference under bf16 autocast: recompiled (Dynamo's guard), planned for bf16
     ours.eval()
@@ -321,7 +322,8 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
     for got, expected in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
     (graph,) = memlayout.backend_report().graphs
-    assert graph.planned and graph.ran == COMPILED and graph.measured == 0 and graph.cached > 0
+    assert graph.planned and graph.ran == Runner.PLAN_COMPILED
+    assert graph.measured == 0 and graph.cached > 0
     # Inductor's rule asked a second way: of the whole model's aten graph (on a CPU with
     # mkldnn it is on for any graph with a 2-d convolution)
     rule = inductor_layout_decision(model, (x,))
@@ -330,7 +332,7 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
     assert all(c.inductor == "channels_last" for c in graph.differing)
     assert all(c.planned == "contiguous" and c.timed and c.seconds[1] > 10 * c.seconds[0]
                for c in graph.convolutions)
-    assert {how for how, _ in graph.timed} == {EAGER, INDUCTOR_OWN}
+    assert {how for how, _ in graph.timed} == {Runner.PLAN_EAGER, Runner.INDUCTOR_OWN}
     assert "measured" in memlayout.backend_report().render()
     # both convolutions, at every call of the graph that runs
     fed.clear()
@@ -392,7 +394,7 @@ def _spied_inner(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return asked
 
 
-@pytest.mark.parametrize("fastest", [COMPILED, EAGER, INDUCTOR_OWN])
+@pytest.mark.parametrize("fastest", [Runner.PLAN_COMPILED, Runner.PLAN_EAGER, Runner.INDUCTOR_OWN])
 def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed(
         monkeypatch, tmp_path, fastest):
     """Convolutions made slow channels-last (the cost cache scaled) are planned contiguous,
@@ -412,7 +414,8 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     assert _scale_channels_last(cache, 50.0) >= 2
     opened, cost_cache = [], b.CostCache
     monkeypatch.setattr(b, "CostCache", lambda *a, **k: opened.append(a) or cost_cache(*a, **k))
-    names = {COMPILED: guard.PLANNED, EAGER: EAGER, INDUCTOR_OWN: INDUCTOR_OWN}
+    names = {Runner.PLAN_COMPILED: guard.PLANNED, Runner.PLAN_EAGER: Runner.PLAN_EAGER,
+             Runner.INDUCTOR_OWN: Runner.INDUCTOR_OWN}
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == names[fastest] else 1.0)
     for run in ("measured", "cached"):
         compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
@@ -421,13 +424,14 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
         (graph,) = memlayout.backend_report(clear=True).graphs
         assert graph.planned and len(graph.differing) == 2 and graph.ran == fastest
         timed = dict(graph.timed)
-        assert set(timed) == {EAGER, INDUCTOR_OWN}
+        assert set(timed) == {Runner.PLAN_EAGER, Runner.INDUCTOR_OWN}
         for how, ratio in timed.items():  # the compiled plan's time over that way's
             assert ratio == pytest.approx(2.0 if how == fastest else
-                                          (0.5 if fastest == COMPILED else 1.0))
-        built = {COMPILED: [backend_inner.PLAN_STANDS], EAGER: [], INDUCTOR_OWN: [{}]}[fastest]
+                                          (0.5 if fastest == Runner.PLAN_COMPILED else 1.0))
+        built = {Runner.PLAN_COMPILED: [backend_inner.PLAN_STANDS], Runner.PLAN_EAGER: [],
+                 Runner.INDUCTOR_OWN: [{}]}[fastest]
         assert asked == ([backend_inner.PLAN_STANDS, {}] if run == "measured" else built)
-        if fastest == COMPILED:  # verified by the first compile, read by the second
+        if fastest == Runner.PLAN_COMPILED:  # verified by the first compile, read by the second
             assert ("verified before" in graph.verification) == (run == "cached")
         assert len(opened) == 1
         asked.clear()
@@ -448,13 +452,13 @@ def test_inductors_own_is_timed_even_where_every_convolution_agrees_with_its_rul
     _measure_into(cache, model, x, train=False)
     _scale_channels_last(cache, 50.0)
     asked = _spied_inner(monkeypatch)
-    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == INDUCTOR_OWN else 1.0)
+    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.INDUCTOR_OWN else 1.0)
     compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     (graph,) = memlayout.backend_report().graphs
-    assert not graph.differing and graph.ran == INDUCTOR_OWN
-    assert {how for how, _ in graph.timed} == {EAGER, INDUCTOR_OWN}
+    assert not graph.differing and graph.ran == Runner.INDUCTOR_OWN
+    assert {how for how, _ in graph.timed} == {Runner.PLAN_EAGER, Runner.INDUCTOR_OWN}
     assert asked == [backend_inner.PLAN_STANDS, {}]
 
 
@@ -480,7 +484,7 @@ def test_a_passing_verification_is_kept_and_a_failing_one_is_checked_again(monke
     where = dict(store=store, train=False, dtype=None, device=torch.device("cpu"))
     for planned, ok in ((wrong, False), (wrong, False), (reference, True), (reference, True)):
         check = backend_check.verify_once(reference, planned, planned.forward, inputs,
-                                          way=EAGER, compiled=False, **where)
+                                          way=Runner.PLAN_EAGER, compiled=False, **where)
         assert check.ok == ok
     assert len(calls) == 3 and "verified before" in check.how
     check = backend_check.verify_once(reference, reference, reference.forward, inputs,
@@ -560,7 +564,7 @@ def test_a_plan_that_computes_other_values_gives_way_with_a_warning(monkeypatch,
     with torch.no_grad():
         torch.testing.assert_close(got, model(x))
     (graph,) = memlayout.backend_report().graphs
-    assert graph.ran == AS_GIVEN and "relative error" in graph.fallback
+    assert graph.ran == Runner.ORIGINAL_EAGER and "relative error" in graph.fallback
 
 
 class Upcast(nn.Module):
@@ -625,7 +629,8 @@ def test_dynamic_shapes_plan_at_the_example_and_serve_other_sizes(monkeypatch, t
         for y in (x, torch.randn(3, 3, 10, 16)):
             torch.testing.assert_close(compiled(y), model(y), rtol=1e-4, atol=1e-5)
     (graph,) = memlayout.backend_report().graphs
-    assert graph.dynamic and graph.planned and graph.ran == COMPILED and not graph.fallback
+    assert graph.dynamic and graph.planned and not graph.fallback
+    assert graph.ran == Runner.PLAN_COMPILED
     assert graph.conversions > 0
     assert all(c.planned == "channels_last" for c in graph.convolutions)
     decided.clear()
@@ -658,19 +663,17 @@ def test_the_report_says_where_inductors_own_layouts_were_timed_slower_with_no_d
     than the margin, every convolution in its rule's format: the report says the difference
     lies between convolutions. Within the margin it says nothing."""
     from memlayout.plan.compilers.backend_report import (
-        COMPILED,
-        GUARD_MARGIN,
-        INDUCTOR_OWN,
         BackendReport,
         ConvolutionChoice,
         GraphRecord,
     )
+    from memlayout.timing import KEEP_MARGIN
 
     conv = ConvolutionChoice("Mixed_6b.branch_pool.conv", "conv2d", (8, 768, 17, 17),
                              "channels_last", "channels_last", (1e-3, 1e-3), True)
-    for ratio, says in ((0.41, True), (1 - GUARD_MARGIN / 2, False), (1.3, False)):
-        record = GraphRecord("0/0", False, "bf16", False, True, COMPILED, convolutions=(conv,),
-                             timed=((INDUCTOR_OWN, ratio),))
+    for ratio, says in ((0.41, True), (1 - KEEP_MARGIN / 2, False), (1.3, False)):
+        record = GraphRecord("0/0", False, "bf16", False, True, Runner.PLAN_COMPILED,
+                             convolutions=(conv,), timed=((Runner.INDUCTOR_OWN, ratio),))
         text = BackendReport((record,)).render()
         assert record.own_layouts_slower == (1 / ratio if says else None)
         assert (f"Inductor's own layouts took {1 / ratio:.3g}x the compiled plan's time: every "
@@ -684,20 +687,19 @@ def test_the_bench_note_counts_the_weights_of_the_plans_that_run():
     from types import SimpleNamespace
 
     from memlayout.bench.modes import _backend_note
-    from memlayout.plan.compilers.backend_report import COMPILED, EAGER, INDUCTOR_OWN
 
-    graphs = [SimpleNamespace(ran=COMPILED, converted_weights=[("a.weight", 2_000_000)],
-                              own_layouts_slower=1.4),
-              SimpleNamespace(ran=EAGER, converted_weights=[("b.weight", 500_000)],
+    graphs = [SimpleNamespace(ran=Runner.PLAN_COMPILED,
+                              converted_weights=[("a.weight", 2_000_000)], own_layouts_slower=1.4),
+              SimpleNamespace(ran=Runner.PLAN_EAGER, converted_weights=[("b.weight", 500_000)],
                               own_layouts_slower=2.5),
-              SimpleNamespace(ran=INDUCTOR_OWN, converted_weights=[("c.weight", 7_000_000)],
-                              own_layouts_slower=None)]
+              SimpleNamespace(ran=Runner.INDUCTOR_OWN,
+                              converted_weights=[("c.weight", 7_000_000)], own_layouts_slower=None)]
     differing = [(graphs[0], SimpleNamespace(where="layer1.conv"))]
     note = _backend_note(SimpleNamespace(graphs=graphs, differing=differing), "inductor")
-    running = [w for g in graphs if g.ran != INDUCTOR_OWN for w in g.converted_weights]
+    running = [w for g in graphs if g.ran != Runner.INDUCTOR_OWN for w in g.converted_weights]
     assert (f"{len(running)} weights ({sum(size for _, size in running) / 1e6:.3g} MB) "
             "converted per call") in note
-    assert "3 graphs (1 inductor, 1 eager, 1 inductor (its own layouts))" in note
+    assert "3 graphs (1 planned, 1 eager, 1 inductor)" in note
     assert "1 convolutions differ from Inductor's rule: layer1.conv" in note
     assert "the guard timed Inductor's own layouts at up to 2.5x the compiled plan's time" in note
 
@@ -729,5 +731,5 @@ def test_a_tensor_written_in_place_is_not_converted_away_from_its_readers(tmp_pa
         for got, want in zip(compiled(x), model(x), strict=True):
             torch.testing.assert_close(got, want)
     (graph,) = memlayout.backend_report().graphs
-    assert graph.planned and not graph.fallback and graph.ran == EAGER
+    assert graph.planned and not graph.fallback and graph.ran == Runner.PLAN_EAGER
     assert graph.convolutions[0].planned == "channels_last"  # the input converted, not the batch

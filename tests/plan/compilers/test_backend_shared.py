@@ -25,8 +25,8 @@ import memlayout
 from memlayout.plan.compilers import backend as b
 from memlayout.plan.compilers import backend_plan
 from memlayout.plan.compilers.backend import BackendWarning
-from memlayout.plan.compilers.backend_report import AS_GIVEN, COMPILED, EAGER
 from memlayout.plan.compilers.backend_shared import Decision, ExchangeFailed, Job, plan_digest
+from memlayout.plan.compilers.runners import Runner
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -111,7 +111,7 @@ def test_a_rank_takes_the_deciding_ranks_plan_and_measures_nothing(monkeypatch):
     planned = [(r0, r1) for r0, r1 in zip(records0, records1, strict=True) if r0.convolutions]
     assert planned
     for r0, r1 in planned:
-        assert r0.planned and r0.ran == r1.ran == EAGER
+        assert r0.planned and r0.ran == r1.ran == Runner.PLAN_EAGER
         assert (r0.rank, r0.decided_by, r1.rank, r1.decided_by) == (0, 0, 1, 0)
         assert r0.measured > 0 and r1.measured == r1.cached == 0
         assert r1.digest == r0.digest != ""
@@ -130,7 +130,7 @@ def test_a_compiled_plan_is_compiled_alike_on_the_rank_that_takes_it(monkeypatch
     _as(monkeypatch, Job(1, 0), _playing(sent))
     grads1, records1, warned = _step(Plain, **inductor)
     assert warned == []
-    assert [r.ran for r in records0] == [r.ran for r in records1] == [COMPILED]
+    assert [r.ran for r in records0] == [r.ran for r in records1] == [Runner.PLAN_COMPILED]
     assert records0[0].digest == records1[0].digest
     assert records1[0].decided_by == 0 and records1[0].rank == 1
     for g0, g1 in zip(grads0, grads1, strict=True):
@@ -158,12 +158,13 @@ def test_a_rank_that_cannot_take_the_plan_says_so_and_runs_the_graph_as_given(
     grads1, records, warned = _step()
 
     refused = [r for r in records if r.decided_by is None]
-    assert refused and all(not r.planned and r.ran == AS_GIVEN and r.rank == 1 for r in refused)
+    assert refused and all(not r.planned and r.ran == Runner.ORIGINAL_EAGER and r.rank == 1
+                           for r in refused)
     assert [c for c, _ in warned] == [BackendWarning] * len(refused)
     for (_, message), r in zip(warned, refused, strict=True):
         assert f"rank 1, graph {r.graph}:" in message and why in message
         assert "Inductor's own layouts" in message
-        assert r.digest == plan_digest(sent[records.index(r)].signature, {}, AS_GIVEN)
+        assert r.digest == plan_digest(sent[records.index(r)].signature, {}, Runner.ORIGINAL_EAGER)
     for g0, g1 in zip(grads0, grads1, strict=True):  # the model computes what it did
         torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-5)
 
@@ -176,7 +177,8 @@ def test_a_failed_exchange_leaves_every_rank_on_the_graph_as_given(monkeypatch):
     for job in (Job(0, 0), Job(1, 0)):
         _as(monkeypatch, job, failing)
         _, records, warned = _step()
-        assert records and all(r.ran == AS_GIVEN and r.decided_by is None for r in records)
+        assert records and all(r.ran == Runner.ORIGINAL_EAGER and r.decided_by is None
+                               for r in records)
         assert len(warned) == len(records)
         assert all(f"rank {job.rank}, graph" in m and "peer gone" in m for _, m in warned)
 

@@ -12,6 +12,7 @@ from torch import nn
 import memlayout
 from memlayout.plan.compilers import compiled as c
 from memlayout.plan.report.plan import Plan
+from memlayout.timing import Race, Ratio
 
 # Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
 # these tests in a pytest process of their own (see the Makefile).
@@ -66,12 +67,12 @@ def test_memlayout_compile_keeps_a_measured_candidate_equal_to_the_original(tmp_
     fast = memlayout.compile(net, x, cache=tmp_path / "costs.sqlite", rounds=2,
                              plan_kwargs=QUICK, runtimes=())
     record = fast.plan.compiled
-    assert record.kept in (c.PLANNED, c.INDUCTOR, c.FROZEN)
+    assert record.kept in (c.Runner.PLAN_COMPILED, c.Runner.INDUCTOR_OWN, c.Runner.INDUCTOR_FROZEN)
     assert record.source == "measured", record
-    assert set(record.candidates) == {c.INDUCTOR, c.FROZEN}, record.errors
-    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR, c.FROZEN}, record.errors
-    assert record.settings[c.PLANNED] == {"layout_optimization": False}
-    assert record.settings[c.FROZEN] == {"freezing": True}
+    assert set(record.candidates) == {c.Runner.INDUCTOR_OWN, c.Runner.INDUCTOR_FROZEN}, record.errors
+    assert set(record.compile_seconds) == {c.Runner.PLAN_COMPILED, c.Runner.INDUCTOR_OWN, c.Runner.INDUCTOR_FROZEN}, record.errors
+    assert record.settings[c.Runner.PLAN_COMPILED] == {"layout_optimization": False}
+    assert record.settings[c.Runner.INDUCTOR_FROZEN] == {"freezing": True}
     with torch.no_grad():
         torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
     # compiled in place: the original's state_dict keys, values untouched
@@ -95,14 +96,14 @@ def test_a_frozen_winner_follows_weights_loaded_after_the_compile(monkeypatch):
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
 
     def frozen_fastest(models, inputs, dtype, *, device, rounds, **_):
-        fast = {c.FROZEN: 2.0}  # planned / candidate time: freezing twice as fast
-        return {"ratios": {n: [fast.get(n, 1.0)] * rounds for n in models if n != c.PLANNED},
-                "rounds": rounds, "repeat": 1, "errors": {}, "extended": False,
-                "conditions": None, "spread": None}
+        fast = {c.Runner.INDUCTOR_FROZEN: 2.0}  # planned / candidate time: freezing twice as fast
+        return Race(c.Runner.PLAN_COMPILED, {n: Ratio(c.Runner.PLAN_COMPILED, n, fast.get(n, 1.0),
+                                         (fast.get(n, 1.0),) * rounds)
+                                for n in models if n != c.Runner.PLAN_COMPILED}, rounds=rounds)
     monkeypatch.setattr(c, "time_candidates", frozen_fastest)
     fast = memlayout.compile(net, x, cache=False, rounds=2, guard=False, plan_kwargs=QUICK,
                              runtimes=())
-    assert fast.plan.compiled.kept == c.FROZEN
+    assert fast.plan.compiled.kept == c.Runner.INDUCTOR_FROZEN
     other = _cnn()
     fast.load_state_dict(other.state_dict())
     with torch.no_grad():
@@ -113,8 +114,8 @@ def test_a_frozen_winner_follows_weights_loaded_after_the_compile(monkeypatch):
 def test_memlayout_compile_without_measuring_compiles_the_plan_only():
     net, x = _cnn(), torch.randn(1, 3, 12, 12)
     fast = memlayout.compile(net, x, measure=False, plan_kwargs=QUICK)
-    assert fast.plan.compiled.kept == c.PLANNED
-    assert list(fast.plan.compiled.compile_seconds) == [c.PLANNED]
+    assert fast.plan.compiled.kept == c.Runner.PLAN_COMPILED
+    assert list(fast.plan.compiled.compile_seconds) == [c.Runner.PLAN_COMPILED]
     with torch.no_grad():
         torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)
 
@@ -122,7 +123,7 @@ def test_memlayout_compile_without_measuring_compiles_the_plan_only():
 def test_a_backend_other_than_inductor_compiles_the_plan_as_asked():
     net, x = _cnn(), torch.randn(1, 3, 12, 12)
     fast = memlayout.compile(net, x, measure=False, backend="eager", plan_kwargs=QUICK)
-    assert fast.plan.compiled.kept == c.PLANNED
+    assert fast.plan.compiled.kept == c.Runner.PLAN_COMPILED
     assert fast.plan.compiled.backend == "eager"
     with torch.no_grad():
         torch.testing.assert_close(fast(x), net(x), rtol=1e-4, atol=1e-5)

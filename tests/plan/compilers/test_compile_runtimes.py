@@ -7,6 +7,7 @@ built, verified, kept, recorded and returned, not about speed or Inductor.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from memlayout.errors import MemlayoutError
 from memlayout.plan.compare import compare
 from memlayout.plan.compilers import compiled as c
 from memlayout.plan.report.plan import Plan
+from memlayout.timing import Race, Ratio
 from tests.support.machine import openvino_has_bf16
 
 # Peer runtimes (OpenVINO, ONNX Runtime, mkldnn) are built in this process: `make test` runs
@@ -46,7 +48,10 @@ DECISIONS = [
 
 @pytest.mark.parametrize(("ratios", "margin", "kept"), DECISIONS)
 def test_the_fastest_candidate_is_kept_only_beyond_the_margin_over_inductor(ratios, margin, kept):
-    assert c._decide({"ratios": ratios}, margin) == kept
+    race = Race(c.Runner.PLAN_COMPILED,
+                {n: Ratio(c.Runner.PLAN_COMPILED, n, statistics.median(r), tuple(r))
+                 for n, r in ratios.items()}, rounds=3)
+    assert race.kept(c.Runner.INDUCTOR_OWN, margin) == kept
 
 
 def test_runtimes_are_not_candidates_for_training_other_devices_dtypes_or_several_inputs():
@@ -77,11 +82,10 @@ def _fake_timer(seconds: dict[str, float], calls: list[dict[str, Any]]):
             with torch.no_grad():
                 m(*(inputs_of or {}).get(name, inputs))
         calls.append(dict(models))
-        base = seconds[c.PLANNED]  # the plan is the baseline, timed as the guard's PLANNED
-        return {"ratios": {n: [base / seconds.get(n, seconds[c.INDUCTOR])] * rounds
-                           for n in models if n != c.PLANNED},
-                "rounds": rounds, "repeat": 1, "errors": {}, "extended": False,
-                "conditions": None, "spread": None}
+        base = seconds[c.Runner.PLAN_COMPILED]  # the plan is the baseline: the race's reference
+        speed = {n: base / seconds.get(n, seconds[c.Runner.INDUCTOR_OWN]) for n in models if n != c.Runner.PLAN_COMPILED}
+        return Race(c.Runner.PLAN_COMPILED, {n: Ratio(c.Runner.PLAN_COMPILED, n, s, (s,) * rounds)
+                                for n, s in speed.items()}, rounds=rounds)
     return time_candidates
 
 
@@ -98,21 +102,21 @@ def test_a_faster_runtime_is_kept_verified_recorded_and_cached(runtime, tmp_path
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(c, "time_candidates", _fake_timer(
-        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, runtime: 0.5}, calls))
+        {c.Runner.PLAN_COMPILED: 1.0, c.Runner.INDUCTOR_OWN: 1.0, runtime: 0.5}, calls))
     cache = tmp_path / "costs.sqlite"
     fast = memlayout.compile(net, x, cache=cache, rounds=3, guard=False, plan_kwargs=QUICK,
                              runtimes=(runtime,))
     record = fast.plan.compiled
     assert isinstance(fast, c.RuntimeModule) and isinstance(fast, nn.Module)
     assert record.kept == runtime and record.source == "measured"
-    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN, runtime}  # one timing
+    assert set(calls[0]) == {c.Runner.PLAN_COMPILED, c.Runner.INDUCTOR_OWN, c.Runner.INDUCTOR_FROZEN, runtime}  # one timing
     assert record.candidates[runtime].median == pytest.approx(2.0)
-    assert record.candidates[c.INDUCTOR].median == pytest.approx(1.0)
-    assert record.baseline == c.PLANNED
-    assert set(record.compile_seconds) == {c.PLANNED, c.INDUCTOR, c.FROZEN, runtime}
+    assert record.candidates[c.Runner.INDUCTOR_OWN].median == pytest.approx(1.0)
+    assert record.baseline == c.Runner.PLAN_COMPILED
+    assert set(record.compile_seconds) == {c.Runner.PLAN_COMPILED, c.Runner.INDUCTOR_OWN, c.Runner.INDUCTOR_FROZEN, runtime}
     # the runtime's own words for its precision, once built
     assert record.precision[runtime] != f"{runtime} fp32" and "32" in record.precision[runtime]
-    assert record.precision[c.PLANNED] == "fp32"
+    assert record.precision[c.Runner.PLAN_COMPILED] == "fp32"
     assert record.input_format == "contiguous"
     assert f"kept the {runtime} runtime's model" in fast.plan.summary()
     assert Plan.from_json(fast.plan.to_json()).compiled == record
@@ -151,13 +155,13 @@ def test_a_runtime_in_bf16_is_its_own_bf16_verified_at_bf16_tolerance(monkeypatc
                                                                       eager_inductor):
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     monkeypatch.setattr(c, "time_candidates", _fake_timer(
-        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.5, "onnxruntime": 2.0}, []))
+        {c.Runner.PLAN_COMPILED: 1.0, c.Runner.INDUCTOR_OWN: 1.0, "openvino": 0.5, "onnxruntime": 2.0}, []))
     fast = memlayout.compile(net, x, dtype="bf16", cache=False, rounds=3, guard=False, plan_kwargs=QUICK)
     record = fast.plan.compiled
-    assert record.precision[c.INDUCTOR].startswith("torch.autocast bf16")
+    assert record.precision[c.Runner.INDUCTOR_OWN].startswith("torch.autocast bf16")
     if not openvino_has_bf16():  # a CPU without bf16: OpenVINO says so, not a failure
         assert "no bf16 support" in record.unavailable["openvino"]
-        assert record.kept == c.INDUCTOR
+        assert record.kept == c.Runner.INDUCTOR_OWN
         return
     assert record.kept == "openvino", record
     assert "bf16" in record.precision["openvino"] and "own bf16" in record.precision["openvino"]
@@ -176,10 +180,10 @@ def test_runtimes_off_keeps_to_pytorch(monkeypatch, eager_inductor):
     net, x = _cnn(), torch.randn(1, 3, 12, 12)
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(c, "time_candidates", _fake_timer(
-        {c.PLANNED: 1.0, c.INDUCTOR: 2.0}, calls))
+        {c.Runner.PLAN_COMPILED: 1.0, c.Runner.INDUCTOR_OWN: 2.0}, calls))
     fast = memlayout.compile(net, x, cache=False, rounds=3, guard=False, plan_kwargs=QUICK, runtimes=())
-    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR, c.FROZEN}
-    assert fast.plan.compiled.kept == c.PLANNED
+    assert set(calls[0]) == {c.Runner.PLAN_COMPILED, c.Runner.INDUCTOR_OWN, c.Runner.INDUCTOR_FROZEN}
+    assert fast.plan.compiled.kept == c.Runner.PLAN_COMPILED
     assert fast.plan.compiled.unavailable == {}
 
 
@@ -192,24 +196,24 @@ def test_mkldnn_runs_a_model_of_mkldnn_ops_and_is_unavailable_for_one_without(mo
         torch.testing.assert_close(model(x), net(x), rtol=1e-4, atol=1e-5)
     # ReLU6 (every MobileNet) has no mkldnn kernel: not a candidate, and the op is named
     relu6 = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU6()).eval()
-    monkeypatch.setattr(c, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0}, []))
+    monkeypatch.setattr(c, "time_candidates", _fake_timer({c.Runner.PLAN_COMPILED: 1.0, c.Runner.INDUCTOR_OWN: 1.0}, []))
     fast = memlayout.compile(relu6, x, cache=False, rounds=3, guard=False, plan_kwargs=QUICK,
                              runtimes=("mkldnn",), freezing=False)
     assert "hardtanh" in fast.plan.compiled.unavailable["mkldnn"]
-    assert fast.plan.compiled.kept in (c.PLANNED, c.INDUCTOR)
+    assert fast.plan.compiled.kept in (c.Runner.PLAN_COMPILED, c.Runner.INDUCTOR_OWN)
 
 
 def test_a_training_plan_has_no_runtime_or_frozen_candidate_and_says_why(monkeypatch,
                                                                          eager_inductor):
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(c, "time_candidates", _fake_timer({c.PLANNED: 1.0, c.INDUCTOR: 1.0},
+    monkeypatch.setattr(c, "time_candidates", _fake_timer({c.Runner.PLAN_COMPILED: 1.0, c.Runner.INDUCTOR_OWN: 1.0},
                                                             calls))
     fast = memlayout.compile(net, x, cache=False, rounds=3, guard=False,
                              plan_kwargs={**QUICK, "train": True})
     record = fast.plan.compiled
-    assert set(calls[0]) == {c.PLANNED, c.INDUCTOR}
-    assert c.FROZEN not in record.settings
+    assert set(calls[0]) == {c.Runner.PLAN_COMPILED, c.Runner.INDUCTOR_OWN}
+    assert c.Runner.INDUCTOR_FROZEN not in record.settings
     assert set(record.unavailable) == set(runtimes.ADAPTERS)
     assert all("cannot train" in why for why in record.unavailable.values())
     assert "not a candidate: a runtime model cannot train" in fast.plan.summary()
@@ -222,7 +226,7 @@ def test_the_bench_mode_runs_the_kept_runtime_on_the_input_it_reads(monkeypatch,
 
     monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path))  # the cost cache: not the user's
     monkeypatch.setattr(c, "time_candidates", _fake_timer(
-        {c.PLANNED: 1.0, c.INDUCTOR: 1.0, "openvino": 0.25}, []))
+        {c.Runner.PLAN_COMPILED: 1.0, c.Runner.INDUCTOR_OWN: 1.0, "openvino": 0.25}, []))
     net, x = _cnn(), torch.randn(2, 3, 16, 16)
     prepared = prepare_mode("planned+compile", net, x.contiguous(memory_format=torch.channels_last),
                             dtype="fp32", task="infer")

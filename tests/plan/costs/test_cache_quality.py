@@ -5,6 +5,7 @@ than the guard measures is measured once more, and said to be suspect if it stil
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 import warnings
@@ -145,8 +146,8 @@ def test_a_plan_still_disagreeing_after_measuring_again_says_so(db, monkeypatch)
     real = guard.time_candidates
 
     def far_faster(*args, **kwargs):  # the whole model measures 10000x under the prediction
-        record = real(*args, **kwargs)
-        return {**record, "planned_seconds": record["planned_seconds"] * 1e-4}
+        race = real(*args, **kwargs)
+        return dataclasses.replace(race, reference_seconds=race.reference_seconds * 1e-4)
 
     monkeypatch.setattr(guard, "time_candidates", far_faster)
     calls = _timing_runs(monkeypatch)

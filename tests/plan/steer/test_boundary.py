@@ -204,11 +204,11 @@ def test_exit_hands_back_a_returned_parameter_as_itself(
 
 def test_restride_hands_back_each_result_in_the_format_the_original_returned() -> None:
     y4, y5, y2 = torch.randn(SHAPES[4]), _channels_last(torch.randn(SHAPES[5])), torch.randn(2, 3)
-    formats = ((0, CHANNELS_LAST, 4), (1, CONTIGUOUS, 5), (2, -1, 2))
+    formats = ((0, CHANNELS_LAST, 4), (1, CONTIGUOUS, 5), (2, None, 2))
     out4, out5, out2 = restride((y4, y5, y2), formats)
     assert in_label(out4, CHANNELS_LAST) and torch.equal(out4, y4)
     assert in_label(out5, CONTIGUOUS) and torch.equal(out5, y5)
-    assert out2 is y2  # label -1: as it comes
+    assert out2 is y2  # label None: as it comes
 
 
 def test_restride_of_another_structure_hands_back_the_inputs_format_but_views_of_inputs() -> None:
@@ -244,3 +244,49 @@ def test_these_checks_fail_for_a_boundary_that_converts_into_the_other_format(
         assert not in_label(entered, CHANNELS_LAST)
         left = Boundary(outputs=((0, CONTIGUOUS, rank),)).exit(_channels_last(x))
         assert not in_label(left, CONTIGUOUS)
+
+
+def _boundaries(model: nn.Module) -> dict[tuple[str, str], set[tuple[int, Label, int]]]:
+    """Each steered module's leaves converted on the way in and out, as its boundary holds them."""
+    found: dict[tuple[str, str], set[tuple[int, Label, int]]] = {}
+    for path, m in model.named_modules():
+        for b in getattr(m.__dict__.get("forward"), "boundaries", {}).values():
+            for side, leaves in (("in", b.inputs), ("out", b.outputs)):
+                if leaves:
+                    found.setdefault((path, side), set()).update(leaves)
+    return found
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["planned", "applied from its JSON"])
+def test_a_plans_conversions_are_boundaries_into_the_format_it_names(
+        monkeypatch: pytest.MonkeyPatch, saved: bool) -> None:
+    """Every conversion a plan lists (``plan.conversions``: module, side, leaves, format) is a
+    leaf of that module's boundary converting into that format, and nothing else is: for the
+    planned model and for the same plan applied from its JSON (``memlayout.apply``)."""
+    import memlayout
+    from memlayout.plan.costs import measure
+
+    analytic = measure.analytical_seconds  # every node cheapest channels last
+    monkeypatch.setattr(measure, "analytical_seconds", lambda gm, n, label: analytic(
+        gm, n, label) * (1.0 if label == CHANNELS_LAST else 50.0))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(8, 8, 3, padding=1)).eval()
+    x = torch.randn(2, 3, 10, 10)  # contiguous: converted on the way in
+    opt = memlayout.optimize(net, x, measure=False, cache=False, guard=False)
+    if saved:
+        opt = memlayout.apply(net, memlayout.Plan.from_json(opt.plan.to_json()), x)
+    listed: dict[tuple[str, str], set[tuple[int, Label, int]]] = {}
+    for c in opt.plan.conversions:
+        listed.setdefault((c.module, c.side), set()).update(
+            (position, Label.parse(c.to), rank) for position, rank in c.leaves)
+    assert listed and _boundaries(opt) == listed
+    for path, m in opt.named_modules():
+        for b in getattr(m.__dict__.get("forward"), "boundaries", {}).values():
+            for leaf in (*b.inputs, *b.outputs):
+                assert isinstance(leaf, boundary.Leaf) and type(leaf.label) is Label
+            for leaf in b.inputs:  # the boundary itself, entered with the leaf it converts
+                args = tuple(_every_other(torch.randn(SHAPES[leaf.rank]))
+                             for _ in range(leaf.position + 1))
+                entered, _ = b.enter(args, {})
+                assert in_label(entered[leaf.position], leaf.label), path

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -330,3 +331,32 @@ def test_the_plans_held_show_the_examples_and_the_other_modes() -> None:
     assert {key: plan.mode for key, plan in state.plans.items()} == {
         state.example: "eval", (*state.example, ((), "train", "mode", "")): "train"}
     assert state.plans[state.example] is planned.plan
+
+
+class _Stub:
+    """A plan's stand-in: the mode it was made in, outputs as they come."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.output_format = mode, None
+
+
+@pytest.mark.parametrize("planned_in", ["eval", "train"])
+def test_a_signature_names_the_mode_of_a_call_in_the_other_mode(planned_in: str) -> None:
+    from memlayout.plan.steer.state import Argument, Mode
+
+    x, conv = _x(), nn.Conv2d(3, 8, 3)
+    made: list[Any] = []
+    other = "eval" if planned_in == "train" else "train"
+    state = PlannedState(plan=_Stub(planned_in), key=shape_signature((x,)), dtype=None,  # type: ignore[arg-type]
+                         ranks=(4, 5), input_label=None, outputs=(),
+                         replanner=lambda m, a, k, key: made.append(key) or _Stub(other))
+    conv.train(planned_in == "train")
+    assert state.key_for(conv, (x,), {}) == state.example  # the plan's own mode: its key
+    conv.train(other == "train")
+    key = state.key_for(conv, (x,), {})
+    assert key[-1] == Mode(mode=other) and isinstance(key[-1], Mode)
+    assert key[:-1] == state.example and all(isinstance(e, Argument) for e in key[:-1])
+    assert made == [key]
+    # the record is the tuple it stands for: keys held by earlier pickles still match
+    assert Mode(mode=other) == ((), other, "mode", "")
+    assert pickle.loads(pickle.dumps(key)) == key

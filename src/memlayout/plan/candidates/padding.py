@@ -11,7 +11,8 @@ unpadded convolution (up to summation order); the planner's verification compare
 
 Per candidate convolution (``groups == 1``, 2-D) each variant -- unpadded, inputs padded,
 outputs padded, both -- for each ``k`` of :func:`block_sizes` is timed on the input it receives
-in the planned model, pad and crop included, interleaved through ``memlayout.timing``; a padded
+in the planned model, pad and crop included, interleaved through ``memlayout.timing`` (a
+``Race`` against unpadded, with each variant's fastest round: :class:`PadTiming`); a padded
 variant is chosen only when both its minimum and the median of its per-round ratios beat
 unpadded by ``margin`` (see :func:`decide`), and kept only when the whole model with every
 chosen padding then runs faster than without (``whole_model_ratio``). Timings are
@@ -34,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -44,16 +45,21 @@ from torch import nn
 from memlayout.devices import Device, seam
 from memlayout.dtypes import autocast
 from memlayout.machine import CpuIsa
+from memlayout.plan.check.guard import RACE, save, stored, time_candidates
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
-from memlayout.plan.options import PlanOptions, Progress
-from memlayout.plan.report.records import UNPADDED, PadChoice
+from memlayout.plan.graph import Label
+from memlayout.plan.options import Progress, RunOptions
+from memlayout.plan.report.records import UNPADDED, PadChoice, decode
 from memlayout.plan.steer.boundary import padded_convolution, padded_weights
 from memlayout.plan.steer.build import Build, build, user_path
 from memlayout.plan.steer.state import Formats
 from memlayout.plan.steer.steering import planned_state
 from memlayout.tensors import device_of
-from memlayout.timing import interleaved, repeats_for
+from memlayout.timing import Race, interleaved, repeats_for
+
+#: the whole model with every chosen padding, in :func:`whole_model_ratio`'s race
+PADDED = "padded"
 
 
 def block_sizes(device: torch.device | str, dtype: torch.dtype | None,
@@ -214,23 +220,24 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
             progress(i + 1, len(convs), f"{path} (padded channels)")
         options = variants(conv, blocks)
         fmt = "channels_last" if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else "contiguous"
-        key = json.dumps(["pad-v2", *context, repr(conv), list(x.shape), list(x.stride()),
+        key = json.dumps(["pad", RACE, *context, repr(conv), list(x.shape), list(x.stride()),
                           str(x.dtype), sorted(options), rounds])
-        record = cache.get(key, _valid_measure) if cache is not None and force is None else None
+        timed = _stored(cache, key) if cache is not None and force is None else None
         source = "cache"
         if force is not None:
-            record = {"seconds": dict.fromkeys([UNPADDED, *options]), "ratios": {}}
+            timed = PadTiming(Race(UNPADDED, {}, rounds=0), dict.fromkeys([UNPADDED, *options]))
             source = "forced"
-        elif record is None:
-            record, source = _measure(conv, x, options, dtype, rounds, on, interleaved), "measured"
-            if cache is not None and all(v is not None for v in record["seconds"].values()):
-                cache.put(key, record, spread=record.get("spread"))
+        elif timed is None:
+            timed, source = _measure(conv, x, options, dtype, rounds, on, interleaved), "measured"
+            if cache is not None and all(v is not None for v in timed.seconds.values()):
+                cache.put(key, asdict(timed), spread=timed.spread)
         if force is not None:
             chosen = force if force in options else UNPADDED
         else:
-            chosen = decide(record["seconds"], record["ratios"], margin)
+            chosen = decide(timed.seconds, timed.race, margin)
         choices.append(PadChoice(path, conv.in_channels, conv.out_channels, list(x.shape), fmt,
-                                 record["seconds"], chosen, source, record["ratios"]))
+                                 timed.seconds, chosen, source,
+                                 {name: r.median for name, r in timed.race.ratios.items()}))
         if chosen != UNPADDED:
             chosen_channels[path] = options[chosen]
     if not chosen_channels or padded is None:
@@ -238,8 +245,8 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
     if force is None:
         # Ops timed alone can disagree with the model (noise, caches): keep the padding only
         # if the whole model runs faster with it than without.
-        key = json.dumps(["pad-model", *context, [(c.module, c.chosen, c.input_shape)
-                                                  for c in choices], rounds])
+        key = json.dumps(["pad-model", RACE, *context,
+                          [(c.module, c.chosen, c.input_shape) for c in choices], rounds])
         ratio = whole_model_ratio(model, padded(chosen_channels), inputs, dtype=dtype,
                                   device=device, rounds=rounds, cache=cache, key=key)
         if ratio is None or ratio <= 1.0:
@@ -253,32 +260,33 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
 def whole_model_ratio(model: nn.Module, padded: nn.Module, inputs: tuple[Any, ...], *,
                       dtype: torch.dtype | None, rounds: int, cache: Any = None,
                       key: str | None = None, device: torch.device | None = None) -> float | None:
-    """Median of per-round ``model / padded`` whole-model times (``memlayout.timing``,
-    interleaved), or ``None`` when the padded model fails; cached under ``key``."""
-    record = (cache.get(key, lambda r: isinstance(r, dict) and _number(r.get("ratio")))
-              if cache is not None and key is not None else None)
-    if record is not None:
-        return record["ratio"]
-    device = device_of(inputs, model) if device is None else device
+    """Median of per-round ``model / padded`` whole-model times (``guard.time_candidates``,
+    interleaved), or ``None`` when the padded model fails; the race is cached under ``key``."""
+    race = stored(cache, key) if key is not None else None
+    if race is None:
+        race = time_candidates({UNPADDED: model, PADDED: padded}, inputs, dtype,
+                               device=device_of(inputs, model) if device is None else device,
+                               rounds=max(rounds, 3), reference=UNPADDED)
+        if cache is not None and key is not None and PADDED in race.ratios:
+            save(cache, key, race)
+    return race.median(PADDED) if PADDED in race.ratios else None
 
-    def runner(module: nn.Module) -> Callable[[], Any]:
-        def run() -> Any:
-            with torch.no_grad(), autocast(device, dtype):
-                return module(*inputs)
-        return run
 
-    result = interleaved({UNPADDED: runner(model), "padded": runner(padded)},
-                         rounds=max(rounds, 3), warmup=1, baseline=UNPADDED,
-                         sync=seam(device).synchronize)
-    ratio = result.speedup("padded")
-    if cache is not None and key is not None and ratio is not None:
-        cache.put(key, {"ratio": ratio}, spread=_spread(result.modes.values()))
-    return ratio
+@dataclass(frozen=True)
+class PadTiming:
+    """One convolution's variants timed interleaved: the race of each padded variant against
+    ``unpadded``, each variant's fastest round in seconds per call (``None``: it failed), and
+    the widest relative spread of their rounds (the cached entry's quality). The cache stores
+    it as JSON (``dataclasses.asdict``)."""
+
+    race: Race
+    seconds: dict[str, float | None]
+    spread: float | None = None
 
 
 def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int]],
              dtype: torch.dtype | None, rounds: int, device: Device,
-             interleaved: Callable[..., Any]) -> dict[str, Any]:
+             interleaved: Callable[..., Any]) -> PadTiming:
     modules: dict[str, nn.Module] = {UNPADDED: conv}
     for name, (pin, pout) in options.items():
         modules[name] = PaddedConv2d.from_conv(conv, pad_in=pin, pad_out=pout)
@@ -298,29 +306,35 @@ def _measure(conv: nn.Conv2d, x: torch.Tensor, options: dict[str, tuple[int, int
         fn()
         sync()
         per_call.append(device.settle(fn, time.perf_counter() - start))
-    result = interleaved(fns, rounds=rounds, warmup=0, repeat=repeats_for(min(per_call)), sync=sync,
+    repeat = repeats_for(min(per_call))
+    result = interleaved(fns, rounds=rounds, warmup=0, repeat=repeat, sync=sync,
                          baseline=UNPADDED)
-    return {"seconds": {name: (t.min if t.ok else None) for name, t in result.modes.items()},
-            "ratios": {name: result.speedup(name) for name in options
-                       if result.speedup(name) is not None},
-            "spread": _spread(result.modes.values())}
+    unpadded = result[UNPADDED]
+    ratios = {name: r for name in options
+              if unpadded.ok and (r := result.ratio(UNPADDED, name)) is not None}
+    race = Race(UNPADDED, ratios, rounds=len(unpadded.times), repeat=repeat,
+                errors={n: t.error for n, t in result.modes.items() if t.error},
+                reference_seconds=unpadded.median if unpadded.ok else None,
+                spread=unpadded.spread if unpadded.ok else None)
+    return PadTiming(race, {name: (t.min if t.ok else None) for name, t in result.modes.items()},
+                     max((t.spread for t in result.modes.values() if t.ok), default=None))
 
 
-def _spread(modes: Any) -> float | None:
-    """The widest relative spread of the rounds of the modes that ran (the cache's quality)."""
-    return max((t.spread for t in modes if t.ok), default=None)
+def _stored(cache: CostCache, key: str) -> PadTiming | None:
+    """The timing cached under ``key``, if one is."""
+    value = cache.get(key, _is_timing)
+    return None if value is None else _load(value)
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _load(value: Any) -> PadTiming:
+    timed: PadTiming = decode(PadTiming, value, "padding")
+    return timed
 
 
-def _valid_measure(record: Any) -> bool:
-    """A cached per-convolution measurement: seconds per variant, ratios per padded one."""
-    return (isinstance(record, dict) and isinstance(record.get("seconds"), dict)
-            and isinstance(record.get("ratios"), dict) and UNPADDED in record["seconds"]
-            and all(s is None or _number(s) for s in record["seconds"].values())
-            and all(_number(r) for r in record["ratios"].values()))
+def _is_timing(value: Any) -> bool:
+    """``value`` reads back as a :class:`PadTiming` with ``unpadded`` timed (the cache's check
+    on read; one that raises is ignored and measured again)."""
+    return UNPADDED in _load(value).seconds
 
 
 def _valid_choices(record: Any) -> bool:
@@ -332,14 +346,18 @@ def _valid_choices(record: Any) -> bool:
         return False
 
 
-def decide(seconds: dict[str, float | None], ratios: dict[str, float], margin: float) -> str:
+def decide(seconds: Mapping[str, float | None], race: Race, margin: float) -> str:
     """The variant to run: the padded one with the lowest minimum time when that beats
-    unpadded by ``margin`` and the median of its per-round ratios (unpadded / padded) does too
-    (a shared machine's noise can flatter one minimum); else ``unpadded``.
+    unpadded by ``margin`` and the median of its per-round ratios (unpadded / padded) in
+    ``race`` does too (a shared machine's noise can flatter one minimum); else ``unpadded``.
 
-    >>> decide({"unpadded": 1.0, "in16": 0.8, "out16": 0.9}, {"in16": 1.2, "out16": 1.1}, 0.02)
+    >>> from memlayout.timing import Ratio
+    >>> race = Race(UNPADDED, {"in16": Ratio(UNPADDED, "in16", 1.2, (1.2, 1.3, 1.1)),
+    ...                        "out16": Ratio(UNPADDED, "out16", 1.1, (1.1, 1.1, 1.1))}, rounds=3)
+    >>> decide({"unpadded": 1.0, "in16": 0.8, "out16": 0.9}, race, 0.02)
     'in16'
-    >>> decide({"unpadded": 1.0, "in16": 0.8}, {"in16": 0.99}, 0.02)
+    >>> tie = Race(UNPADDED, {"in16": Ratio(UNPADDED, "in16", 1.0, (0.99, 0.99, 1.0))}, rounds=3)
+    >>> decide({"unpadded": 1.0, "in16": 0.8}, tie, 0.02)
     'unpadded'
     """
     base = seconds.get(UNPADDED)
@@ -347,12 +365,13 @@ def decide(seconds: dict[str, float | None], ratios: dict[str, float], margin: f
     if base is None or not timed:
         return UNPADDED
     best = min(timed, key=timed.__getitem__)
-    faster = timed[best] < base * (1.0 - margin) and ratios.get(best, 0.0) > 1.0 + margin
+    faster = (timed[best] < base * (1.0 - margin) and best in race.ratios
+              and race.beats(best, UNPADDED, margin))
     return best if faster else UNPADDED
 
 
 def padding_step(reference: nn.Module, built: Build, inputs: tuple[Any, ...],
-                 options: PlanOptions, store: CostCache | None, signature: str,
+                 options: RunOptions, store: CostCache | None, signature: str,
                  outputs: Formats) -> tuple[tuple[PadChoice, ...], Build]:
     """Convolutions padded to the vector width where that measures faster (inference only:
     a padded convolution's weights are copies made here, they would not train). Returns the
@@ -375,6 +394,6 @@ def padding_step(reference: nn.Module, built: Build, inputs: tuple[Any, ...],
     return choices, padded(channels) if channels else built
 
 
-def _entry(built: Build) -> int | None:
+def _entry(built: Build) -> Label | None:
     """The format a build's inputs are converted to on entry (``None``: as they come)."""
     return planned_state(built.model).input_label

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError, first_line
+from memlayout.plan.capture.reads import LayoutRead, LayoutReads
 from memlayout.plan.capture.trace import ConvolutionCount
 
 
@@ -81,13 +82,15 @@ class ModuleCall:
 @dataclass
 class EagerRun:
     """One eager run of a model: its output, the convolution calls that ran, every module's
-    calls (by path; the root is ``""``) and, when asked for, the arguments each submodule
-    first received (copies: a later in-place op does not change them)."""
+    calls (by path; the root is ``""``), when asked for, the arguments each submodule first
+    received (copies: a later in-place op does not change them), and the model's own code's
+    layout reads (:mod:`memlayout.plan.capture.reads`)."""
 
     output: Any
     convolutions: int
     calls: dict[str, ModuleCall]
     arguments: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
+    reads: tuple[LayoutRead, ...] = ()
 
 
 def record_calls(model: nn.Module, inputs: Sequence[Any], *, dtype: torch.dtype | None,
@@ -128,7 +131,8 @@ def record_calls(model: nn.Module, inputs: Sequence[Any], *, dtype: torch.dtype 
         handles.append(sub.register_forward_hook(
             lambda _m, _args, output, path=path: after(path, output)))
     try:
-        with torch.no_grad(), autocast(device, dtype), ConvolutionCount() as count:
+        with torch.no_grad(), autocast(device, dtype), ConvolutionCount() as count, \
+                LayoutReads(model) as reads:
             output = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
     except Exception as exc:
         raise CaptureError(
@@ -141,7 +145,7 @@ def record_calls(model: nn.Module, inputs: Sequence[Any], *, dtype: torch.dtype 
     calls = {path: ModuleCall(n, first_in.get(path, ()), first_out.get(path, ()),
                               mutated.get(path, ()))
              for path, n in counts.items()}
-    return EagerRun(output, count.calls, calls, arguments)
+    return EagerRun(output, count.calls, calls, arguments, tuple(reads.found))
 
 
 def _version(value: Any) -> int | None:

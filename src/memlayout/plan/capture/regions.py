@@ -42,6 +42,7 @@ from memlayout.plan.capture.calls import (
     run_facts,
     versions_of,
 )
+from memlayout.plan.capture.reads import LayoutRead, in_scope
 from memlayout.plan.capture.trace import (
     EXPORT,
     FX,
@@ -54,6 +55,7 @@ from memlayout.plan.capture.trace import (
 )
 from memlayout.plan.graph import (
     BASE_RANKS,
+    KEEP_KEY,
     META_KEY,
     node_target_name,
     planned_ranks,
@@ -84,16 +86,7 @@ class Captured:
     ranks: tuple[int, ...] = BASE_RANKS  # the layout ranks planned (see planned_ranks)
     coverage: Coverage | None = None  # convolution calls planned of those that run
     calls: dict[str, ModuleCall] = field(default_factory=dict)  # every module call, by path
-
-
-
-
-
-
-
-
-
-
+    reads: tuple[LayoutRead, ...] = ()  # the model's own layout reads (capture.reads)
 
 
 def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None = None,
@@ -147,9 +140,11 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
         same, error = _agree(eager.output, output, dtype)
         if same:
             mark_spatial(gm)
-            return Captured([Region("", gm, inputs, output)], [], output, ranks,
+            whole = [Region("", gm, inputs, output)]
+            keep_where_read(whole, eager.reads)
+            return Captured(whole, [], output, ranks,
                             Coverage(count_convolutions(gm), eager.convolutions, (method,)),
-                            eager.calls)
+                            eager.calls, eager.reads)
         reasons.append(f"the {method} graph computes other values than forward (relative "
                        f"error {error:.3g})")
     reason = join_reasons(reasons)
@@ -170,8 +165,30 @@ def capture(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
     # children were is not listed: its children are)
     eager = tuple((p, r) for p, r in uncaptured
                   if not any(reg.path.startswith(p + "." if p else "") for reg in regions))
+    keep_where_read(regions, run.reads)
     return Captured(regions, uncaptured, run.output, ranks,
-                    Coverage(planned, run.convolutions, methods, eager), run.calls)
+                    Coverage(planned, run.convolutions, methods, eager), run.calls, run.reads)
+
+
+def keep_where_read(regions: list[Region], reads: tuple[LayoutRead, ...]) -> None:
+    """Mark (``node.meta[KEEP_KEY]``) every node whose value a layout-reading module sees:
+    the nodes of its own code and those that feed it, so the plan keeps each in the format
+    the original gives it (:func:`memlayout.plan.solve.formulate.node_terms` pins them)."""
+    modules = {r.module for r in reads}
+    for region in regions:
+        inside = [n for n in region.gm.graph.nodes
+                  if any(in_scope(m, p) for m in modules for p in _paths(region, n))]
+        for n in inside:
+            n.meta[KEEP_KEY] = True
+            for arg in n.all_input_nodes:
+                arg.meta[KEEP_KEY] = True
+
+
+def _paths(region: Region, n: fx.Node) -> list[str]:
+    """The modules whose code ``n`` runs in (outermost first), as paths in the whole model."""
+    stack = n.meta.get("nn_module_stack") or {}
+    inner = [v[0] for v in stack.values() if isinstance(v, tuple) and v and v[0]]
+    return [region.path] + [f"{region.path}.{p}" if region.path else p for p in inner]
 
 
 @contextlib.contextmanager

@@ -5,13 +5,13 @@ NCHW between channels-last convolutions costs more in the model than alone). So 
 is timed as a whole model against the original run entirely in one format, exactly as eager
 NCHW and eager NHWC run it (weights and inputs converted; outputs as the plan keeps them),
 except a format the plan already runs end to end, interleaved round by round through
-``memlayout.timing.interleaved``. The plan is kept unless another candidate is
-faster by more than ``margin`` (default 0: the faster in the median) in the median of the
-per-round ratios ``planned / candidate``. A close call (the best candidate's median within
-``CLOSE`` of the threshold ``1 + margin``, or its middle half of rounds on both sides of
-it) is timed for as many rounds again before it is decided: on a noisy machine five rounds
-cannot tell 2 % apart, and the bar is "never below 0.98x". A cached record of a close call
-that was not timed longer is measured again.
+``memlayout.timing.interleaved``. The plan is kept unless another candidate is faster by
+more than ``margin`` (default ``memlayout.plan.options.PLAN_GUARD_MARGIN``, 0: the faster in
+the median) in the median of the per-round ratios ``planned / candidate``. A close call (the
+best candidate's median within ``memlayout.timing.CLOSE`` of the threshold ``1 + margin``, or
+its middle half of rounds on both sides of it) is timed for as many rounds again before it
+is decided: on a noisy machine five rounds cannot tell 2 % apart, and the bar is "never below
+0.98x". A cached record of a close call that was not timed longer is measured again.
 
 The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
 autocast dtype and a signature of the captured graphs (every node, its shapes, strides and
@@ -25,14 +25,15 @@ call as a whole. Where the prediction exceeds the measurement by more than ``SUS
 (:func:`suspect`), the costs are not to be trusted (measured under load, or cached from a
 busier day): the planner measures them once more, and says so loudly if they still disagree.
 
->>> record = {"ratios": {"all_contiguous": [0.8, 0.9, 0.85], "all_channels_last": [1.2, 1.3, 1.1]},
-...           "rounds": 3}
->>> decide(record, margin=0.02)
+The measurement is a :class:`memlayout.timing.Race` with the plan as its reference:
+
+>>> def race(**rounds):
+...     return Race(PLANNED, {n: Ratio(PLANNED, n, 1.0, r) for n, r in rounds.items()}, rounds=3)
+>>> race(all_contiguous=(0.8, 0.9, 0.85), all_channels_last=(1.2, 1.3, 1.1)).kept(PLANNED, 0.02)
 'all_channels_last'
->>> decide({"ratios": {"all_channels_last": [1.01, 1.0, 1.02]}, "rounds": 3}, margin=0.02)
-'planned'
->>> decide({"ratios": {"all_channels_last": [1.01, 1.0, 1.02]}, "rounds": 3}, margin=0.0)
-'all_channels_last'
+>>> close = race(all_channels_last=(1.01, 1.0, 1.02))
+>>> close.kept(PLANNED, 0.02), close.kept(PLANNED, 0.0)
+('planned', 'all_channels_last')
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -55,9 +55,9 @@ from memlayout.machine import Conditions
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
-from memlayout.plan.graph import META_KEY, Label, Request, value_meta
+from memlayout.plan.graph import KEEP_KEY, META_KEY, Label, Request, value_meta
 from memlayout.plan.inputs import inputs_in
-from memlayout.plan.options import PlanOptions
+from memlayout.plan.options import RunOptions
 from memlayout.plan.report.records import GuardRecord, RatioRange, decode
 from memlayout.plan.solve.regions import Solution
 from memlayout.plan.steer.build import (
@@ -71,10 +71,9 @@ from memlayout.plan.steer.build import (
 )
 from memlayout.plan.steer.state import Formats
 from memlayout.tensors import iter_tensors, mean_square_loss
-from memlayout.timing import ModeTiming, interleaved
+from memlayout.timing import ModeTiming, Race, Ratio, interleaved
 
 PLANNED = "planned"
-CLOSE = 0.03  # a median ratio this near the threshold is timed for twice the rounds
 #: predicted / measured planned time above which the cost table is suspect. The table leaves
 #: out what runs between the layout nodes (elementwise ops, dispatch, Python) and takes each
 #: op's fastest round, so it predicts less than the model takes (docs/benchmarks.md has the
@@ -82,10 +81,14 @@ CLOSE = 0.03  # a median ratio this near the threshold is timed for twice the ro
 #: prediction below the measurement is what the table leaves out, not a sign of bad costs, so
 #: only this side is checked.
 SUSPECT = 3.0
-UNIFORM = {"all_contiguous": 0, "all_channels_last": 1}  # eager in one format -> its label
+#: the form of a stored race (``timing.Race``), in every key a race is stored under, so a record
+#: stored in another form is not read
+RACE = "race"
+#: eager in one format -> its label
+UNIFORM = {"all_contiguous": Label.CONTIGUOUS, "all_channels_last": Label.CHANNELS_LAST}
 
 
-def signature(graphs: list[tuple[str, fx.GraphModule, Mapping[str, int]]],
+def signature(graphs: list[tuple[str, fx.GraphModule, Mapping[str, Label]]],
               extra: Any = None) -> str:
     """A hash of ``(region path, graph, planned labels)`` triples: every node's op, target
     (a module's repr), arguments and the shapes, strides and dtypes of its output; plus
@@ -118,26 +121,23 @@ def _target(gm: fx.GraphModule, n: fx.Node) -> str:
 
 
 def cache_key(device: str, dtype: torch.dtype | None, graph_signature: str) -> str:
-    """The cost-cache key of one guard measurement."""
-    return json.dumps(["guard", device, torch.__version__, str(dtype), graph_signature])
+    """The cost-cache key of one guard measurement (``RACE``: the stored form)."""
+    return json.dumps(["guard", RACE, device, torch.__version__, str(dtype), graph_signature])
 
 
 def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
                     dtype: torch.dtype | None, *, device: torch.device, rounds: int,
                     on_step: Callable[[int, str], None] | None = None,
                     train: bool = False, margin: float | None = None,
-                    inputs_of: Mapping[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
-    """Time whole models (``models[PLANNED]`` and the others) interleaved, as they will run
+                    inputs_of: Mapping[str, tuple[Any, ...]] | None = None,
+                    reference: str = PLANNED) -> Race:
+    """Time whole models (``models[reference]`` and the others) interleaved, as they will run
     (no grad, autocast for ``dtype`` on ``device``; ``train``: a training step's forward and
     backward, the loss ``memlayout.tensors.mean_square_loss``, backward outside autocast,
     gradients into ``.grad`` as an optimizer reads them; the caller restores buffers).
-    With ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more.
+    With ``margin``, a close call (``Race.is_close``) is timed for ``rounds`` rounds more.
     ``inputs_of``: a candidate's own inputs (e.g. in its format), instead of ``inputs``.
-    Returns ``{"ratios": {name: per-round planned / candidate time}, "rounds": n,
-    "errors": {name: message}, "extended": bool, "conditions": the busier of the machine's
-    conditions before and after (``Conditions`` as a dict), "planned_seconds": the plan's
-    median time per call, "spread": the relative spread of its rounds}`` (JSON: the cache
-    stores it)."""
+    Returns the :class:`Race`, ratios against ``reference`` (the cache stores it: :func:`save`)."""
     def runner(module: nn.Module, xs: tuple[Any, ...]) -> Callable[[], Any]:
         def run() -> Any:
             with torch.no_grad(), autocast(device, dtype):
@@ -146,82 +146,56 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
 
     own = inputs_of or {}
     return time_steps({name: runner(m, own.get(name, inputs)) for name, m in models.items()},
-                      device=device, rounds=rounds, on_step=on_step, margin=margin)
+                      device=device, rounds=rounds, on_step=on_step, margin=margin,
+                      reference=reference)
 
 
 def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, rounds: int,
                on_step: Callable[[int, str], None] | None = None,
-               margin: float | None = None) -> dict[str, Any]:
-    """Time ``fns[PLANNED]`` and the other steps interleaved, each a whole call as it will run;
-    with ``margin``, a close call (``is_close``) is timed for ``rounds`` rounds more. The
-    record :func:`time_candidates` describes."""
+               margin: float | None = None, reference: str = PLANNED) -> Race:
+    """Time ``fns[reference]`` and the other steps interleaved, each a whole call as it will
+    run; with ``margin``, a close call (``Race.is_close``) is timed for ``rounds`` rounds
+    more. The :class:`Race` :func:`time_candidates` describes."""
     before = Conditions.now()
     sync = seam(device).synchronize
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
     # sample lasts ~20 ms (one call is mostly timer noise). When one call is long enough the
     # probe round is already a proper interleaved round and counts as the first.
-    probe = interleaved(fns, rounds=1, warmup=1, baseline=PLANNED, sync=sync, on_step=on_step)
+    probe = interleaved(fns, rounds=1, warmup=1, baseline=reference, sync=sync, on_step=on_step)
     live = {n: f for n, f in fns.items() if probe[n].ok}
     quick = min((probe[n].median for n in live), default=1.0)
     repeat = max(1, min(100, int(0.02 / max(quick, 1e-6))))
     runs = [probe] if repeat == 1 else []
-    if PLANNED in live and rounds > len(runs):
+    if reference in live and rounds > len(runs):
         runs.append(interleaved(live, rounds=rounds - len(runs), warmup=0, repeat=repeat,
-                                baseline=PLANNED, sync=sync, on_step=on_step))
+                                baseline=reference, sync=sync, on_step=on_step))
 
-    def record(extended: bool = False) -> dict[str, Any]:
+    def times(name: str) -> tuple[float, ...]:
+        return tuple(t for c in runs for t in c[name].times)
+
+    def race(extended: bool = False) -> Race:
         errors = {n: t.error for c in (probe, *runs) for n, t in c.modes.items() if t.error}
-        ratios: dict[str, list[float]] = {}
-        if PLANNED not in errors:
+        ratios: dict[str, Ratio] = {}
+        if reference not in errors:
             for name in live:
-                if name != PLANNED and name not in errors:
-                    ratios[name] = [r for c in runs for r in c.ratios(name)]
+                ratio = (Ratio.of_times(reference, name, times(reference), times(name))
+                         if name != reference and name not in errors else None)
+                if ratio is not None:
+                    ratios[name] = ratio
         after = Conditions.now()  # the busier of the two: noise anywhere in the run counts
         conditions = after if after.busy or not before.busy else before
-        planned = ModeTiming(PLANNED, tuple(t for c in runs for t in c[PLANNED].times))
-        return {"ratios": ratios, "rounds": len(planned.times),
-                "repeat": repeat, "errors": errors, "extended": extended,
-                "conditions": dataclasses.asdict(conditions),
-                "planned_seconds": planned.median if planned.times else None,
-                "spread": planned.spread if planned.times else None}
+        own = ModeTiming(reference, times(reference) if reference in live else ())
+        return Race(reference, ratios, rounds=len(own.times), repeat=repeat, errors=errors,
+                    extended=extended, conditions=conditions,
+                    reference_seconds=own.median if own.times else None,
+                    spread=own.spread if own.times else None)
 
-    first = record()
-    if margin is None or first["errors"] or not is_close(first, margin=margin):
+    first = race()
+    if margin is None or first.errors or not first.is_close(margin):
         return first
-    runs.append(interleaved(live, rounds=rounds, warmup=0, repeat=repeat, baseline=PLANNED,
+    runs.append(interleaved(live, rounds=rounds, warmup=0, repeat=repeat, baseline=reference,
                             sync=sync, on_step=on_step))
-    return record(extended=True)
-
-
-def is_close(record: Mapping[str, Any], *, margin: float) -> bool:
-    """Too near to decide on this many rounds: the best candidate's median ratio (the one
-    ``decide`` weighs) is within ``CLOSE`` of the threshold ``1 + margin``, or its rounds
-    spread so that their quartiles lie on both sides of it.
-
-    >>> is_close({"ratios": {"all_channels_last": [1.01, 0.99, 1.02]}}, margin=0.0)
-    True
-    >>> is_close({"ratios": {"all_channels_last": [1.2, 1.1, 1.3], "all_contiguous": [1.0]}},
-    ...          margin=0.0)
-    False
-    >>> is_close({"ratios": {"all_contiguous": [1.054, 1.282, 0.876, 0.931, 0.89]}}, margin=0.0)
-    True
-    """
-    threshold = 1.0 + margin
-    ratios = [r for r in record["ratios"].values() if r]
-    if not ratios:
-        return False
-    best = max(ratios, key=statistics.median)
-    if abs(statistics.median(best) - threshold) < CLOSE:
-        return True
-    if len(best) < 2:
-        return False
-    q1, _, q3 = statistics.quantiles(best, n=4)
-    return q1 <= threshold <= q3
-
-
-def settled(record: Mapping[str, Any], *, margin: float) -> bool:
-    """A (cached) record whose decision stands: not a close call, or one timed longer."""
-    return bool(record.get("extended")) or not is_close(record, margin=margin)
+    return race(extended=True)
 
 
 def train_step(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,
@@ -243,36 +217,41 @@ def train_step(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | 
     return step
 
 
-def decide(record: Mapping[str, Any], *, margin: float) -> str:
-    """The candidate to keep: the one with the highest median ratio ``planned / candidate``
-    when that exceeds ``1 + margin``, else the plan."""
-    medians = {name: statistics.median(r) for name, r in record["ratios"].items() if r}
-    best = max(medians, key=medians.__getitem__, default=None)
-    return best if best is not None and medians[best] > 1.0 + margin else PLANNED
+def load(value: Any) -> Race:
+    """A stored race (:func:`save`) read back; ``PlanError`` (a ``ValueError``) when
+    ``value`` is not one.
 
-
-def valid_record(record: Any) -> bool:
-    """A guard record as :func:`time_candidates` writes it (a cached one is checked on read).
-
-    >>> valid_record({"ratios": {"all_contiguous": [1.1, 0.9]}, "rounds": 2}), valid_record([])
-    (True, False)
+    >>> race = Race(PLANNED, {"all_contiguous": Ratio(PLANNED, "all_contiguous", 1.1, (1.1, 0.9))},
+    ...             rounds=2)
+    >>> load(json.loads(json.dumps(dataclasses.asdict(race)))) == race
+    True
     """
-    if not isinstance(record, dict) or not isinstance(record.get("rounds"), int):
+    race: Race = decode(Race, value, "race")
+    return race
+
+
+def is_race(value: Any) -> bool:
+    """``value`` reads back as a :class:`Race` (the cache's check on read)."""
+    try:
+        load(value)
+    except ValueError:
         return False
-    ratios = record.get("ratios")
-    return isinstance(ratios, dict) and all(
-        isinstance(r, list) and all(isinstance(x, (int, float)) for x in r)
-        for r in ratios.values())
+    return True
 
 
-def save(store: Any, key: str, record: Mapping[str, Any]) -> None:
-    """Cache a measured record with the conditions and spread it was measured under. It is
+def stored(store: Any, key: str) -> Race | None:
+    """The race stored under ``key`` in ``store`` (a ``CostCache``), if one is."""
+    value = store.get(key, is_race) if store is not None else None
+    return load(value) if value is not None else None
+
+
+def save(store: Any, key: str, race: Race) -> None:
+    """Cache a measured race with the conditions and spread it was measured under. It is
     noisy when the machine was busy: the decision weighs per-round ratios of interleaved
-    rounds, where drift cancels, and a close call is timed longer (``is_close``), so the
-    spread of the plan's own times is kept as information, not held against it."""
-    conditions = decode(Conditions, record.get("conditions"))
-    store.put(key, dict(record), spread=record.get("spread"), conditions=conditions,
-              is_noisy=conditions is not None and conditions.busy)
+    rounds, where drift cancels, and a close call is timed longer (``Race.is_close``), so the
+    spread of the reference's own times is kept as information, not held against it."""
+    store.put(key, dataclasses.asdict(race), spread=race.spread, conditions=race.conditions,
+              is_noisy=race.busy)
 
 
 def suspect(predicted: float | None, measured: float | None) -> float | None:
@@ -299,32 +278,19 @@ def suspect_note(predicted: float, record: GuardRecord, factor: float) -> str:
             "again on a quiet machine (--refresh)")
 
 
-def measured_busy(record: Mapping[str, Any]) -> bool:
-    """A (cached) measurement record taken while the machine was busy: not to be reused.
-
-    >>> measured_busy({"conditions": {"load_average": 5.0, "cpu_count": 2, "threads": 2,
-    ...                               "omp_wait_policy": ""}}), measured_busy({})
-    (True, False)
-    """
-    conditions = decode(Conditions, record.get("conditions"))
-    return conditions is not None and conditions.busy
-
-
-def describe(record: Mapping[str, Any], *, kept: str, margin: float, source: str,
+def describe(race: Race, *, kept: str, margin: float, source: str,
              skipped: list[str], seconds: float | None = None) -> GuardRecord:
     """The guard's entry in ``Plan.guard``."""
     return GuardRecord(
-        kept=kept, margin=margin, source=source, rounds=record["rounds"],
-        candidates={name: RatioRange(statistics.median(r), min(r), max(r))
-                    for name, r in record["ratios"].items() if r},
-        skipped=tuple(skipped), errors=dict(record.get("errors", {})),
-        extended=record.get("extended", False), repeat=record.get("repeat", 1),
-        seconds=seconds, conditions=decode(Conditions, record.get("conditions")),
-        planned_seconds=record.get("planned_seconds"), spread=record.get("spread"))
+        kept=kept, margin=margin, source=source, rounds=race.rounds,
+        candidates={name: RatioRange.of(r) for name, r in race.ratios.items()},
+        skipped=tuple(skipped), errors=dict(race.errors), extended=race.extended,
+        repeat=race.repeat, seconds=seconds, conditions=race.conditions,
+        planned_seconds=race.reference_seconds, spread=race.spread)
 
 
 def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
-                  inputs: tuple[Any, ...], options: PlanOptions, store: CostCache | None,
+                  inputs: tuple[Any, ...], options: RunOptions, store: CostCache | None,
                   outputs: Formats) -> GuardDecision:
     """Build the min-cut plan; with the guard on (and measuring), time it as a whole model
     against the original run entirely in one format (eager NCHW, eager NHWC: weights and
@@ -335,12 +301,16 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
     entry = solution.chosen_input() if options.auto_input else options.input_label
     own_inputs = options.auto_input and entry is not None
 
-    def uniform(label: int) -> Build:
+    def uniform(label: Label) -> Build:
         return build_uniform(reference, captured, solution, label, options, outputs,
                              arrive=label if own_inputs else options.input_label)
 
     root = "module" if options.keywords else ""
-    skipped = [name for name, label in UNIFORM.items() if is_uniform(solution, label, root)]
+    # the format most of its nodes run in first (every node pinned: uniform in both)
+    skipped = sorted((name for name, label in UNIFORM.items()
+                      if is_uniform(solution, label, root)),
+                     key=lambda name: -sum(label == UNIFORM[name] for s in solution.regions
+                                           for label in s.labels.values()))
     if skipped:
         # the plan runs the model in one format end to end: run it exactly as that eager
         # model, so it is what it is compared with, not another copy of it
@@ -372,11 +342,11 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
     margin = options.guard_margin
     key = cache_key(measured_on(options.device), options.dtype, signature(
         solution.graphs(), [options.signature_extra, names, skipped, "boundaries"]))
-    record = store.get(key, valid_record) if store is not None else None
-    if (record is not None and not measured_busy(record)  # a busy machine's: measure again
-            and settled(record, margin=margin)):
-        kept = decide(record, margin=margin)
-        return decided(kept, describe(record, kept=kept, margin=margin, source="cache",
+    cached = stored(store, key)
+    if (cached is not None and not cached.busy  # a busy machine's: measure again
+            and cached.settled(margin)):
+        kept = cached.kept(PLANNED, margin)
+        return decided(kept, describe(cached, kept=kept, margin=margin, source="cache",
                                         skipped=skipped))
     builds = {name: candidate(name) for name in [PLANNED, *names]}
     rounds = options.guard_rounds
@@ -385,26 +355,26 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
     def on_step(_round: int, name: str) -> None:
         steps[0] += 1
         if options.progress is not None:
-            # a close call runs as many rounds again (memlayout.plan.check.guard.is_close)
+            # a close call runs as many rounds again (memlayout.timing.Race.is_close)
             total = rounds * len(builds) * (1 + (steps[0] > rounds * len(builds)))
             options.progress(steps[0], total, f"whole model, {name}")
 
     start = time.perf_counter()
     inputs_of = ({name: inputs_in(inputs, UNIFORM[name], options.ranks) for name in names}
                  if own_inputs else None)
-    record = time_candidates({name: b.module for name, b in builds.items()}, inputs,
+    race = time_candidates({name: b.module for name, b in builds.items()}, inputs,
                                options.dtype, device=options.device, rounds=rounds,
                                on_step=on_step, train=options.train, margin=margin,
                                inputs_of=inputs_of)
-    if store is not None and not record["errors"]:
-        save(store, key, record)
-    kept = decide(record, margin=margin)
-    return decided(kept, describe(record, kept=kept, margin=margin, source="measured",
+    if store is not None and not race.errors:
+        save(store, key, race)
+    kept = race.kept(PLANNED, margin)
+    return decided(kept, describe(race, kept=kept, margin=margin, source="measured",
                                     skipped=skipped, seconds=time.perf_counter() - start))
 
 
-def build_uniform(reference: nn.Module, captured: Captured, solution: Solution, label: int,
-                  options: PlanOptions, outputs: Formats, *, arrive: int | None) -> Build:
+def build_uniform(reference: nn.Module, captured: Captured, solution: Solution, label: Label,
+                  options: RunOptions, outputs: Formats, *, arrive: Label | None) -> Build:
     """The original model run entirely in ``label``, as eager NCHW / NHWC: a copy with its
     weights in it, inputs converted on entry, results handed back as the plan hands them."""
     model = reference.module if options.keywords else reference
@@ -414,20 +384,24 @@ def build_uniform(reference: nn.Module, captured: Captured, solution: Solution, 
                  label=label, conversions=conversions)
 
 
-def is_uniform(solution: Solution, label: int, root: str = "") -> bool:
+def is_uniform(solution: Solution, label: Label, root: str = "") -> bool:
     """The plan runs the whole model in ``label`` as eager would: one region (the model),
     every layout node in ``label`` (or pinned), and conversions only of the model's inputs
     on entry or of its results on the way out (``root``: the model's call)."""
     if len(solution.regions) != 1 or solution.regions[0].region.path != "":
         return False
     s = solution.regions[0]
-    if any(s.labels[n] != s.form.seconds.pins.get(n, label) for n in s.table.nodes):
+    # a node pinned because it runs in one format only is in ``label`` as eager would run it;
+    # one that layout-reading code sees (``KEEP_KEY``) must be in ``label`` itself
+    seen = {n.name for n in s.region.gm.graph.nodes if n.meta.get(KEEP_KEY)}
+    if any(s.labels[n] != (label if n in seen else s.form.seconds.pins.get(n, label))
+           for n in s.table.nodes):
         return False
     return all(c.call == root for c in s.form.crossings
                if c.convertible and s.labels[c.outer] != s.labels[c.inner])
 
 
-def _outputs_mixed(captured: Captured, options: PlanOptions) -> bool:
+def _outputs_mixed(captured: Captured, options: RunOptions) -> bool:
     """The kept outputs are in both formats (or in none): no one-format model keeps them."""
     if options.output_label != Request.KEEP:
         return False
@@ -451,7 +425,7 @@ class GuardDecision:
 
     build: Build
     record: GuardRecord | None
-    input_label: int | None
+    input_label: Label | None
 
     @property
     def kept(self) -> str:

@@ -45,6 +45,7 @@ from memlayout.dtypes import autocast
 from memlayout.errors import PlanError
 from memlayout.plan.check.guard import signature as graph_signature
 from memlayout.plan.costs.table import measured_on
+from memlayout.plan.graph import Label
 from memlayout.plan.report.records import UNPADDED, MemoryCandidate, MemoryReport, PadChoice
 from memlayout.plan.solve.mincut import Problem, Tensor, objective, solve_min_cut
 from memlayout.plan.solve.regions import Solution
@@ -189,34 +190,6 @@ def within_budget(candidates: Sequence[Candidate], budget: int,
     )
 
 
-def budget_bytes(budget: int | float | str | None) -> int | None:
-    """A budget in bytes from an int or a string with a unit (``"300MB"``, ``"1.5GiB"``).
-
-    >>> budget_bytes("1.5KiB"), budget_bytes(2_000), budget_bytes(None)
-    (1536, 2000, None)
-    """
-    if budget is None:
-        return None
-    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
-        return int(budget)
-    if isinstance(budget, str):
-        text = budget.strip().replace(" ", "")
-        units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6,
-                 "kb": 10**3, "b": 1, "": 1}
-        for unit in sorted(units, key=len, reverse=True):
-            if text.lower().endswith(unit):
-                number = text[: len(text) - len(unit)] if unit else text
-                try:
-                    value = float(number)
-                except ValueError:
-                    break
-                if value > 0:
-                    return int(value * units[unit])
-                break
-    raise PlanError(f"memory_budget {budget!r} is not a positive number of bytes; give an int "
-                    "or a string such as '300MB' or '1.5GiB'")
-
-
 # ---------------------------------------------------------------- the planner's memory step
 
 #: conversion bytes are weighted by these multiples of the model's mean conversion cost per
@@ -224,7 +197,7 @@ def budget_bytes(budget: int | float | str | None) -> int | None:
 PENALTIES = (1.0, 4.0, 16.0, 256.0)
 
 
-def plan_signature(graphs: list[tuple[str, Any, Mapping[str, int]]], extra: Any) -> str:
+def plan_signature(graphs: list[tuple[str, Any, Mapping[str, Label]]], extra: Any) -> str:
     """A hash of the solved regions (``(path, graph, labels)``: shapes, strides, labels) and
     ``extra``: the key under which this plan's padding, mkldnn and memory records are cached."""
     return graph_signature(graphs, extra)
@@ -241,7 +214,7 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
                 built: Build, *, solution: Solution, kept: str, predicted: dict[str, float],
                 budget: int | None, padding: Sequence[PadChoice],
                 build: Callable[[Solution], Build],
-                build_uniform: Callable[[int], Build], device: torch.device,
+                build_uniform: Callable[[Label], Build], device: torch.device,
                 cache: Any = None, signature: str | None = None) -> tuple[Build, MemoryReport]:
     """Measure the peak of the original (``work``) and of the plan ``built``; with a
     ``budget`` the plan is over, consider other plans (the min-cut plan unpadded, plans that
@@ -278,7 +251,8 @@ def memory_step(work: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
     candidates: list[Candidate] = []
     if kept != "planned" or padded:
         candidates.append(Candidate("planned", predicted["planned"], lambda: build(solution)))
-    for label, name in ((0, "all_contiguous"), (1, "all_channels_last")):
+    for label, name in ((Label.CONTIGUOUS, "all_contiguous"),
+                        (Label.CHANNELS_LAST, "all_channels_last")):
         if name != kept or padded:
             candidates.append(Candidate(name, predicted[name],
                                         functools.partial(build_uniform, label)))
@@ -312,7 +286,7 @@ def _seconds(form: Any, labels: Mapping[str, int]) -> float:
     return objective(Problem(form.seconds.unary, form.seconds.tensors), labels) or 0.0
 
 
-def _labels_weighing_bytes(form: Any, table: Any, penalty: float) -> dict[str, int]:
+def _labels_weighing_bytes(form: Any, table: Any, penalty: float) -> dict[str, Label]:
     """The min-cut labels when every conversion also costs ``penalty`` times the region's
     mean conversion seconds per byte, per byte it copies."""
     values = form.tensor_values  # the value each tensor term converts
@@ -330,9 +304,10 @@ def _labels_weighing_bytes(form: Any, table: Any, penalty: float) -> dict[str, i
     unary = {k: (a // scale, b // scale) for k, (a, b) in form.integer.unary.items()}
     problem = Problem(unary, heavier, form.integer.pins, form.integer.ties)
     try:
-        return solve_min_cut(problem).labels
+        labels = solve_min_cut(problem).labels
     except ValueError:
-        return solve_min_cut(Problem(unary, heavier, form.integer.pins)).labels
+        labels = solve_min_cut(Problem(unary, heavier, form.integer.pins)).labels
+    return {name: Label(label) for name, label in labels.items()}
 
 
 @dataclass(frozen=True)

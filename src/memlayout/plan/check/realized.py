@@ -70,7 +70,7 @@ def realized_differences(module: nn.Module, inputs: tuple[Any, ...], solution: S
     return found
 
 
-def difference(path: str, position: int, label: int, value: Any) -> str | None:
+def difference(path: str, position: int, label: Label, value: Any) -> str | None:
     """What differs when the result ``value`` of the module at ``path`` is not in ``label``'s
     format (an ambiguous tensor is in both: no difference); ``None`` when it is."""
     if not isinstance(value, torch.Tensor) or value.dim() < 3:

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from memlayout.devices import seam
 from memlayout.dtypes import autocast
@@ -25,6 +24,8 @@ from memlayout.plan.compare import (
     tolerance,
 )
 from memlayout.plan.report.records import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
+from memlayout.plan.steer.draws import drawing
+from memlayout.plan.steer.state import propagated_format
 from memlayout.tensors import device_of, iter_tensors
 
 SEED = 0  # the RNG state both models start a verified step from (masks: _LayoutFreeDropout)
@@ -121,6 +122,15 @@ class Draw:
         """
         return tuple(d for d in dim_order(self.shape, self.strides) if self.shape[d] > 1)
 
+    @property
+    def format(self) -> str:
+        """The memory format torch reads from the activation's strides (its mask's order).
+
+        >>> Draw("drop (Dropout)", (2, 8, 4, 4), (128, 1, 32, 8)).format
+        'channels_last'
+        """
+        return propagated_format(torch.empty_strided(self.shape, self.strides, device="meta"))
+
 
 def redrawn(want: tuple[Draw, ...], got: tuple[Draw, ...]) -> tuple[str, ...]:
     """The modules (each once, in call order) whose masks ``got`` (the planned model's
@@ -180,16 +190,10 @@ class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        spec = _DROPOUTS.get(func)
-        if spec is None:
+        drawn = drawing(func, args, dict(kwargs or {}))
+        if drawn is None:  # no dropout, nothing drawn, or everything dropped
             return func(*args, **(kwargs or {}))
-        names, alpha, inplace, training = spec
-        bound = dict(zip(names, args, strict=False)) | dict(kwargs or {})
-        x, p = bound["input"], float(bound.get("p", 0.5))
-        training = bound.get("training", bound.get("train", training))
-        inplace = bool(bound.get("inplace", inplace))
-        if not training or not 0 < p < 1:  # nothing drawn, or everything dropped
-            return func(*args, **(kwargs or {}))
+        x, p, alpha, inplace = drawn
         if self.model is not None:
             where = self._running[-1] if self._running else "the model"
             self.draws.append(Draw(where, tuple(x.shape), tuple(x.stride())))
@@ -204,15 +208,6 @@ class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
         return x.mul_(scale) if inplace else x * scale
 
 
-#: element-wise dropouts: (argument names, alpha dropout, in place, training by default)
-_DROPOUTS: dict[Any, tuple[tuple[str, ...], bool, bool, bool]] = {
-    F.dropout: (("input", "p", "training", "inplace"), False, False, True),
-    F.alpha_dropout: (("input", "p", "training", "inplace"), True, False, False),
-    torch.dropout: (("input", "p", "train"), False, False, True),
-    torch.dropout_: (("input", "p", "train"), False, True, True),
-    torch.alpha_dropout: (("input", "p", "train"), True, False, True),
-    torch.alpha_dropout_: (("input", "p", "train"), True, True, True),
-}
 
 
 def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,

@@ -41,7 +41,9 @@ from memlayout.plan.compare import (
     float64_casts,
     tolerance,
 )
-from memlayout.plan.options import PlanOptions
+from memlayout.plan.graph import Label
+from memlayout.plan.inputs import inputs_in
+from memlayout.plan.options import RunOptions
 from memlayout.plan.report.records import (
     DTYPE_TOLERANCE,
     FLOAT64_RECHECK,
@@ -79,9 +81,10 @@ def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ..
     finally:
         restore_state(reference, state)
         restore_state(planned, state)
+    again = list(redrawn(want.draws, ran.draws))
     return dataclasses.replace(verification, semantics=count,
-                               seconds=time.perf_counter() - start,
-                               redrawn=list(redrawn(want.draws, ran.draws)))
+                               seconds=time.perf_counter() - start, redrawn=again,
+                               draws=[d.format for d in want.draws] if again else [])
 
 
 def _runs(planned: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
@@ -174,7 +177,7 @@ def verified_fallback(candidates: list[tuple[str, Callable[[], nn.Module]]],
 __all__ = ["first_divergent_module", "verified_fallback", "verify_model"]
 
 
-def changed_inputs(captured: Captured, options: PlanOptions) -> tuple[str, ...]:
+def changed_inputs(captured: Captured, options: RunOptions) -> tuple[str, ...]:
     """What the forward changes of its inputs in place: the graph's in-place ops on its inputs,
     and the inputs the eager run changed (a graph may trace ``x += 1`` out of place)."""
     graph = [f for r in captured.regions if r.path == "" for f in inplace_on_inputs(r.gm)]
@@ -183,7 +186,7 @@ def changed_inputs(captured: Captured, options: PlanOptions) -> tuple[str, ...]:
     return tuple(graph or eager)
 
 
-def verify(reference: nn.Module, built: Build, inputs: tuple[Any, ...], options: PlanOptions,
+def verify(reference: nn.Module, built: Build, inputs: tuple[Any, ...], options: RunOptions,
            state: Any, inplace: tuple[str, ...]) -> Verification:
     """The planned model against the original (``memlayout.plan.check.verification``).
     Refused before it runs, whatever the format: a forward that changes its input in place
@@ -197,14 +200,47 @@ def verify(reference: nn.Module, built: Build, inputs: tuple[Any, ...], options:
             "without input_format (inputs taken as they come), or make the op out of place "
             "(x = x * 2 instead of x.mul_(2))", cause="the forward changes its input in place",
             fallback=False)
-    return verify_model(reference, built.module, inputs, dtype=options.dtype,
-                        device=options.device, train=options.train, state=state,
-                        inplace=inplace)
+    verification = verify_model(reference, built.module, inputs, dtype=options.dtype,
+                                device=options.device, train=options.train, state=state,
+                                inplace=inplace)
+    if options.input_label is not None:
+        verify_other_format(reference, built.module, inputs, options, state)
+    if not options.same_draws:  # the planned model draws in its own layouts
+        verification = dataclasses.replace(verification, draws=[])
+    return verification
+
+
+def verify_other_format(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
+                        options: RunOptions, state: ModuleState) -> None:
+    """With a declared ``input_format``, the planned model converts inputs that arrive in the
+    other format on entry: one call on the example in that other format against the original
+    on the same, so that a model whose results depend on its input's format (a declaration it
+    does not honour) is caught. Raises ``LayoutVerificationError``."""
+    other = inputs_in(inputs, 1 - int(options.input_label), options.ranks)  # type: ignore[arg-type]
+    try:
+        restore_state(reference, state)
+        want = call_twice(reference, other, dtype=options.dtype, device=options.device,
+                          calls=1).outputs[0]
+        restore_state(planned, state)
+        got = _runs(planned, other, dtype=options.dtype, device=options.device).outputs[0]
+        ok, err, _ = compare(want, got, options.dtype)
+        if not ok:  # rounding of the run dtype alone, when float64 copies agree
+            ok = float64_agreement(reference, planned, other, device=options.device) is not None
+    finally:
+        restore_state(reference, state)
+        restore_state(planned, state)
+    if not ok:
+        fmt = Label(1 - int(options.input_label)).text  # type: ignore[arg-type]
+        raise LayoutVerificationError(
+            f"with input_format, an input that arrives {fmt} gives other outputs than the "
+            f"original on the same input (relative error {err:.3g}): the model's results "
+            "depend on its input's format. Plan without input_format",
+            cause=f"outputs differ on a {fmt} input")
 
 
 def fall_back(reference: nn.Module, captured: Captured, solution: Solution,
               decision: GuardDecision, inputs: tuple[Any, ...], example: tuple[Any, ...],
-              options: PlanOptions, state: Any, failure: LayoutVerificationError,
+              options: RunOptions, state: Any, failure: LayoutVerificationError,
               outputs: Formats, inplace: tuple[str, ...]
               ) -> tuple[GuardDecision, Verification, str]:
     """The plan failed verification: the model run entirely in one format, the faster first

@@ -31,8 +31,8 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    parameter's strides, as in training),
    against the planned graph run eagerly and against the graph compiled by Inductor with
    its own layouts (what ``torch.compile`` alone runs); another runs only where it is
-   faster by more than ``GUARD_MARGIN``, and a close call is timed twice as long
-   (``memlayout.plan.check.guard``). So a measured plan that loses as a whole graph never
+   faster by more than ``memlayout.timing.KEEP_MARGIN``, and a close call is timed twice as
+   long (``memlayout.plan.check.guard``). So a measured plan that loses as a whole graph never
    costs the user Inductor's speed. The decision is cached with the costs, and a graph
    decided before builds only the way that runs (the plan is neither compiled nor verified
    where Inductor's own was kept; where the eager plan was, that is what is verified).
@@ -51,6 +51,11 @@ ignores those strides, DDP's gradient buckets compare them.
 Under DDP (``torch._dynamo.config.optimize_ddp``), Dynamo's graph is split at the gradient
 buckets and each split graph is planned, verified and guarded on its own; the next split is
 given the fake outputs of the previous one's compiled function, in its strides.
+
+Under FSDP2 (``fully_shard`` of each block, each block compiled or the whole model), FSDP's
+all-gathers and hooks run outside the graphs (``torch._dynamo.config.skip_fsdp_hooks``): each
+graph holds a block's computation on its gathered parameters (plain tensors, in
+``MixedPrecisionPolicy``'s ``param_dtype``), and is planned as any graph.
 
 Under ``torch.distributed`` (DDP, FSDP2: an initialized process group), one plan per job:
 the lowest rank of each device kind (rank 0 on a machine of one kind) measures, solves,
@@ -94,7 +99,6 @@ from torch import fx
 from memlayout.devices import seam
 from memlayout.dtypes import dtype_name, parse_dtype
 from memlayout.errors import PlanError, first_line
-from memlayout.plan.check import guard
 from memlayout.plan.compilers import backend_inner
 from memlayout.plan.compilers.backend_check import (
     GraphCheck,
@@ -105,6 +109,7 @@ from memlayout.plan.compilers.backend_check import (
 from memlayout.plan.compilers.backend_graphs import (
     NotPlanned,
     copy_graph,
+    fsdp_managed,
     is_dynamic,
     real_inputs,
 )
@@ -124,14 +129,7 @@ from memlayout.plan.compilers.backend_plan import (
     inductor_rule,
     plan_graph,
 )
-from memlayout.plan.compilers.backend_report import (
-    COMPILED,
-    EAGER,
-    GUARD_MARGIN,
-    INDUCTOR_OWN,
-    RECORDS,
-    GraphRecord,
-)
+from memlayout.plan.compilers.backend_report import RECORDS, GraphRecord
 from memlayout.plan.compilers.backend_shared import (
     Decision,
     ExchangeFailed,
@@ -140,8 +138,10 @@ from memlayout.plan.compilers.backend_shared import (
     job_of,
     plan_digest,
 )
+from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
 from memlayout.tensors import device_of
+from memlayout.timing import KEEP_MARGIN
 
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -175,9 +175,11 @@ class Backend:
     device kind measures and decides each graph and every other rank compiles its plan
     (``memlayout.plan.compilers.backend_shared``); every rank must then compile the same
     graphs with the same options, or the others wait for it. ``None`` (the default): shared
-    where every rank compiles the graph by construction, the split graphs of DDP's optimizer;
-    ``True``: every graph (FSDP, or a model compiled on every rank alike); ``False``: each rank
-    plans alone (a model compiled on some ranks only, an evaluation on rank 0)."""
+    where every rank compiles the graph by construction, the split graphs of DDP's optimizer
+    and the graphs of modules FSDP2 manages (``fully_shard``: a block compiled on its own, or
+    the whole model); ``True``: every graph (a model compiled on every rank alike);
+    ``False``: each rank plans alone (a model compiled on some ranks only, an evaluation on
+    rank 0)."""
 
     cache: bool | str | Path = True
     measure: bool = True
@@ -279,7 +281,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
     device = device_of(inputs)
     with seam(device).fork_rng():
         try:
-            shared = ddp_split() if options.shared_plan is None else options.shared_plan
+            shared = (ddp_split() or fsdp_managed(gm) if options.shared_plan is None
+                      else options.shared_plan)
             job = job_of(device) if shared else None
         except ExchangeFailed as exc:
             return _without_plan(gm, example_inputs, inputs, device, options, exc.rank,
@@ -409,7 +412,7 @@ def _taken(decision: Decision, gm: fx.GraphModule, example_inputs: list[Any],
     if planned_signature != decision.planned_signature:
         return None
     plan_seconds = time.perf_counter() - start
-    if record.ran == COMPILED:
+    if record.ran == Runner.PLAN_COMPILED:
         fn = backend_inner.inner_compile(planned.graph, example_inputs, options, dtype, device)
     else:
         fn = eager_run(eager_graph, options, device)
@@ -488,20 +491,20 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     # the guard decided this graph before (the cost cache): build only what will run
     known = known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
                             device=device)
-    kept = guard.decide(known, margin=GUARD_MARGIN) if known is not None else None
-    if kept == INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
+    kept = known.kept(Runner.PLAN_COMPILED, KEEP_MARGIN) if known is not None else None
+    if kept == Runner.INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
         fn = unplanned(given, example_inputs, options, dtype, device)[0]
         return _Compiled(fn, GraphRecord(
-            **record, ran=INDUCTOR_OWN, timed=guard_ratios(known),
+            **record, ran=Runner.INDUCTOR_OWN, timed=guard_ratios(known),
             verification="the plan not run (Inductor's own layouts kept, as timed before)",
             compile_seconds=time.perf_counter() - start - plan_seconds))
-    compiled = options.inner != "eager" and kept != EAGER
+    compiled = options.inner != "eager" and kept != Runner.PLAN_EAGER
     try:
         fn = (backend_inner.inner_compile(planned.graph, example_inputs, options, dtype, device) if compiled
               else eager_run(eager_graph, options, device))
         check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train, dtype=dtype,
                             device=device, compiled=compiled,
-                            way=options.compiled_as if compiled else EAGER)
+                            way=options.compiled_as if compiled else Runner.PLAN_EAGER)
     except _DYNAMO_SIGNALS:
         raise
     except Exception as exc:  # the plan does not compile or run: Inductor's own instead
@@ -511,13 +514,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     if not check.ok:
         return _dropped(given, example_inputs, options, dtype, device, check, record,
                         compile_seconds)
-    ran, timed = (EAGER if options.inner == "eager" else COMPILED), ()
+    ran, timed = (Runner.PLAN_EAGER if options.inner == "eager" else Runner.PLAN_COMPILED), ()
     if kept is not None:
-        ran, timed = (EAGER if kept == EAGER else COMPILED), guard_ratios(known)
-    elif ran == COMPILED and options.guard and options.measure:
+        ran = Runner.PLAN_EAGER if kept == Runner.PLAN_EAGER else Runner.PLAN_COMPILED
+        timed = guard_ratios(known)
+    elif ran == Runner.PLAN_COMPILED and options.guard and options.measure:
         fn, ran, timed = fastest_way(fn, given, eager_graph, example_inputs, inputs, options,
                                   store, train=train, dtype=dtype, device=device)
-    runs = ran in (COMPILED, EAGER)
+    runs = ran in (Runner.PLAN_COMPILED, Runner.PLAN_EAGER)
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
                                      max_error=check.error, timed=timed,
                                      compile_seconds=time.perf_counter() - start - plan_seconds),
@@ -574,6 +578,6 @@ def _open_cache(cache: bool | str | Path) -> CostCache | None:
         return None
 
 
-__all__ = ["GUARD_MARGIN", "INNER_COMPILERS", "Backend", "BackendWarning", "compile_graph",
+__all__ = ["INNER_COMPILERS", "Backend", "BackendWarning", "compile_graph",
            "inductor_rule", "is_dynamic", "memlayout_backend", "plan_graph", "real_inputs",
            "verify_graph"]

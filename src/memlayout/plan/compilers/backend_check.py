@@ -23,9 +23,11 @@ from memlayout.plan.check import guard
 from memlayout.plan.check.training import Step, agree, training_loss
 from memlayout.plan.compare import float64
 from memlayout.plan.compilers.backend_graphs import copy_graph, fresh_inputs, op_name
+from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
 from memlayout.tensors import iter_tensors
+from memlayout.timing import Race
 
 _RANDOM = frozenset({"dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "dropout1d",
                      "dropout2d", "dropout3d", "feature_dropout", "feature_alpha_dropout",
@@ -185,29 +187,27 @@ def draws_random(gm: fx.GraphModule) -> bool:
 
 def cached_guard(names: list[str], planned: fx.GraphModule, inputs: list[Any], *,
                  store: CostCache, margin: float, train: bool, dtype: torch.dtype | None,
-                 device: torch.device, compiled_as: str) -> dict[str, Any] | None:
-    """The guard's record for these ways (``names``) of running ``planned`` on ``inputs``,
+                 device: torch.device, compiled_as: str) -> Race | None:
+    """The guard's race for these ways (``names``) of running ``planned`` on ``inputs``,
     compiled as ``compiled_as`` says (Inductor's mode and options), when ``store`` holds one
     that stands (measured on a quiet machine, not a close call left unsettled); else
     ``None``."""
-    record = store.get(_guard_key(names, planned, inputs, train=train, dtype=dtype,
-                                  device=device, compiled_as=compiled_as), guard.valid_record)
-    if record is None or guard.measured_busy(record) or not guard.settled(record,
-                                                                          margin=margin):
+    race = guard.stored(store, _guard_key(names, planned, inputs, train=train, dtype=dtype,
+                                          device=device, compiled_as=compiled_as))
+    if race is None or race.busy or not race.settled(margin):
         return None
-    return record
+    return race
 
 
 def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
                 planned: fx.GraphModule, inputs: list[Any], *, store: CostCache | None,
                 rounds: int, margin: float, train: bool, dtype: torch.dtype | None,
-                device: torch.device, compiled_as: str) -> dict[str, Any]:
+                device: torch.device, compiled_as: str) -> Race:
     """Time the ways to run one graph interleaved (``candidates``: name -> a function making
-    it; ``PLANNED``: the compiled plan, the one kept unless another is faster by more than
+    it; ``Runner.PLAN_COMPILED``: the compiled plan, the race's reference, the one kept unless another is faster by more than
     ``margin``), or read the record from ``store`` (``cached_guard``); a close call is timed
     for twice the rounds (``memlayout.plan.check.guard``). A candidate is made only when it
-    is timed. The record of ``guard.time_steps``: ``guard.decide(record, margin=margin)``
-    names the fastest."""
+    is timed. ``race.kept(Runner.PLAN_COMPILED, margin)`` names the fastest."""
     names = list(candidates)
     where = dict(train=train, dtype=dtype, device=device, compiled_as=compiled_as)
     if store is not None:
@@ -216,16 +216,17 @@ def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
             return cached
     steps = {name: _timed_step(make(), inputs, train, dtype, device)
              for name, make in candidates.items()}
-    record = guard.time_steps(steps, device=device, rounds=rounds, margin=margin)
-    if store is not None and not record["errors"]:
-        guard.save(store, _guard_key(names, planned, inputs, **where), record)
-    return record
+    race = guard.time_steps(steps, device=device, rounds=rounds, margin=margin,
+                            reference=Runner.PLAN_COMPILED)
+    if store is not None and not race.errors:
+        guard.save(store, _guard_key(names, planned, inputs, **where), race)
+    return race
 
 
 def _guard_key(names: list[str], planned: fx.GraphModule, inputs: list[Any], *, train: bool,
                dtype: torch.dtype | None, device: torch.device, compiled_as: str) -> str:
     # the key names how a training step is timed: its gradients go into .grad (_timed_step)
-    return json.dumps(["backend-guard", measured_on(device), torch.__version__, str(dtype),
+    return json.dumps(["backend-guard", guard.RACE, measured_on(device), torch.__version__, str(dtype),
                        "train into .grad" if train else "infer", sorted(names), compiled_as,
                        graph_signature(planned, inputs)])
 

@@ -114,6 +114,21 @@ def _source_name(n: fx.Node) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def fsdp_managed(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` reads a module that FSDP2's ``fully_shard`` manages (Dynamo gives such
+    a module's attributes an FSDP source: ``torch._dynamo.config.skip_fsdp_guards``, on by
+    default). Every rank runs such a graph, in the same order: FSDP's collectives need it."""
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        where = getattr(n.meta.get("grapharg"), "source", None)
+        kind = getattr(where, "guard_source", None)
+        kind = kind() if callable(kind) else kind  # a method on older torch
+        if getattr(kind, "is_fsdp_module", lambda: False)():
+            return True
+    return False
+
+
 def source_path(source: str) -> str:
     """A Dynamo source as a dotted path: the frame's local and the module containers dropped.
 

@@ -5,7 +5,6 @@ run eagerly, and the guard's choice among them."""
 from __future__ import annotations
 
 import contextlib
-import statistics
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,6 @@ import torch._functorch.config
 from torch import fx
 
 from memlayout.dtypes import autocast
-from memlayout.plan.check import guard
 from memlayout.plan.compilers.backend_check import (
     cached_guard,
     guard_graph,
@@ -24,14 +22,9 @@ from memlayout.plan.compilers.backend_graphs import (
     copy_graph,
     grads_in_parameter_strides,
 )
-from memlayout.plan.compilers.backend_report import (
-    AS_GIVEN,
-    COMPILED,
-    EAGER,
-    GUARD_MARGIN,
-    INDUCTOR_OWN,
-)
+from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
+from memlayout.timing import KEEP_MARGIN, Race
 
 if TYPE_CHECKING:
     from memlayout.plan.compilers.backend import Backend
@@ -43,32 +36,33 @@ PLAN_STANDS = {"layout_optimization": False}
 
 
 #: the ways the guard times a planned graph: the compiled plan, the plan eagerly, Inductor's own
-WAYS = [guard.PLANNED, EAGER, INDUCTOR_OWN]
+WAYS = [Runner.PLAN_COMPILED, Runner.PLAN_EAGER, Runner.INDUCTOR_OWN]
 
 
 def known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Backend,
                     store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
-                    device: torch.device) -> dict[str, Any] | None:
-    """The guard's cached record for this planned graph, if the guard runs and one stands."""
+                    device: torch.device) -> Race | None:
+    """The guard's cached race for this planned graph, if the guard runs and one stands."""
     if options.inner == "eager" or not (options.guard and options.measure) or store is None:
         return None
-    return cached_guard(WAYS, eager_graph, inputs, store=store, margin=GUARD_MARGIN,
+    return cached_guard(WAYS, eager_graph, inputs, store=store, margin=KEEP_MARGIN,
                         train=train, dtype=dtype, device=device,
                         compiled_as=options.compiled_as)
 
 
-def guard_ratios(record: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
-    """Each other way's median ratio in a guard record (the compiled plan's time over its)."""
-    return tuple((name, statistics.median(r)) for name, r in record["ratios"].items() if r)
+def guard_ratios(race: Race) -> tuple[tuple[str, float], ...]:
+    """Each other way's median ratio in the guard's race (the compiled plan's time over its)."""
+    return tuple((name, r.median) for name, r in race.ratios.items())
 
 
 def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
              example_inputs: list[Any], inputs: list[Any], options: Backend,
              store: CostCache | None, *,
              train: bool, dtype: torch.dtype | None,
-             device: torch.device) -> tuple[Callable[..., Any], str, tuple[tuple[str, float], ...]]:
+             device: torch.device
+             ) -> tuple[Callable[..., Any], Runner, tuple[tuple[str, float], ...]]:
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
-    the plan compiled (``fn``, kept unless another is faster by more than ``GUARD_MARGIN``),
+    the plan compiled (``fn``, kept unless another is faster by more than ``KEEP_MARGIN``),
     the plan run eagerly, and ``gm`` compiled by Inductor with its own layouts: what
     ``torch.compile`` alone would run. That one is timed even where every convolution's
     planned format is the one Inductor's rule gives it: the layouts between them (attention,
@@ -78,24 +72,25 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     made: dict[str, Callable[..., Any]] = {}
 
     def own() -> Callable[..., Any]:
-        if INDUCTOR_OWN not in made:
-            made[INDUCTOR_OWN] = unplanned(gm, example_inputs, options, dtype, device,
-                                            backward_now=True)[0]  # timed here
-        return made[INDUCTOR_OWN]
+        if Runner.INDUCTOR_OWN not in made:
+            made[Runner.INDUCTOR_OWN] = unplanned(gm, example_inputs, options, dtype, device,
+                                                   backward_now=True)[0]  # timed here
+        return made[Runner.INDUCTOR_OWN]
 
     makers: dict[str, Callable[[], Callable[..., Any]]] = {
-        guard.PLANNED: lambda: fn, EAGER: lambda: eager_run(eager_graph, options, device),
-        INDUCTOR_OWN: own}
-    record = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
-                         margin=GUARD_MARGIN, train=train, dtype=dtype, device=device,
-                         compiled_as=options.compiled_as)
-    timed = guard_ratios(record)
-    kept = guard.decide(record, margin=GUARD_MARGIN)
-    if kept == EAGER:
-        return eager_run(eager_graph, options, device), EAGER, timed
-    if kept == INDUCTOR_OWN:
-        return own(), INDUCTOR_OWN, timed
-    return fn, COMPILED, timed
+        Runner.PLAN_COMPILED: lambda: fn,
+        Runner.PLAN_EAGER: lambda: eager_run(eager_graph, options, device),
+        Runner.INDUCTOR_OWN: own}
+    race = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
+                       margin=KEEP_MARGIN, train=train, dtype=dtype, device=device,
+                       compiled_as=options.compiled_as)
+    timed = guard_ratios(race)
+    kept = race.kept(Runner.PLAN_COMPILED, KEEP_MARGIN)
+    if kept == Runner.PLAN_EAGER:
+        return eager_run(eager_graph, options, device), Runner.PLAN_EAGER, timed
+    if kept == Runner.INDUCTOR_OWN:
+        return own(), Runner.INDUCTOR_OWN, timed
+    return fn, Runner.PLAN_COMPILED, timed
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
@@ -179,13 +174,13 @@ def as_given(gm: fx.GraphModule, example_inputs: list[Any], *, train: bool) -> f
 
 def unplanned(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
                dtype: torch.dtype | None, device: torch.device,
-               backward_now: bool = False) -> tuple[Callable[..., Any], str]:
+               backward_now: bool = False) -> tuple[Callable[..., Any], Runner]:
     """``gm`` as Inductor compiles it with its own layouts (or as given, run eagerly);
     ``backward_now`` as for ``inner_compile``."""
     if options.inner == "eager":
-        return eager_run(gm, options, device), AS_GIVEN
+        return eager_run(gm, options, device), Runner.ORIGINAL_EAGER
     return (inner_compile(gm, example_inputs, options, dtype, device, patches={},
-                   backward_now=backward_now), INDUCTOR_OWN)
+                   backward_now=backward_now), Runner.INDUCTOR_OWN)
 
 
 def eager_run(gm: fx.GraphModule, options: Backend, device: torch.device) -> Callable[..., Any]:

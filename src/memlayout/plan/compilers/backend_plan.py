@@ -63,13 +63,13 @@ class Planned:
     conversions: int
     convolutions: tuple[ConvolutionChoice, ...]
     weights: tuple[tuple[str, int], ...] = ()
-    labels: tuple[tuple[str, int], ...] = ()
+    labels: tuple[tuple[str, Label], ...] = ()
 
 
 def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train: bool,
                dtype: torch.dtype | None, device: torch.device,
                rule: bool | None = None, store: CostCache | None = None,
-               decided: tuple[CostTable, Mapping[str, int]] | None = None) -> Planned:
+               decided: tuple[CostTable, Mapping[str, Label]] | None = None) -> Planned:
     """The plan of one Dynamo graph on real ``inputs``: a rewritten copy of ``gm`` (``gm``
     itself is not changed), its costs measured into ``store`` (none: all measured), or
     ``decided``: the costs and labels another rank measured and solved (nothing measured).
@@ -105,8 +105,7 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
         grads_in_parameter_strides(work, inputs)
     if is_dynamic(gm):
         traced_conversions(work)
-    return Planned(work, table, len(made), convolutions, weights,
-                    tuple(sorted((k, int(v)) for k, v in labels.items())))
+    return Planned(work, table, len(made), convolutions, weights, tuple(sorted(labels.items())))
 
 
 def traced_conversions(gm: fx.GraphModule) -> None:
@@ -120,13 +119,13 @@ def traced_conversions(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def to_label(value: Any, label: int, ranks: tuple[int, ...]) -> Any:
-    """Every tensor in ``value`` of a rank in ``ranks`` dense in ``label``'s format (1: N L C,
-    channels_last, channels_last_3d by rank; 0: contiguous), by ``contiguous`` (its gradient
-    back in the source's format, ``to_dense``): a no-op for a tensor already dense
-    in it; other values unchanged.
+def to_label(value: Any, label: Label, ranks: tuple[int, ...]) -> Any:
+    """Every tensor in ``value`` of a rank in ``ranks`` dense in ``label``'s format
+    (``CHANNELS_LAST``: N L C, channels_last, channels_last_3d by rank; ``CONTIGUOUS``:
+    contiguous), by ``contiguous`` (its gradient back in the source's format, ``to_dense``): a
+    no-op for a tensor already dense in it; other values unchanged.
 
-    >>> to_label((torch.empty(2, 3, 4, 4), 1), 1, (4, 5))[0].stride()
+    >>> to_label((torch.empty(2, 3, 4, 4), 1), Label.CHANNELS_LAST, (4, 5))[0].stride()
     (48, 1, 12, 3)
     """
     if isinstance(value, (tuple, list)):

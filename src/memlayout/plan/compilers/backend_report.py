@@ -27,22 +27,15 @@ from typing import Any
 from torch import fx
 
 from memlayout.plan.compilers.backend_graphs import module_path, op_name
+from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import LABELS, META_KEY, Label
+from memlayout.timing import KEEP_MARGIN
 
 log = logging.getLogger("memlayout.backend")
 
 CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                           "conv_transpose3d", "convolution", "_convolution"})
-
-#: another way of running a graph replaces the compiled plan only when faster by more than this
-GUARD_MARGIN = 0.02
-
-#: what ran for a graph
-COMPILED = "inductor"  # Inductor, with the plan standing (its layout optimization off)
-EAGER = "eager"  # the planned graph run eagerly (inner="eager", or it measured faster)
-INDUCTOR_OWN = "inductor (its own layouts)"  # not planned, a plan dropped, or that measured faster
-AS_GIVEN = "eager (as given)"  # inner="eager", not planned
 
 
 @dataclass(frozen=True)
@@ -78,8 +71,8 @@ class ConvolutionChoice:
         return text
 
 
-def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, int],
-                  rule: bool | None) -> tuple[ConvolutionChoice, ...]:
+def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, Label],
+                        rule: bool | None) -> tuple[ConvolutionChoice, ...]:
     """Each convolution's choice: planned label, Inductor's (channels-last for a 2-d one when
     its rule is on, else the strides as traced) and measured seconds."""
     out = []
@@ -93,7 +86,8 @@ def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[st
         shape = meta.tensors[0].shape
         traced = meta.label if meta.label in LABELS else None
         planned = labels.get(n.name, traced)
-        inductor = None if rule is None else (1 if rule and len(shape) == 4 else traced)
+        inductor = (None if rule is None
+                    else Label.CHANNELS_LAST if rule and len(shape) == 4 else traced)
         cost = table.nodes.get(n.name)
         out.append(ConvolutionChoice(
             module_path(n), op_name(n), tuple(shape), label_text(planned, meta.label), label_text(inductor),
@@ -101,7 +95,7 @@ def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[st
     return tuple(out)
 
 
-def label_text(label: int | None, traced: Any = None) -> str | None:
+def label_text(label: Label | None, traced: Any = None) -> str | None:
     """A label's format name (``None``: no definite format; ``either`` where the traced
     value is ambiguous)."""
     if label is None:
@@ -114,15 +108,19 @@ class GraphRecord:
     """One graph Dynamo handed to the backend and what became of it.
 
     ``graph``: Dynamo's compile id (``frame/recompile``); ``planned``: whether a plan was made
-    (``reason`` says why not); ``ran``: what runs it (``COMPILED``, ``EAGER``,
-    ``INDUCTOR_OWN``, ``AS_GIVEN``); ``inductor_rule``: Inductor's whole-graph decision
-    (``True``: channels-last for every 2-d convolution; ``None``: this torch cannot say);
-    ``verification``: how the graph was checked and the worst relative error; ``fallback``:
-    why the plan was dropped (a mismatch), else ``""``; ``converted_weights``: ``(name,
-    bytes)`` of each parameter the plan converts on every call (stored in another format than
-    it runs in; in training its gradient is converted back too); ``timed``: for each other way the
-    guard timed (the plan run eagerly, Inductor's own layouts), the median per-round ratio
-    of the compiled plan's time to that way's (above 1: that way was faster).
+    (``reason`` says why not); ``ran``: what runs it, a ``Runner``: ``"planned"`` (the plan
+    compiled, Inductor's layout optimization off), ``"eager"`` (the plan run eagerly:
+    ``inner="eager"``, or it measured faster), ``"inductor"`` (Inductor's own layouts: not
+    planned, a plan dropped, or they measured faster), ``"eager (as given)"`` (the graph as
+    given run eagerly: ``inner="eager"``, not planned); ``inductor_rule``: Inductor's
+    whole-graph decision (``True``: channels-last for every 2-d convolution; ``None``: this
+    torch cannot say); ``verification``: how the graph was checked and the worst relative
+    error; ``fallback``: why the plan was dropped (a mismatch), else ``""``;
+    ``converted_weights``: ``(name, bytes)`` of each parameter the plan converts on every call
+    (stored in another format than it runs in; in training its gradient is converted back
+    too); ``timed``: for each other way the guard timed (the plan run eagerly, Inductor's own
+    layouts), the median per-round ratio of the compiled plan's time to that way's (above 1:
+    that way was faster).
 
     Under ``torch.distributed`` (one plan per job, ``memlayout.plan.compilers.backend_shared``):
     ``rank``: this process's rank (``None``: no process group); ``decided_by``: the rank that
@@ -138,7 +136,7 @@ class GraphRecord:
     dtype: str
     dynamic: bool
     planned: bool
-    ran: str
+    ran: Runner
     reason: str = ""
     inductor_rule: bool | None = None
     convolutions: tuple[ConvolutionChoice, ...] = ()
@@ -164,11 +162,11 @@ class GraphRecord:
     @property
     def own_layouts_slower(self) -> float | None:
         """How many times the compiled plan's time Inductor's own layouts took in the guard's
-        timing, where they were slower by more than ``GUARD_MARGIN`` (``None``: not timed,
+        timing, where they were slower by more than ``KEEP_MARGIN`` (``None``: not timed,
         or not that much slower)."""
-        ratio = dict(self.timed).get(INDUCTOR_OWN)
+        ratio = dict(self.timed).get(Runner.INDUCTOR_OWN)
         slower = 1 / ratio if ratio else None
-        return slower if slower is not None and slower > 1 + GUARD_MARGIN else None
+        return slower if slower is not None and slower > 1 + KEEP_MARGIN else None
 
     def own_layouts_line(self) -> str | None:
         """What the guard's timing of Inductor's own layouts says, where they were slower."""
@@ -306,5 +304,4 @@ def _ms(seconds: float | None) -> str:
     return "fails" if seconds is None else f"{seconds * 1e3:.3g} ms"
 
 
-__all__ = ["AS_GIVEN", "COMPILED", "EAGER", "GUARD_MARGIN", "INDUCTOR_OWN", "BackendReport",
-           "ConvolutionChoice", "GraphRecord", "backend_report"]
+__all__ = ["BackendReport", "ConvolutionChoice", "GraphRecord", "backend_report"]

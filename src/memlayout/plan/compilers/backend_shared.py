@@ -40,6 +40,7 @@ import torch.distributed as dist
 from memlayout.errors import MemlayoutError, first_line
 from memlayout.plan.compilers.backend_report import GraphRecord
 from memlayout.plan.costs.table import CostTable, measured_on
+from memlayout.plan.graph import Label
 
 
 class ExchangeFailed(MemlayoutError):
@@ -79,7 +80,7 @@ class Decision:
     record: GraphRecord | None
     compiled_as: str = ""
     table: CostTable | None = None
-    labels: tuple[tuple[str, int], ...] = ()
+    labels: tuple[tuple[str, Label], ...] = ()
     planned_signature: str = ""
     signal: str = ""
 
@@ -116,7 +117,7 @@ def exchange(job: Job, decision: Decision | None) -> Decision:
     return got
 
 
-def plan_digest(signature: str, labels: Mapping[str, int], ran: str,
+def plan_digest(signature: str, labels: Mapping[str, Label], ran: str,
                 planned_signature: str = "") -> str:
     """A short hash of what runs for a graph: the graph and its inputs (``signature``), the
     plan's labels, how it runs and the rewritten graph (``planned_signature``). Ranks whose

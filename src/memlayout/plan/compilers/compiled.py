@@ -11,8 +11,9 @@ convolution (3-d and 1-d convolutions keep the strides they are given: Inductor'
 optimization covers ``ndim == 2`` only). With ``layout_optimization`` off for that compile,
 convolutions keep the strides of the traced graph (``constrain_to_fx_strides``): the plan stands.
 
-``compile`` builds whole-model candidates, checks each against the original's outputs, times
-those that agree interleaved round by round, and keeps the fastest:
+``compile`` builds whole-model candidates (each named by a ``Runner``, whose value the record
+shows), checks each against the original's outputs, times those that agree interleaved round by
+round, and keeps the fastest:
 
 - ``planned``: the planned model, compiled with ``layout_optimization`` off (the plan stands);
 - ``inductor``: the original model, compiled with the caller's settings (Inductor decides);
@@ -28,11 +29,12 @@ those that agree interleaved round by round, and keeps the fastest:
   and the record says so.
 
 ``inductor`` is the default, what a plain ``torch.compile`` gives: another candidate replaces it
-only when faster by more than a margin (2 %). Timing goes through ``memlayout.plan.check.guard``'s
-timer (``memlayout.timing.interleaved``), after one untimed call each (the compile). The ratios
-are cached (same SQLite store as the costs) under the device, torch version, dtype, a signature
-of the model, the plan, the compile settings and the runtimes asked for: a second ``compile`` of
-the same model builds only the kept candidate. ``plan.compiled`` records the choice, the ratios,
+only when faster by more than a margin (``memlayout.timing.KEEP_MARGIN``, 2 %). Timing goes
+through ``memlayout.plan.check.guard``'s timer (``memlayout.timing.interleaved``), after one
+untimed call each (the compile). The race (``memlayout.timing.Race``) is cached (same SQLite
+store as the costs) under the device, torch version, dtype, a signature of the model, the plan,
+the compile settings and the runtimes asked for: a second ``compile`` of the same model builds
+only the kept candidate. ``plan.compiled`` records the choice, the ratios,
 each candidate's precision and build seconds, and why a candidate failed or was not built.
 
 >>> import torch
@@ -49,7 +51,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -64,10 +65,10 @@ from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import Format
 from memlayout.machine import Conditions
-from memlayout.plan.check.guard import save as save_guard_record
-from memlayout.plan.check.guard import time_candidates, valid_record
+from memlayout.plan.check.guard import RACE, save, stored, time_candidates
 from memlayout.plan.check.speed import ModelComparison, busier
 from memlayout.plan.compilers.backend_inner import PLAN_STANDS
+from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.compilers.runtime_model import (
     Reference,
     RuntimeModule,
@@ -82,14 +83,11 @@ from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.options import Progress
 from memlayout.plan.pipeline import open_cache, optimize
 from memlayout.plan.report.plan import Plan
-from memlayout.plan.report.records import CompiledRecord
+from memlayout.plan.report.records import CompiledRecord, RatioRange
 from memlayout.plan.steer.steering import Steering, planned_state, steer
 from memlayout.tensors import convert_batch, convert_module, device_of
-from memlayout.timing import interleaved
+from memlayout.timing import KEEP_MARGIN, Race, interleaved
 
-PLANNED = "planned"  # the planned model, Inductor's layout optimization off: the plan stands
-INDUCTOR = "inductor"  # the original model compiled with the settings given: Inductor decides
-FROZEN = "inductor+freezing"  # the same with Inductor's freezing: weights folded and prepacked
 FREEZING = {"freezing": True}
 RUNTIMES: tuple[str, ...] = rt.ADAPTERS  # tried by default, where installed
 
@@ -97,7 +95,7 @@ RUNTIMES: tuple[str, ...] = rt.ADAPTERS  # tried by default, where installed
 def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype | None = None,  # noqa: A001
             input_format: str | None = None, output_format: str | None = "keep",
             measure: bool = True, cache: Any = True, progress: Progress | None = None,
-            name: str | None = None, rounds: int = 5, margin: float = 0.02,
+            name: str | None = None, rounds: int = 5, margin: float = KEEP_MARGIN,
             guard: bool = True, plan_kwargs: Mapping[str, Any] | None = None,
             runtimes: Sequence[str] = RUNTIMES, freezing: bool = True,
             **compile_kwargs: Any) -> nn.Module:
@@ -139,15 +137,15 @@ def compile(model: nn.Module, example_inputs: Any, *, dtype: str | torch.dtype |
     inputs = state.prepare_inputs(*example_inputs_of(example_inputs))
     backend = compile_kwargs.get("backend", "inductor")
     train = bool((plan_kwargs or {}).get("train", False))
-    settings: dict[str, dict[str, Any]] = {PLANNED: dict(PLAN_STANDS), INDUCTOR: {}}
+    settings: dict[str, dict[str, Any]] = {Runner.PLAN_COMPILED: dict(PLAN_STANDS), Runner.INDUCTOR_OWN: {}}
     if freezing and not train:
-        settings[FROZEN] = dict(FREEZING)
+        settings[Runner.INDUCTOR_FROZEN] = dict(FREEZING)
     record: dict[str, Any] = {"backend": backend if isinstance(backend, str) else repr(backend),
                               "settings": settings}
     if backend != "inductor":
         optimized.compile(**compile_kwargs)
         _record(optimized, plan, CompiledRecord.from_dict({
-            **record, "kept": PLANNED, "source": "none", "input_format": plan.input_format,
+            **record, "kept": Runner.PLAN_COMPILED, "source": "none", "input_format": plan.input_format,
             "reason": "not Inductor: no layout decision of its own to override"}))
         return optimized
 
@@ -184,12 +182,12 @@ def _candidates(model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...],
     plan = planned_state(optimized).plan
     options = _split_options(compile_kwargs)
     candidates: dict[str, Callable[[], nn.Module]] = {
-        PLANNED: lambda: _compiled(optimized, {**compile_kwargs,
+        Runner.PLAN_COMPILED: lambda: _compiled(optimized, {**compile_kwargs,
                                                "options": {**options, **PLAN_STANDS}}),
-        INDUCTOR: lambda: _compiled(_unplanned(model, plan, dtype), compile_kwargs),
+        Runner.INDUCTOR_OWN: lambda: _compiled(_unplanned(model, plan, dtype), compile_kwargs),
     }
-    if FROZEN in settings:
-        candidates[FROZEN] = lambda: _compiled(
+    if Runner.INDUCTOR_FROZEN in settings:
+        candidates[Runner.INDUCTOR_FROZEN] = lambda: _compiled(
             _unplanned(model, plan, dtype), {**compile_kwargs, "options": {**options, **FREEZING}})
     return candidates
 
@@ -209,13 +207,10 @@ def _kept(store: CostCache | None, key: str, candidates: Mapping[str, Callable[[
                                record=record)
     if module is not None:
         return module, compiled
-    module, compiled = _measure(candidates, inputs, dtype, reference, rounds=rounds,
-                                margin=margin, record=record, timed=timed)
-    if store is not None and compiled.get("ratios") is not None:
-        save_guard_record(store, key, {
-            "ratios": compiled["ratios"], "rounds": compiled["rounds"],
-            "repeat": compiled.get("repeat", 1), "baseline": compiled["baseline"],
-            "conditions": compiled.get("conditions"), "spread": compiled.get("spread")})
+    module, compiled, race = _measure(candidates, inputs, dtype, reference, rounds=rounds,
+                                      margin=margin, record=record, timed=timed)
+    if store is not None and race is not None:
+        save(store, key, race)
     return module, compiled
 
 
@@ -224,10 +219,10 @@ def _cached(store: CostCache | None, key: str, candidates: Mapping[str, Callable
             margin: float, record: Mapping[str, Any]) -> tuple[nn.Module | None, dict[str, Any]]:
     """The candidate a cached decision keeps, built and checked again, with its record;
     ``(None, {})`` where nothing is cached or it no longer builds or agrees."""
-    cached = store.get(key, valid_record) if store is not None else None
+    cached = stored(store, key)
     if cached is None:
         return None, {}
-    kept = _decide(cached, margin)
+    kept = cached.kept(Runner.INDUCTOR_OWN, margin)
     built_at = time.perf_counter()
     try:
         module = candidates[kept]()
@@ -260,9 +255,12 @@ def _record(module: nn.Module, plan: Plan, record: CompiledRecord) -> None:
 
 def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[Any, ...],
              dtype: torch.dtype | None, reference: Reference, *, rounds: int, margin: float,
-             record: dict[str, Any], timed: bool) -> tuple[nn.Module, dict[str, Any]]:
+             record: dict[str, Any], timed: bool
+             ) -> tuple[nn.Module, dict[str, Any], Race | None]:
     """Build every candidate (its first call: the compile), drop those that fail or compute
-    something else, time the rest interleaved and keep the fastest."""
+    something else, time the rest interleaved and keep the fastest: ``inductor`` (a plain
+    ``torch.compile``, the reference a user compares with, wins ties and noise) unless another
+    is faster than it by more than ``margin``. Returns the race too (``None``: nothing timed)."""
     built: dict[str, nn.Module] = {}
     errors: dict[str, str] = {}
     unavailable = dict(record.get("unavailable", {}))
@@ -290,25 +288,20 @@ def _measure(candidates: Mapping[str, Callable[[], nn.Module]], inputs: tuple[An
             "no compiled candidate reproduced the original model's outputs "
             f"({'; '.join(f'{k}: {v}' for k, v in errors.items())}); nothing compiled was "
             "returned. Use memlayout.optimize without compiling")
-    baseline = PLANNED if PLANNED in built else next(iter(built))
+    baseline = Runner.PLAN_COMPILED if Runner.PLAN_COMPILED in built else next(iter(built))
     out: dict[str, Any] = {**record, "errors": errors, "compile_seconds": compile_s,
                            "margin": margin, "baseline": baseline, "unavailable": unavailable,
                            "precision": _precisions(record["precision"], built)}
     if len(built) == 1 or not timed:
         kept = next(iter(built))
         return built[kept], {**out, "kept": kept, "source": "none", "candidates": {},
-                             "rounds": 0}
-    # the guard's timer measures against its PLANNED entry: the baseline goes in under it
-    timed_as = {(PLANNED if n == baseline else n): m for n, m in built.items()}
-    own = {(PLANNED if n == baseline else n): _prepared(m, inputs) for n, m in built.items()}
-    times = time_candidates(timed_as, inputs, dtype, device=device_of(inputs, built[baseline]),
-                              rounds=rounds, inputs_of=own)
-    errors.update({(baseline if n == PLANNED else n): e for n, e in times["errors"].items()})
-    measured = {**times, "baseline": baseline}
-    kept = _decide(measured, margin)
-    return built[kept], {**out, **_describe(measured), "kept": kept, "source": "measured",
-                         "ratios": times["ratios"], "conditions": times["conditions"],
-                         "spread": times["spread"]}
+                             "rounds": 0}, None
+    own = {n: _prepared(m, inputs) for n, m in built.items()}
+    race = time_candidates(built, inputs, dtype, device=device_of(inputs, built[baseline]),
+                           rounds=rounds, inputs_of=own, reference=baseline)
+    errors.update(race.errors)
+    kept = race.kept(Runner.INDUCTOR_OWN, margin)
+    return built[kept], {**out, **_describe(race), "kept": kept, "source": "measured"}, race
 
 
 def _prepared(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -317,31 +310,12 @@ def _prepared(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     return state.prepare_inputs(*inputs) if state is not None else inputs
 
 
-def _decide(record: Mapping[str, Any], margin: float) -> str:
-    """The candidate to keep, from per-round ratios ``baseline / candidate`` time (the
-    baseline, ``planned`` unless it failed, counts 1.0): the fastest by median, where it is
-    faster than ``inductor`` by more than ``margin``; else ``inductor`` (a plain
-    ``torch.compile``, the reference a user compares with, wins ties and noise).
-
-    >>> _decide({"ratios": {"inductor": [0.95, 0.97, 0.96]}}, 0.02), _decide({"ratios": {"inductor": [0.99, 1.0, 0.985]}}, 0.02)
-    ('planned', 'inductor')
-    >>> _decide({"ratios": {"inductor": [1.0, 1.0, 1.0], "openvino": [1.9, 2.1, 2.0]}}, 0.02)
-    'openvino'
-    """
-    speed = {record.get("baseline", PLANNED): 1.0}
-    speed.update((name, statistics.median(r)) for name, r in record["ratios"].items() if r)
-    default = INDUCTOR if INDUCTOR in speed else next(iter(speed))
-    best = max(speed, key=speed.__getitem__)
-    return best if speed[best] > speed[default] * (1.0 + margin) else default
-
-
-def _describe(record: Mapping[str, Any]) -> dict[str, Any]:
-    """Per candidate other than the baseline: median, min, max of ``baseline / candidate``
-    time."""
-    return {"rounds": record["rounds"], "repeat": record.get("repeat", 1),
-            "baseline": record.get("baseline", PLANNED),
-            "candidates": {name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
-                           for name, r in record["ratios"].items() if r}}
+def _describe(race: Race) -> dict[str, Any]:
+    """The race's part of the record (``CompiledRecord``'s JSON form): per candidate other
+    than the baseline, median, min, max of ``baseline / candidate`` time."""
+    return {"rounds": race.rounds, "repeat": race.repeat, "baseline": race.reference,
+            "candidates": {name: dataclasses.asdict(RatioRange.of(r))
+                           for name, r in race.ratios.items()}}
 
 
 
@@ -451,7 +425,7 @@ def _cache_key(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | N
     h.update(json.dumps([kept, plan.input_format, plan.output_format]).encode())
     h.update(json.dumps(compile_kwargs, sort_keys=True, default=repr).encode())
     device = device_of(inputs, model)
-    return json.dumps(["compile", measured_on(device), torch.__version__, str(dtype),
+    return json.dumps(["compile", RACE, measured_on(device), torch.__version__, str(dtype),
                        h.hexdigest()])
 
 
@@ -489,5 +463,5 @@ def compare_compiled(model: nn.Module, compiled: nn.Module, example_inputs: Any,
                               busier(before, Conditions.now()))
 
 
-__all__ = ["FROZEN", "INDUCTOR", "PLANNED", "RUNTIMES", "RuntimeModule", "compare_compiled",
+__all__ = ["RUNTIMES", "RuntimeModule", "Runner", "compare_compiled",
            "compile", "inductor_layout_decision"]

@@ -57,7 +57,7 @@ class RuntimeModule(nn.Module):
         # runtime takes without a copy
         self.__dict__[STATE] = PlannedState(
             plan=plan, key=None, dtype=options.dtype, ranks=(4, 5), outputs=(),
-            input_label=int(Label.parse(self.input_format)))
+            input_label=Label.parse(self.input_format))
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
         self.register_load_state_dict_post_hook(lambda module, _keys: module.rebuild())

@@ -22,7 +22,7 @@ _CL_CONV_GAIN = 0.85  # channels-last dense convolution time relative to contigu
 _BANDWIDTH = 1e10  # bytes/s of a strided copy
 
 
-def analytical_seconds(gm: fx.GraphModule, n: fx.Node, label: int) -> float:
+def analytical_seconds(gm: fx.GraphModule, n: fx.Node, label: Label) -> float:
     """A rough model, used only with ``measure=False``: dense convolutions are FLOP-bound and
     somewhat faster channels-last; everything else moves the same bytes either way."""
     meta: ValueMeta = n.meta[META_KEY]

@@ -324,6 +324,29 @@ class CostCache:
         found = self.entry(key, check)
         return None if found is None else found.value
 
+    def records(self, kind: str) -> list[tuple[str, Any]]:
+        """``(key, record)`` of every entry of ``kind`` on this machine's fingerprint (what a
+        fit of the cost model reads: noisy ones too, as planning reuses them, their spread
+        widening the fit's); empty when the cache cannot be read or is refreshed (everything
+        is measured again)."""
+        if not self.usable or self.refresh:
+            return []
+        assert self._db is not None
+        try:
+            rows = self._db.execute(
+                "SELECT key, value FROM entries WHERE fingerprint = ? AND kind = ?",
+                (self.fingerprint, kind)).fetchall()
+        except sqlite3.Error as exc:
+            self._off(exc, "reading", reads=True)
+            return []
+        out = []
+        for key, value in rows:
+            try:
+                out.append((str(key), json.loads(value)))
+            except ValueError:
+                continue
+        return out
+
     def put(self, key: str, value: Any, *, spread: float | None = None,
             conditions: Conditions | None = None, is_noisy: bool | None = None) -> None:
         """Store ``value`` with the conditions it was measured under (default: now) and the

@@ -20,6 +20,12 @@ conditions they were taken under: a second plan of the same model measures nothi
 was taken on a busy machine, when this one is quiet now. ``measure=False`` runs each layout node once per format (formats only) and
 uses an analytical cost model (``memlayout.plan.costs.analytical``) instead of timing; the records
 and which nodes are layout nodes are in ``memlayout.plan.costs.table``.
+
+With a fitted cost model (``memlayout.plan.costs.predict``), a node the cache does not hold is
+*predicted* instead (run once per format for its output's format, its seconds from the model,
+its uncertainty in ``CostTable.predicted``), unless it is named in ``timed``; the solver's
+refinement (``memlayout.plan.solve.refine``) names the nodes whose costs could change the
+cut, and measures them in another pass that keeps what the earlier one found (``previous``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from memlayout.machine import Conditions, noisy
 from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
 from memlayout.plan.costs.analytical import analytical_conversion, analytical_seconds
 from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.predict import CostModel, analytic_pair, op_kind, pair_id
 from memlayout.plan.costs.table import (
     ConversionCost,
     CostTable,
@@ -87,7 +94,9 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                   progress: Progress | None = None, train: bool = False,
                   device: torch.device | None = None, weights: str = CONVERTED,
                   clock: Callable[[], float] = time.perf_counter,
-                  conditions: Callable[[], Conditions] = Conditions.now) -> CostTable:
+                  conditions: Callable[[], Conditions] = Conditions.now,
+                  model: CostModel | None = None, timed: frozenset[str] = frozenset(),
+                  previous: CostTable | None = None) -> CostTable:
     """The cost table of every layout node and definite-format value of a captured graph.
 
     ``train``: a node's cost is its forward plus its backward (gradients of its inputs and
@@ -97,29 +106,48 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     ``weights=CONTIGUOUS``: weights stay contiguous; a convolution's channels-last time is the
     faster of reading them as they are and converting them per call.
     ``clock`` and ``conditions`` (the machine's load) are injectable, so tests decide what a
-    measurement sees."""
+    measurement sees.
+    ``model`` (with ``measure``): each layout-sensitive node the cache does not hold and
+    ``timed`` does not name is predicted, not timed. ``previous``: this graph's table from an
+    earlier pass: its conversions and measured nodes are kept, its predicted ones predicted
+    again from ``model`` (measured where ``timed`` names them, read from the cache where an
+    identical op was measured since)."""
     device = device_of(inputs, gm) if device is None else device
     context = [measured_on(device), torch.__version__, str(dtype)]
-    node_context = [*context, "train"] if train else context
-    if weights != CONVERTED:
-        node_context = [*node_context, f"weights={weights}"]
+    nodes_context = node_context(device, dtype, train=train, weights=weights)
     layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
     values = [n for n in gm.graph.nodes if n.op != "get_attr"
               and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS]
     table = CostTable()
     todo_nodes: dict[str, list[str]] = {}
     todo_values: dict[str, list[str]] = {}
+    todo_predicted: set[str] = set()
+    predicting = model is not None and measure
     for n in layout_nodes:
-        keys = [json.dumps(["node", *node_context, _describe(gm, n, label), label])
+        keys = [json.dumps(["node", *nodes_context, _describe(gm, n, label), label])
                 for label in LABELS]
+        old = previous.nodes.get(n.name) if previous is not None else None
+        if old is not None and n.name not in timed and n.name not in previous.predicted:
+            table.nodes[n.name] = old  # measured in an earlier pass
+            continue
         entries = ([cache.entry(k, valid_node_record) for k in keys]
                    if cache is not None and measure else [None, None])
         if all(e is not None for e in entries):
-            table.cached += 1
+            table.cached += old is None  # not one measured in an earlier pass of this run
             table.nodes[n.name] = _node_cost(gm, n, [e.value for e in entries], True,
                                              noisy=any(e.noisy for e in entries))
+        elif predicting and n.name not in timed and not is_agnostic(gm, n):
+            assert model is not None
+            if old is not None:  # its formats are known: only its seconds change
+                table.nodes[n.name], table.predicted[n.name] = _predicted_cost(
+                    gm, n, old.seconds, old.out, old.weights, model, train=train)
+            else:
+                todo_predicted.add(n.name)
         else:
             todo_nodes[n.name] = keys
+    if previous is not None:
+        table.conversions = dict(previous.conversions)
+        values = []
     for v in values:
         meta: ValueMeta = v.meta[META_KEY]
         if not _consumed(gm, v):
@@ -137,20 +165,33 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                                                          noisy=any(e.noisy for e in entries))
         else:
             todo_values[v.name] = keys
-    total = len(todo_nodes) + len(todo_values)
+    total = len(todo_nodes) + len(todo_values) + len(todo_predicted)
     if total:
         runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
                            rounds=rounds, device=seam(device), progress=progress,
                            total=total, train=train, weights=weights, clock=clock,
-                           conditions=conditions)
+                           conditions=conditions, model=model, predicted=todo_predicted)
         with torch.no_grad(), autocast(device, dtype):
             runner.run(*inputs)
-    if train:  # the gradient of a converted value is converted back in the backward
+    if train and previous is None:  # a converted value's gradient is converted back
         table.conversions = {
             name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes,
                                  c.timed, c.noisy)
             for name, c in table.conversions.items()}
     return table
+
+
+def node_context(device: torch.device, dtype: torch.dtype | None, *, train: bool,
+                 weights: str) -> list[str]:
+    """What a node's cached timing depends on beside the op: the device's fingerprint, torch,
+    the autocast dtype, and a training step or contiguous weights where they apply (a node
+    key's elements after ``"node"``)."""
+    context = [measured_on(device), torch.__version__, str(dtype)]
+    if train:
+        context.append("train")
+    if weights != CONVERTED:
+        context.append(f"weights={weights}")
+    return context
 
 
 def _consumed(gm: fx.GraphModule, v: fx.Node) -> bool:
@@ -166,13 +207,25 @@ def _node_cost(gm: fx.GraphModule, n: fx.Node, records: list[Any], timed: bool, 
                     timed, noisy=noisy and timed, weights=records[1].get("w"))
 
 
+def _predicted_cost(gm: fx.GraphModule, n: fx.Node, seconds: tuple[float | None, float | None],
+                    out: tuple[Label | None, Label | None], weights: str | None,
+                    model: CostModel, *, train: bool) -> tuple[NodeCost, float]:
+    """``n``'s cost predicted by ``model`` (``seconds``: ``None`` where a format fails, as
+    its run found) and the uncertainty of its ``c1 - c0``."""
+    a0, a1 = analytic_pair(gm, n, train=train)
+    guess = model.predict(op_kind(gm, n), (None if seconds[0] is None else a0,
+                                           None if seconds[1] is None else a1))
+    return (NodeCost(n.name, node_target_name(gm, n), guess.seconds, out, False,
+                     weights=weights), guess.width)
+
+
 def _conversion_cost(name: str, meta: ValueMeta, records: list[Any], *,
                      noisy: bool = False) -> ConversionCost:
     return ConversionCost(name, records[0]["s"], records[1]["s"], meta.nbytes,
                           tuple(t.shape for t in meta.layout_tensors), True, noisy)
 
 
-def _describe(gm: fx.GraphModule, n: fx.Node, label: int) -> str:
+def _describe(gm: fx.GraphModule, n: fx.Node, label: Label) -> str:
     """The op and its inputs as they would be fed in ``label``: the cache key's op part."""
     if n.op == "call_module":
         sub = gm.get_submodule(n.target)
@@ -208,8 +261,10 @@ class _Measurer(fx.Interpreter):
                  progress: Progress | None, total: int, train: bool = False,
                  weights: str = CONVERTED,
                  clock: Callable[[], float] = time.perf_counter,
-                 conditions: Callable[[], Conditions] = Conditions.now) -> None:
+                 conditions: Callable[[], Conditions] = Conditions.now,
+                 model: CostModel | None = None, predicted: set[str] | None = None) -> None:
         super().__init__(gm)
+        self.model, self.predicted = model, predicted or set()
         self.clock, self.conditions = clock, conditions
         self.ranks = graph_ranks(gm)
         self.train = train
@@ -237,6 +292,15 @@ class _Measurer(fx.Interpreter):
             else:
                 self._measure_node(n)
             self._step(n.name)
+        if n.name in self.predicted:
+            assert self.model is not None
+            records, _, _ = self._formats(n)
+            seconds = tuple(r["s"] for r in records)
+            out = tuple(None if r["out"] is None else Label(r["out"]) for r in records)
+            self.table.nodes[n.name], self.table.predicted[n.name] = _predicted_cost(
+                self.module, n, seconds, out, records[1].get("w"),  # type: ignore[arg-type]
+                self.model, train=self.train)
+            self._step(f"{n.name} (predicted)")
         if n.name in self.todo_values:
             keys = self.todo_values[n.name]
             if all(k in self.memo for k in keys):
@@ -248,14 +312,15 @@ class _Measurer(fx.Interpreter):
             self._step(f"{n.name} (conversion)")
         return result
 
-    def _call(self, n: fx.Node, label: int | str, *, grad: bool = False) -> Callable[[], Any]:
-        """The node run on fresh inputs in ``label``; ``grad``: a training step of it instead
-        (forward, then the gradients of its inputs and parameters, see :func:`_train_step`).
-        ``"1:per_call"``: in label 1, its contiguous weights converted per call."""
+    def _call(self, n: fx.Node, how: Label | str, *, grad: bool = False) -> Callable[[], Any]:
+        """The node run on fresh inputs in label ``how``; ``grad``: a training step of it
+        instead (forward, then the gradients of its inputs and parameters, see
+        :func:`_train_step`). ``"1:per_call"``: in label 1, its contiguous weights converted
+        per call."""
         gm = self.module
         # a Label's str() is its name before Python 3.11: the number, as an int, spelled out
-        label, _, storage = (label if isinstance(label, str) else str(int(label))).partition(":")
-        label = int(label)
+        number, _, storage = (how if isinstance(how, str) else str(int(how))).partition(":")
+        label = Label(int(number))
         wrt: list[torch.Tensor] = []
         args, kwargs = fx.node.map_arg((n.args, n.kwargs),
                                        lambda m: self._input(m, label, wrt if grad else None))
@@ -275,10 +340,10 @@ class _Measurer(fx.Interpreter):
             fn = lambda: getattr(self_arg, n.target)(*rest, **kwargs)  # noqa: E731
         return _train_step(fn, wrt) if grad else fn
 
-    def _input(self, m: fx.Node, label: int, wrt: list[torch.Tensor] | None = None) -> Any:
+    def _input(self, m: fx.Node, label: Label, wrt: list[torch.Tensor] | None = None) -> Any:
         kind = input_kind(self.module, m)
         if kind == "param" and self.weights != CONVERTED:
-            kind, label = "term", 0  # weights stored contiguous whatever the node's label
+            kind, label = "term", Label.CONTIGUOUS  # weights stored contiguous whatever the node's label
         value = fresh_value(self.env[m], label if kind in ("term", "param") else None,
                             self.ranks)
         if wrt is not None and (m.op != "placeholder" or _requires_grad(self.env[m])):
@@ -297,13 +362,13 @@ class _Measurer(fx.Interpreter):
             value = getattr(value, part, None)
         return value
 
-    def _measure_node(self, n: fx.Node) -> None:
-        gm = self.module
-        timed = self.measure and not is_agnostic(gm, n)
+    def _formats(self, n: fx.Node) -> tuple[list[dict[str, Any]], dict[str, Callable[[], Any]],
+                                            dict[str, float]]:
+        """``n`` run once in each label: a record per label (its output's label, or the
+        error: the format fails), the calls that worked and their first-call seconds."""
         records: list[dict[str, Any]] = []
         calls: dict[str, Callable[[], Any]] = {}
         first: dict[str, float] = {}
-        contiguous = self.weights == CONTIGUOUS and module_has_layout_params(gm, n)
         for label in LABELS:
             try:
                 fn = self._call(n, label)
@@ -316,8 +381,15 @@ class _Measurer(fx.Interpreter):
                 calls[str(int(label))] = fn
             except Exception as exc:  # this format does not work for this op: a fact
                 records.append({"s": None, "out": None, "error": f"{type(exc).__name__}"})
-        if contiguous:
+        if self.weights == CONTIGUOUS and module_has_layout_params(self.module, n):
             records[1]["w"] = AS_IS
+        return records, calls, first
+
+    def _measure_node(self, n: fx.Node) -> None:
+        gm = self.module
+        timed = self.measure and not is_agnostic(gm, n)
+        contiguous = self.weights == CONTIGUOUS and module_has_layout_params(gm, n)
+        records, calls, first = self._formats(n)
         per_call = f"1:{PER_CALL}"
         if (contiguous and timed and "1" in calls
                 and can_convert_per_call(gm.get_submodule(n.target))):
@@ -353,6 +425,12 @@ class _Measurer(fx.Interpreter):
                 s = result.modes[per_call].min
                 if records[1]["s"] is None or s < records[1]["s"]:
                     records[1].update(s=s, w=PER_CALL)
+            # what the cost model is fitted to (memlayout.plan.costs.predict)
+            analytic = analytic_pair(gm, n, train=self.train)
+            kind, pair = op_kind(gm, n), pair_id(self.todo_nodes[n.name][0])
+            for label, record in enumerate(records):
+                if record["s"] is not None:
+                    record.update(a=analytic[label], k=kind, id=pair)
             self.table.measured += 1
         elif not self.measure and calls:
             for label in [c for c in calls if c != per_call]:

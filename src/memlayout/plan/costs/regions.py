@@ -10,10 +10,10 @@ from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.drops import drop_notes
 from memlayout.plan.costs.measure import measure_costs
 from memlayout.plan.costs.table import CostTable
-from memlayout.plan.options import PlanOptions
+from memlayout.plan.options import RunOptions
 
 
-def measure_regions(captured: Captured, options: PlanOptions,
+def measure_regions(captured: Captured, options: RunOptions,
                     store: CostCache | None) -> Costs:
     """The cost table of every captured region (measured, cached, or analytical), with each
     node's reason for dropping channels-last noted in its meta."""

@@ -76,6 +76,9 @@ class CostTable:
     conversions: dict[str, ConversionCost] = field(default_factory=dict)
     measured: int = 0  # timings taken in this call
     cached: int = 0  # records read from the cache
+    #: nodes whose seconds are predicted (``memlayout.plan.costs.predict``), not measured:
+    #: how far their ``c1 - c0`` may be off (seconds)
+    predicted: dict[str, float] = field(default_factory=dict)
 
     @property
     def timed_costs(self) -> int:

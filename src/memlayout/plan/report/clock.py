@@ -33,9 +33,11 @@ class StepClock:
         finally:
             self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
 
-    def price(self, total: float, *, measured: int, cached: int, ran: set[str]) -> Price:
+    def price(self, total: float, *, measured: int, cached: int, ran: set[str],
+              predicted: int = 0) -> Price:
         """The plan's price: ``total`` seconds, the steps timed (of the optional ones, those
-        that ``ran``), and how many costs were timed (``measured``) or read from the cache."""
+        that ``ran``), and how many costs were timed (``measured``), read from the cache, or
+        predicted instead of timed (``predicted`` layout nodes)."""
         s = self.seconds
 
         def optional(step: str) -> float | None:
@@ -44,4 +46,5 @@ class StepClock:
         return Price(total=total, capture=s["capture"], costs=s["costs"],
                      measured=measured, cached=cached, solve=s["solve"],
                      guard=s["guard"], verify=s["verify"], padding=optional("padding"),
-                     memory=optional("memory"), blocked=optional("blocked"))
+                     memory=optional("memory"), blocked=optional("blocked"),
+                     predicted=predicted)

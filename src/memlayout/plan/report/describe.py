@@ -20,6 +20,7 @@ from memlayout.plan.report.records import (
     UNPADDED,
     BlockedReport,
     CompiledRecord,
+    CostPrediction,
     GuardRecord,
     MemoryReport,
     NodeChoice,
@@ -84,12 +85,28 @@ def price_summary(price: Price, *, here: bool = True, measure: bool = True) -> s
     for name, seconds in price.steps.items():
         part = f"{_STEPS[name]} {_seconds(seconds)}"
         if name == "costs":
-            part += (f" ({price.measured} measured, {price.cached} from the cache)" if measure
-                     else " (analytical)")
+            predicted = f", {price.predicted} predicted" if price.predicted else ""
+            part += (f" ({price.measured} measured, {price.cached} from the cache{predicted})"
+                     if measure else " (analytical)")
         parts.append(part)
     parts.append(f"other {_seconds(price.other)}")
     head = "planning took" if here else "the saved plan's planning took"
     return f"{head} {_seconds(price.total)}: " + ", ".join(parts)
+
+
+def prediction_summary(p: CostPrediction) -> str:
+    """What a plan's node costs came from when only what could change it was timed, and
+    what predicting can lose, in one line.
+
+    >>> print(prediction_summary(CostPrediction(measured=20, predicted=12, regret=0.0,
+    ...                                         widths=1.5e-4, passes=2)))
+    costs: 20 layout nodes timed, 12 predicted from this machine's fitted model (2 passes); worst loss from predicting 0 us if each true cost is in its interval (at most 150 us were every predicted node free to flip)
+    """
+    return (f"costs: {p.measured} layout nodes timed, {p.predicted} predicted from this "
+            f"machine's fitted model ({p.passes} pass{'es' if p.passes != 1 else ''}); worst "
+            f"loss from predicting {p.regret * 1e6:.0f} us if each true cost is in its "
+            f"interval (at most {p.widths * 1e6:.0f} us were every predicted node free to "
+            "flip)")
 
 
 def _seconds(s: float) -> str:

@@ -25,6 +25,7 @@ from memlayout.plan.report.records import (
     BlockedReport,
     CompiledRecord,
     Conversion,
+    CostPrediction,
     Coverage,
     GuardRecord,
     MemoryReport,
@@ -82,6 +83,9 @@ class Plan:
     mode: str = "eval"
     #: module results whose format, run, was not the plan's (``memlayout.plan.check.realized``)
     realized: list[str] = field(default_factory=list)
+    #: with ``predict``: layout nodes measured and predicted, and the bound of what predicting
+    #: can lose (``memlayout.plan.solve.refine``); ``None``: every node measured
+    prediction: CostPrediction | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -176,6 +180,8 @@ class Plan:
         if self.price is not None:
             lines.append(describe.price_summary(self.price, here=made_here,
                                                 measure=self.measure))
+        if self.prediction is not None:
+            lines.append(describe.prediction_summary(self.prediction))
         if self.costs_noisy:
             lines.append(f"warning: {self.costs_noisy} of {self.costs_timed} costs noisy (measured "
                          f"on a busy machine, or their rounds spread beyond {SPREAD_LIMIT:.0%}): the plan may "

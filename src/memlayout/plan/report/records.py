@@ -17,6 +17,7 @@ from typing import Any
 
 from memlayout.errors import PlanError
 from memlayout.machine import Conditions
+from memlayout.timing import Ratio
 
 SCHEMA = 1  # the version of the plan's JSON
 AUTOCAST_DTYPES = ("float16", "bfloat16", "float32", "float64")  # Plan.dtype names
@@ -148,6 +149,9 @@ class Verification(Record):
     #: the original (``"path (Class)"``): compared with masks drawn in logical order, they
     #: drop other (equally random) elements at run time under the same seed
     redrawn: list[str] = field(default_factory=list)
+    #: with ``same_draws``, where the plan redraws: the format the original draws each
+    #: element-wise mask in (call order), which the planned model then draws in too
+    draws: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line: what was compared and which check passed, with its figures."""
@@ -193,6 +197,8 @@ class Price(Record):
     padding: float | None = None  # padded channels timed (measuring, inference)
     memory: float | None = None  # peak activation memory (and a budget's candidates)
     blocked: float | None = None  # the mkldnn report (``blocked=True``)
+    #: layout nodes whose costs were predicted, not timed (``predict``; ``Plan.prediction``)
+    predicted: int = 0
 
     @property
     def steps(self) -> dict[str, float]:
@@ -207,12 +213,48 @@ class Price(Record):
 
 
 @dataclass(frozen=True)
+class CostPrediction(Record):
+    """Where a plan's node costs came from when only what could change the cut was measured
+    (``predict``; ``memlayout.plan.solve.refine``): ``measured`` layout nodes timed (now or
+    from the cache), ``predicted`` ones from the analytical model fitted to this machine's
+    cached timings (``memlayout.plan.costs.predict``), in at most ``passes`` rounds of
+    solving and measuring per region.
+
+    Two bounds, in seconds of the cost table's objective, of what predicting can lose against
+    the plan of the measured costs, when each true cost lies in its prediction's interval:
+    ``regret``, the exact worst case (one minimum cut whose adversary moves every predicted
+    ``c1 - c0`` to the end of its interval that hurts the plan; refinement stops only where it
+    is zero, up to rounding), and ``widths``, the sum of the predicted nodes' widths of
+    ``c1 - c0`` (what the loss could be were every predicted node free to flip: a looser bound
+    that ignores the cut).
+
+    >>> CostPrediction(measured=20, predicted=12, regret=0.0, widths=1.5e-4, passes=2).predicted
+    12
+    """
+
+    measured: int
+    predicted: int
+    regret: float
+    widths: float
+    passes: int
+
+
+@dataclass(frozen=True)
 class RatioRange(Record):
-    """Per-round time ratios ``planned / candidate`` of a whole-model comparison: median, range."""
+    """A :class:`memlayout.timing.Ratio` as a plan shows and stores it: the median of its
+    per-round ratios (reference / candidate time in a whole-model comparison) and their range.
+
+    >>> RatioRange.of(Ratio("planned", "all_contiguous", 1.1, (1.2, 0.9, 1.0)))
+    RatioRange(median=1.0, min=0.9, max=1.2)
+    """
 
     median: float
     min: float
     max: float
+
+    @classmethod
+    def of(cls, ratio: Ratio) -> RatioRange:
+        return cls(ratio.median, ratio.min, ratio.max)
 
 
 @dataclass(frozen=True)

@@ -107,13 +107,13 @@ def formulate_boundaries(gm: fx.GraphModule, table: CostTable, *,
         if isinstance(producer, str):
             problem.ties.append((producer, first))
         else:
-            problem.pins[first] = int(producer)
+            problem.pins[first] = Label(producer)
         for u in users:
             problem.ties.append((u.name, problem.route(value, made, scope(u, root))))
         if kept:
             last = problem.route(value, made, ())
-            problem.pins[last] = int(node.meta[META_KEY].label if output_label == Request.KEEP
-                                     else output_label)
+            problem.pins[last] = Label(node.meta[META_KEY].label if output_label == Request.KEEP
+                                       else output_label)
     seconds = Problem(problem.unary, tuple(problem.tensors), problem.pins,
                       tuple(dict.fromkeys(problem.ties)))
     integer, unit = _integer(seconds)

@@ -16,7 +16,7 @@ from typing import Any
 from torch import fx
 
 from memlayout.plan.costs.table import CostTable, input_kind, is_layout_node
-from memlayout.plan.graph import LABELS, META_KEY, Label, Request, ValueMeta
+from memlayout.plan.graph import KEEP_KEY, LABELS, META_KEY, Label, Request, ValueMeta
 from memlayout.plan.solve.mincut import Problem, Tensor
 
 OUTPUT_PREFIX = "output:"
@@ -47,7 +47,7 @@ class NodeTerms:
     format, or a constant label)."""
 
     unary: dict[str, tuple[float, float]]
-    pins: dict[str, int]
+    pins: dict[str, Label]
     ties: list[tuple[str, str]]
     producers: dict[str, str | int]
 
@@ -58,7 +58,7 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
     chosen, each input in a definite format a variable at no cost of its own, all of them
     tied to one format)."""
     unary: dict[str, tuple[float, float]] = {}
-    pins: dict[str, int] = {}
+    pins: dict[str, Label] = {}
     ties: list[tuple[str, str]] = []
     producers: dict[str, str | int] = {}
     for n in gm.graph.nodes:
@@ -68,7 +68,7 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
         s0, s1 = cost.seconds
         ok = [label for label in LABELS if cost.seconds[label] is not None]
         if not ok:
-            ok = [0]
+            ok = [Label.CONTIGUOUS]
         if len(ok) == 1:
             pins[n.name] = ok[0]
             both = cost.seconds[ok[0]] or 0.0
@@ -92,10 +92,15 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
             # Output in no format for one label (a permute: NCHW in gives a strided NHWC-shaped
             # view, channels-last in gives a contiguous one), or swapped: run the node in the
             # first label whose output is definite, and carry that output as a constant.
-            pin = next((label for label in LABELS if cost.out[label] in LABELS), 0)
+            pin = next((label for label in LABELS if cost.out[label] in LABELS),
+                       Label.CONTIGUOUS)
             pins[n.name] = pin
             if cost.out[pin] in LABELS:
                 producers[n.name] = cost.out[pin]  # type: ignore[assignment]
+        kept: ValueMeta | None = n.meta.get(META_KEY)
+        if n.meta.get(KEEP_KEY) and kept is not None and kept.label in LABELS \
+                and cost.seconds[kept.label] is not None:
+            pins[n.name] = kept.label  # layout-reading code sees it: as the original has it
     # values in a definite format that no layout node decides: inputs, rank-2 -> rank-4 views
     free_inputs: list[str] = []
     for n in gm.graph.nodes:
@@ -166,7 +171,7 @@ def formulate(gm: fx.GraphModule, table: CostTable, *, input_label: Label | Requ
             pin = node.meta[META_KEY].label if output_label == Request.KEEP else output_label
             name = OUTPUT_PREFIX + value
             unary[name] = (0.0, 0.0)
-            pins[name] = int(pin)
+            pins[name] = Label(pin)
             users.append(name)
         if not users or value not in conv:
             continue

@@ -16,7 +16,8 @@ from memlayout.plan.capture.regions import Captured, Region
 from memlayout.plan.costs.regions import Costs
 from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import LABELS, Label, Request
-from memlayout.plan.options import PlanOptions
+from memlayout.plan.options import RunOptions
+from memlayout.plan.report.records import CostPrediction
 from memlayout.plan.solve.boundaries import formulate_boundaries
 from memlayout.plan.solve.formulate import Formulation, formulate
 from memlayout.plan.solve.mincut import Problem, objective, solve_min_cut
@@ -29,7 +30,7 @@ class RegionSolution:
     region: Region
     table: CostTable
     form: Formulation
-    labels: Mapping[str, int]
+    labels: Mapping[str, Label]
 
     @property
     def input_variables(self) -> list[str]:
@@ -39,7 +40,7 @@ class RegionSolution:
         return [n.name for n in self.region.gm.graph.nodes
                 if n.op == "placeholder" and n.name in self.form.seconds.unary]
 
-    def pin_inputs(self, label: int) -> RegionSolution:
+    def pin_inputs(self, label: Label) -> RegionSolution:
         """This solution with its input variables pinned to ``label``, solved again if its
         labels had them otherwise (the guard kept an eager model whose format is not the one
         the min cut chose)."""
@@ -66,12 +67,15 @@ class Solution:
     predicted: dict[str, float]
     measured: int
     cached: int
+    #: where node costs came from when only what could change the cut was measured
+    #: (``memlayout.plan.solve.refine``); ``None``: every node measured
+    prediction: CostPrediction | None = None
 
     @property
     def has_variables(self) -> bool:
         return any(len(s.labels) for s in self.regions)
 
-    def chosen_input(self) -> int | None:
+    def chosen_input(self) -> Label | None:
         """The label the solver gave the top-level graph's inputs (all tied to one), ``None``
         when none is a variable."""
         for s in self.regions:
@@ -80,26 +84,27 @@ class Solution:
                 return s.labels[names[0]]
         return None
 
-    def pin_inputs(self, label: int) -> Solution:
+    def pin_inputs(self, label: Label) -> Solution:
         return dataclasses.replace(self, regions=tuple(s.pin_inputs(label) for s in self.regions))
 
-    def graphs(self) -> list[tuple[str, Any, Mapping[str, int]]]:
+    def graphs(self) -> list[tuple[str, Any, Mapping[str, Label]]]:
         """``(region path, graph, labels)`` per region, as ``guard.signature`` hashes them."""
         return [(s.region.path, s.region.gm, s.labels) for s in self.regions]
 
 
-def solve_labels(problem: Problem) -> dict[str, int]:
-    """The min-cut labels of ``problem``; when its weight ties contradict its pins (a shared
-    module pinned two ways: one call fails in a format), solved without the ties
-    (verification still guards the result)."""
+def solve_labels(problem: Problem) -> dict[str, Label]:
+    """The min-cut labels of ``problem`` (the solver's 0 / 1 as :class:`Label`); when its
+    weight ties contradict its pins (a shared module pinned two ways: one call fails in a
+    format), solved without the ties (verification still guards the result)."""
     try:
-        return solve_min_cut(problem).labels
+        labels = solve_min_cut(problem).labels
     except ValueError:
-        return solve_min_cut(Problem(problem.unary, problem.tensors, problem.pins)).labels
+        labels = solve_min_cut(Problem(problem.unary, problem.tensors, problem.pins)).labels
+    return {name: Label(label) for name, label in labels.items()}
 
 
 def region_formulation(captured: Captured, region: Any, table: Any,
-                       options: PlanOptions) -> Formulation:
+                       options: RunOptions) -> Formulation:
     """One region's boundary problem: the top-level graph takes the run's input and output
     formats, a submodule's inputs are as captured and its outputs kept."""
     top = region.path == ""
@@ -109,7 +114,18 @@ def region_formulation(captured: Captured, region: Any, table: Any,
         root=region.path, fixed=frozenset({""}) if options.keywords else frozenset())
 
 
-def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Solution:
+def region_problem(captured: Captured, region: Region, table: CostTable,
+                   options: RunOptions) -> Formulation:
+    """The problem the min cut solves for one region: its boundary problem, with the nodes
+    owning weights pinned to their formats where the run keeps them."""
+    form = region_formulation(captured, region, table, options)
+    if options.keep_weight_formats and not options.contiguous_weights:
+        # (contiguous weights say nothing of the format their node runs in)
+        form = pin_weight_formats(region.gm, form, table, options.ranks)
+    return form
+
+
+def solve_regions(captured: Captured, costs: Costs, options: RunOptions) -> Solution:
     """The min-cut labels of every region, and the predicted seconds of the plan, of the model
     run entirely in one format, and of the best plan were conversions possible anywhere
     (``anywhere``: what steering at module boundaries gives up, by the cost table)."""
@@ -117,14 +133,12 @@ def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Sol
                  "anywhere": 0.0}
     solved = []
     for region, table in zip(captured.regions, costs.tables, strict=True):
-        form = region_formulation(captured, region, table, options)
-        if options.keep_weight_formats and not options.contiguous_weights:
-            # (contiguous weights say nothing of the format their node runs in)
-            form = pin_weight_formats(region.gm, form, table, options.ranks)
+        form = region_problem(captured, region, table, options)
         labels = solve_labels(form.integer)
         relaxed = Problem(form.seconds.unary, form.seconds.tensors)
         predicted["planned"] += objective(relaxed, labels) or 0.0
-        for label, key in ((0, "all_contiguous"), (1, "all_channels_last")):
+        for label, key in ((Label.CONTIGUOUS, "all_contiguous"),
+                           (Label.CHANNELS_LAST, "all_channels_last")):
             predicted[key] += uniform_seconds(form, table, label)
         free = formulate(region.gm, table, input_label=options.root_input_label
                          if region.path == "" else None,
@@ -135,7 +149,7 @@ def solve_regions(captured: Captured, costs: Costs, options: PlanOptions) -> Sol
     return Solution(tuple(solved), predicted, costs.measured, costs.cached)
 
 
-def uniform_seconds(form: Formulation, table: Any, label: int) -> float:
+def uniform_seconds(form: Formulation, table: Any, label: Label) -> float:
     """The predicted seconds of every layout node in ``label`` (a node whose other label
     fails stays pinned), with the fewest conversions the boundaries then need."""
     pins = {**{n: label for n in table.nodes}, **form.integer.pins}
@@ -156,7 +170,7 @@ def pin_weight_formats(gm: Any, form: Formulation, table: Any,
     from memlayout.plan.costs.table import module_has_layout_params
     from memlayout.plan.graph import attribute
 
-    pins: dict[str, int] = {}
+    pins: dict[str, Label] = {}
     for n in gm.graph.nodes:
         if n.name not in table.nodes or n.name in form.integer.pins:
             continue

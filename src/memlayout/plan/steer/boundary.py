@@ -10,7 +10,7 @@ gradient comes back in the source's format): a no-op for a tensor already in the
 and an op every tracer records with its real strides (``torch.jit.trace``, ``torch.export``,
 ``torch.compile``; under ``torch.fx.symbolic_trace`` it is one ``call_function`` node).
 
->>> b = Boundary(inputs=((0, 1, 4),))
+>>> b = Boundary(inputs=(Leaf(position=0, label=Label.CHANNELS_LAST, rank=4),))
 >>> (x,), _ = b.enter((torch.zeros(2, 3, 4, 4),), {})
 >>> x.stride()
 (48, 1, 12, 3)
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -29,8 +29,29 @@ from torch.utils import _pytree as pytree
 from memlayout.plan.graph import Label
 from memlayout.tensors import iter_tensors, map_tensors, to_dense
 
-#: ``(leaf position, label, rank)``: convert that leaf to the label's format for its rank
-Leaf = tuple[int, int, int]
+
+class Leaf(NamedTuple):
+    """A tensor leaf a boundary converts: the leaf at ``position`` among the flattened leaves,
+    when it has ``rank`` dims, into ``label``'s format. A tuple (it is pickled with the
+    planned model, sorted and compared as one).
+
+    >>> Leaf(0, Label.CHANNELS_LAST, 4) == (0, 1, 4)
+    True
+    """
+
+    position: int
+    label: Label
+    rank: int
+
+
+class Returned(NamedTuple):
+    """A tensor of a module's result as the original hands it back: its index in
+    ``memlayout.tensors.iter_tensors`` order, its ``rank``, and the ``label`` of its format
+    (``None``: in no one definite format, or a view of an input: handed back as it comes)."""
+
+    index: int
+    label: Label | None
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -43,7 +64,7 @@ class Boundary:
 
     inputs: tuple[Leaf, ...] = ()
     outputs: tuple[Leaf, ...] = ()
-    weight_label: int | None = None
+    weight_label: Label | None = None
     padding: tuple[int, int] | None = None
 
     def enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -96,7 +117,7 @@ def _owned(value: Any, model: nn.Module | None = None) -> bool:
     return any(value is b for m in model.modules() for b in m._buffers.values())
 
 
-def convert_leaf(value: Any, label: int, rank: int) -> Any:
+def convert_leaf(value: Any, label: Label, rank: int) -> Any:
     """``value`` in ``label``'s format when it is a tensor (or a traced one) of ``rank`` dims;
     anything else as it is."""
     if isinstance(value, fx.Proxy):
@@ -106,11 +127,11 @@ def convert_leaf(value: Any, label: int, rank: int) -> Any:
     return to_label(value, label)
 
 
-def to_label(t: torch.Tensor, label: int) -> torch.Tensor:
+def to_label(t: torch.Tensor, label: Label) -> torch.Tensor:
     """``t`` in ``label``'s format for its rank; ``t`` itself when it already is (an
     ambiguous tensor, C == 1 or H == W == 1, is in both).
 
-    >>> to_label(torch.zeros(2, 4, 8), 1).stride()
+    >>> to_label(torch.zeros(2, 4, 8), Label.CHANNELS_LAST).stride()
     (32, 1, 4)
     """
     if t.dim() not in (3, 4, 5):
@@ -123,15 +144,15 @@ def to_label(t: torch.Tensor, label: int) -> torch.Tensor:
 fx.wrap("to_label")
 
 
-def restride(output: Any, formats: tuple[tuple[int, int, int], ...],
-             fallback: int | None = None, keep: set[int] | None = None,
+def restride(output: Any, formats: tuple[Returned, ...],
+             fallback: Label | None = None, keep: set[int] | None = None,
              ranks: tuple[int, ...] = (4, 5), own: nn.Module | None = None) -> Any:
     """``output`` with its tensors in the formats the original hands them back in; a
     parameter, or one of ``own``'s buffers, as that object (in its planned strides: the
     original hands back the object too).
 
-    ``formats``: ``(index, label, rank)`` of every tensor of the original's output on the
-    plan's example, in ``memlayout.tensors.iter_tensors`` order (label ``-1``: as it comes).
+    ``formats``: every tensor of the original's output on the plan's example, in
+    ``memlayout.tensors.iter_tensors`` order (:class:`Returned`; label ``None``: as it comes).
     Where this output's tensors are not those (another structure: a flag read in forward
     returns features instead of logits), every tensor of a layout rank goes to ``fallback``
     (the format the call's input came in: what the original, fed it, returns), except those
@@ -141,7 +162,7 @@ def restride(output: Any, formats: tuple[tuple[int, int, int], ...],
         return output
     tensors = list(iter_tensors(output))
     if [r for _, _, r in formats] == [t.dim() for t in tensors]:
-        wanted = {i: label for i, label, _ in formats if label >= 0}
+        wanted = {i: label for i, label, _ in formats if label is not None}
     elif fallback is not None and keep is not None:
         wanted = {i: fallback for i, t in enumerate(tensors)
                   if t.dim() in ranks and not storage_addresses(t) & keep}

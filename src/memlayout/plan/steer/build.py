@@ -24,11 +24,11 @@ from memlayout.plan.costs.drops import notes_of
 from memlayout.plan.costs.table import input_kind, module_has_layout_params
 from memlayout.plan.graph import LABELS, META_KEY, Label, Request
 from memlayout.plan.inputs import KeywordCall
-from memlayout.plan.options import PlanOptions
+from memlayout.plan.options import RunOptions
 from memlayout.plan.report.records import Conversion, NodeChoice
 from memlayout.plan.solve.boundaries import IN, unsafe_values
 from memlayout.plan.solve.regions import Solution
-from memlayout.plan.steer.boundary import Boundary
+from memlayout.plan.steer.boundary import Boundary, Leaf, Returned
 from memlayout.plan.steer.state import Formats, output_formats
 from memlayout.plan.steer.steering import Steering, steer
 from memlayout.plan.weights import PER_CALL, can_convert_per_call
@@ -45,7 +45,7 @@ class Build:
     steering: Steering
     nodes: tuple[NodeChoice, ...]
     conversions: tuple[Conversion, ...]
-    label: int | None = None
+    label: Label | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -53,7 +53,7 @@ class Build:
         return self.module.module if isinstance(self.module, KeywordCall) else self.module
 
 
-def user_path(path: str, options: PlanOptions) -> str:
+def user_path(path: str, options: RunOptions) -> str:
     """A module path of the planned (maybe keyword-wrapped) model as the user's model names it."""
     if not options.keywords:
         return path
@@ -62,15 +62,15 @@ def user_path(path: str, options: PlanOptions) -> str:
     return path.removeprefix("module.")
 
 
-def steering_of(solution: Solution, options: PlanOptions,
+def steering_of(solution: Solution, options: RunOptions,
                 storage: Mapping[tuple[str, str], str | None] | None = None) -> Steering:
     """The parameters' formats and the boundaries' conversions of a solved plan. ``storage``:
     how each node (``(region, name)``) reads contiguous weights, where it is not its cost
     table's (a saved plan's)."""
-    parameters: dict[str, int] = {}
-    inputs: dict[str, list[tuple[int, int, int]]] = {}
-    outputs: dict[str, list[tuple[int, int, int]]] = {}
-    weights: dict[str, int] = {}
+    parameters: dict[str, Label] = {}
+    inputs: dict[str, list[Leaf]] = {}
+    outputs: dict[str, list[Leaf]] = {}
+    weights: dict[str, Label] = {}
     for s in solution.regions:
         gm, labels = s.region.gm, s.labels
         prefix = f"{s.region.path}." if s.region.path else ""
@@ -82,8 +82,8 @@ def steering_of(solution: Solution, options: PlanOptions,
             if options.contiguous_weights:
                 owner = _weight_owner(gm, n)
                 how = cost.weights if storage is None else storage.get((s.region.path, n.name))
-                if label == 1 and how == PER_CALL and owner is not None:
-                    weights[user_path(prefix + owner, options)] = 1
+                if label == Label.CHANNELS_LAST and how == PER_CALL and owner is not None:
+                    weights[user_path(prefix + owner, options)] = Label.CHANNELS_LAST
                 continue
             if n.op == "call_module" and module_has_layout_params(gm, n):
                 sub = gm.get_submodule(str(n.target))
@@ -102,7 +102,7 @@ def steering_of(solution: Solution, options: PlanOptions,
             to = inner if c.side == IN else outer
             side = inputs if c.side == IN else outputs
             side.setdefault(user_path(c.module, options), []).extend(
-                (p, to, rank) for p, rank in c.leaves)
+                Leaf(p, to, rank) for p, rank in c.leaves)
     paths = sorted({*inputs, *outputs, *weights})
     return Steering(tuple(parameters.items()), tuple(
         (path, Boundary(tuple(sorted(set(inputs.get(path, ())))),
@@ -125,21 +125,21 @@ def _weight_owner(gm: Any, n: Any) -> str | None:
     return None
 
 
-def uniform_steering(label: int, options: PlanOptions, model: nn.Module,
+def uniform_steering(label: Label, options: RunOptions, model: nn.Module,
                      conversions: tuple[Conversion, ...]) -> Steering:
     """The model run entirely in ``label``: every layout-rank parameter and buffer in it
     (none with contiguous weights: they stay as they are), and the model's inputs converted
     on entry exactly where ``conversions`` (:func:`uniform_conversions`) lists them."""
-    parameters: tuple[tuple[str, int], ...] = ()
+    parameters: tuple[tuple[str, Label], ...] = ()
     if not options.contiguous_weights:
         parameters = tuple((name, label) for name, t in _tensors(model)
                            if t.dim() in options.ranks)
-    leaves = tuple(sorted({(p, label, rank) for c in conversions for p, rank in c.leaves}))
+    leaves = tuple(sorted({Leaf(p, label, rank) for c in conversions for p, rank in c.leaves}))
     return Steering(parameters, (("", Boundary(inputs=leaves)),) if leaves else ())
 
 
-def uniform_conversions(solution: Solution, calls: Mapping[str, ModuleCall], label: int,
-                        options: PlanOptions, arrive: int | None) -> tuple[Conversion, ...]:
+def uniform_conversions(solution: Solution, calls: Mapping[str, ModuleCall], label: Label,
+                        options: RunOptions, arrive: Label | None) -> tuple[Conversion, ...]:
     """The conversions of the model run entirely in ``label``: each top-level input that
     arrives in the other format (``arrive``; ``None``: as the example is), on entry, except
     one the forward changes in place or returns a view of (a copy would split it from the
@@ -178,9 +178,9 @@ def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-def build(reference: nn.Module, steering: Steering, options: PlanOptions, *,
-          outputs: Formats, input_label: int | None, nodes: tuple[NodeChoice, ...] = (),
-          conversions: tuple[Conversion, ...] = (), label: int | None = None,
+def build(reference: nn.Module, steering: Steering, options: RunOptions, *,
+          outputs: Formats, input_label: Label | None, nodes: tuple[NodeChoice, ...] = (),
+          conversions: tuple[Conversion, ...] = (), label: Label | None = None,
           key: Any = "example") -> Build:
     """A copy of ``reference`` (the original; a keyword-call wrapper around it when the
     model takes keyword inputs) with ``steering`` applied; ``input_label``: the format its
@@ -192,7 +192,7 @@ def build(reference: nn.Module, steering: Steering, options: PlanOptions, *,
     return Build(module, steering, nodes, conversions, label)
 
 
-def node_choices(solution: Solution, label: int | None = None) -> tuple[NodeChoice, ...]:
+def node_choices(solution: Solution, label: Label | None = None) -> tuple[NodeChoice, ...]:
     """Each layout node's choice (the plan's, or ``label`` for a model run in one format)."""
     return tuple(
         NodeChoice(s.region.path, n, c.op, Label(s.labels[n] if label is None else label).text,
@@ -201,7 +201,7 @@ def node_choices(solution: Solution, label: int | None = None) -> tuple[NodeChoi
         for s in solution.regions for n, c in s.table.nodes.items())
 
 
-def conversions_of(solution: Solution, options: PlanOptions) -> tuple[Conversion, ...]:
+def conversions_of(solution: Solution, options: RunOptions) -> tuple[Conversion, ...]:
     """The conversions the plan's boundaries make, with what each costs."""
     found = []
     for s in solution.regions:
@@ -220,13 +220,14 @@ def conversions_of(solution: Solution, options: PlanOptions) -> tuple[Conversion
     return tuple(found)
 
 
-def wanted_outputs(captured: Captured, inputs: tuple[Any, ...], options: PlanOptions) -> Formats:
+def wanted_outputs(captured: Captured, inputs: tuple[Any, ...], options: RunOptions) -> Formats:
     """The formats the planned model hands its results back in: as the original does
     (``output_format="keep"``), all in one format, or as they come (``None``)."""
     label = options.output_label
     if label is None:
         return ()
     kept = output_formats(captured.output, inputs, options.ranks)
-    if label == Request.KEEP:
+    if isinstance(label, Request):  # Request.KEEP
         return kept
-    return tuple((i, int(label) if rank in options.ranks else -1, rank) for i, _, rank in kept)
+    return tuple(Returned(i, label if rank in options.ranks else None, rank)
+                 for i, _, rank in kept)

@@ -121,7 +121,7 @@ class RootForward(SteeredForward):
         previous = state.activate(key)
         try:
             args, kwargs = state.arrive(args, kwargs)
-            with state.autocast(args, kwargs):
+            with state.autocast(args, kwargs), state.draws(key):
                 output = super().__call__(*args, **kwargs)
             return state.restride(output, key, (args, kwargs), self.module)
         finally:

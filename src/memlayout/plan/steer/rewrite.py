@@ -9,6 +9,7 @@ nodes) are converted once, here, never per call.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch import fx, nn
 from memlayout import layout
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.table import module_has_layout_params
-from memlayout.plan.graph import META_KEY, graph_ranks
+from memlayout.plan.graph import META_KEY, Label, graph_ranks
 from memlayout.plan.solve.formulate import OUTPUT_PREFIX, Formulation
 
 
@@ -80,7 +81,7 @@ def planned_graph(root: nn.Module, gm: fx.GraphModule) -> nn.Module:
     return root
 
 
-def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation, labels: dict[str, int],
+def rewrite(root: nn.Module, gm: fx.GraphModule, form: Formulation, labels: Mapping[str, Label],
             weights: dict[int, torch.Tensor] | None = None,
             ) -> tuple[nn.Module, list[tuple[str, int, tuple[str, ...]]]]:
     """Insert conversions into ``gm`` (traced from ``root``; both are modified: pass copies)
@@ -151,7 +152,7 @@ def _has_rank3(node: fx.Node) -> bool:
     return meta is not None and any(len(t.shape) == 3 for t in meta.layout_tensors)
 
 
-def _convert_tensors(module: nn.Module, label: int, ranks: tuple[int, ...],
+def _convert_tensors(module: nn.Module, label: Label, ranks: tuple[int, ...],
                      converted: dict[int, torch.Tensor]) -> None:
     """``module``'s own parameters and buffers of the layout ``ranks`` in ``label``'s format,
     as new tensors (the originals may be shared with the unplanned copy)."""
@@ -159,7 +160,7 @@ def _convert_tensors(module: nn.Module, label: int, ranks: tuple[int, ...],
         _convert_attr(module, name, label, ranks, converted)
 
 
-def _convert_attr(root: nn.Module, target: str, label: int, ranks: tuple[int, ...],
+def _convert_attr(root: nn.Module, target: str, label: Label, ranks: tuple[int, ...],
                   converted: dict[int, torch.Tensor]) -> None:
     owner_path, _, name = target.rpartition(".")
     owner = root.get_submodule(owner_path) if owner_path else root

@@ -6,7 +6,7 @@ runs (each steered module reads it), the input format, the autocast dtype, and h
 results are handed back (in the strides the original returns them in).
 
 >>> shape_signature((torch.zeros(2, 3, 8, 8),))
-(((2, 3, 8, 8), 'float32', 'cpu', 'contiguous'),)
+(Argument(shape=(2, 3, 8, 8), dtype='float32', device='cpu', format='contiguous'),)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -30,16 +30,46 @@ from memlayout.dtypes import autocast
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
 from memlayout.plan.graph import Label, Request, label_of, value_meta
-from memlayout.plan.steer.boundary import convert_leaf, restride, storage_addresses
+from memlayout.plan.steer.boundary import Returned, convert_leaf, restride, storage_addresses
+from memlayout.plan.steer.draws import OriginalDraws
 from memlayout.tensors import device_of, iter_tensors, map_tensors
 
 if TYPE_CHECKING:
     from memlayout.plan.report.plan import Plan
 
-#: ``(shape, dtype, device type, memory format)`` of every tensor argument
-Signature = tuple[tuple[tuple[int, ...], str, str, str], ...]
-#: ``(position, label, rank)`` of each result leaf handed back in the original's format
-Formats = tuple[tuple[int, int, int], ...]
+
+
+class Argument(NamedTuple):
+    """One tensor argument as a plan is made for it: shape, dtype, device type and memory
+    format (:func:`propagated_format`). A tuple: signatures are dict keys on every call,
+    pickled with the planned model."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    format: str
+
+
+class Mode(NamedTuple):
+    """The last entry of the signature of a call in the other train/eval mode than the
+    example's plan (``mode``: ``"train"`` or ``"eval"``); its fields line up with an
+    :class:`Argument`'s (no shape, no format), so that a signature is one tuple of entries.
+
+    >>> Mode(mode="train") == ((), "train", "mode", "")
+    True
+    """
+
+    shape: tuple[()] = ()
+    mode: str = "eval"
+    kind: str = "mode"
+    format: str = ""
+
+
+#: every tensor argument of a call, in ``iter_tensors`` order, and its :class:`Mode` where the
+#: model is in the other train/eval mode than the example's plan
+Signature = tuple[Argument | Mode, ...]
+#: each tensor of a result, and the format the original hands it back in
+Formats = tuple[Returned, ...]
 #: plans a new input signature of a planned model: ``(model, args, kwargs, key) -> plan``
 #: (``None``: it failed; the model then runs its own computation for that signature, unsteered)
 Replanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], "Plan | None"]
@@ -52,19 +82,19 @@ def shape_signature(args: Any) -> Signature:
     (:func:`propagated_format`) of every tensor argument. A call in another memory format is
     planned as another shape is: the original hands its results back in other strides.
 
-    >>> shape_signature((torch.zeros(2, 3, 8, 8),))
-    (((2, 3, 8, 8), 'float32', 'cpu', 'contiguous'),)
-    >>> shape_signature((torch.zeros(2, 3, 8, 8).to(memory_format=torch.channels_last),))
-    (((2, 3, 8, 8), 'float32', 'cpu', 'channels_last'),)
+    >>> [tuple(a) for a in shape_signature((torch.zeros(2, 3, 8, 8),))]
+    [((2, 3, 8, 8), 'float32', 'cpu', 'contiguous')]
+    >>> shape_signature((torch.zeros(2, 3, 8, 8).to(memory_format=torch.channels_last),))[0].format
+    'channels_last'
     """
     return tuple(_entry(t) for t in iter_tensors(args))
 
 
-def _entry(t: torch.Tensor) -> tuple[tuple[int, ...], str, str, str]:
+def _entry(t: torch.Tensor) -> Argument:
     shape = tuple(t.shape)
     fmt = _propagated_format(shape, t.stride()) \
         if len(shape) in (4, 5) and t.layout is torch.strided else _CONTIGUOUS
-    return shape, str(t.dtype).removeprefix("torch."), t.device.type, fmt
+    return Argument(shape, str(t.dtype).removeprefix("torch."), t.device.type, fmt)
 
 
 def propagated_format(t: torch.Tensor) -> str:
@@ -79,7 +109,7 @@ def propagated_format(t: torch.Tensor) -> str:
     >>> propagated_format(torch.zeros(2, 8, 8, 1).permute(0, 3, 1, 2))
     'channels_last'
     """
-    return _entry(t)[3]
+    return _entry(t).format
 
 
 @lru_cache(maxsize=1024)
@@ -108,7 +138,7 @@ class PlannedState:
     the plan converted."""
 
     def __init__(self, *, plan: Plan, key: Any, dtype: torch.dtype | None,
-                 ranks: tuple[int, ...], input_label: int | None, outputs: Formats,
+                 ranks: tuple[int, ...], input_label: Label | None, outputs: Formats,
                  max_plans: int = 8, replanner: Replanner | None = None,
                  original_strides: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> None:
         self.plan = plan
@@ -152,7 +182,7 @@ class PlannedState:
         if model.training != (self.plan.mode == "train"):
             # a plan is made and verified for one mode (padded weights do not train): the
             # other mode is planned on first sight like another shape
-            key = (*key, ((), "train" if model.training else "eval", "mode", ""))
+            key = (*key, Mode(mode="train" if model.training else "eval"))
         if key == self.example:
             return key
         if self.input_label is not None:
@@ -184,10 +214,10 @@ class PlannedState:
 
     def _arrived(self, key: Any) -> Any:
         """``key`` with the memory format of each layout-rank tensor the one it arrives in."""
-        label = Label(int(self.input_label))  # type: ignore[arg-type]
-        return tuple((shape, dtype, device, label.format(len(shape)).value)
-                     if len(shape) in self.ranks else (shape, dtype, device, fmt)
-                     for shape, dtype, device, fmt in key)
+        assert self.input_label is not None
+        label = Label(self.input_label)
+        return tuple(Argument(e[0], e[1], e[2], label.format(len(e[0])).value)
+                     if len(e[0]) in self.ranks else e for e in key)
 
     def _original_outputs(self, model: nn.Module, args: tuple[Any, ...],
                           kwargs: dict[str, Any]) -> Formats:
@@ -227,8 +257,8 @@ class PlannedState:
     @property
     def plans(self) -> dict[Signature, Plan]:
         """The plans held, by input signature: the example's first (a plan for the other
-        train/eval mode is held under its signature and a last entry
-        ``((), "train", "mode", "")``; its ``mode`` says which too)."""
+        train/eval mode is held under its signature and a last entry :class:`Mode`; its
+        ``mode`` says which too)."""
         held: dict[Signature, Plan] = {self.example: self.plan}
         held.update((key, plan) for key, plan in self._held.items() if plan is not None)
         return held
@@ -252,7 +282,7 @@ class PlannedState:
 
     def _arrive(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return convert_leaf(value, int(self.input_label), value.dim()) \
+            return convert_leaf(value, self.input_label, value.dim()) \
                 if value.dim() in self.ranks else value
         if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
             return type(value)(self._arrive(v) for v in value)
@@ -263,6 +293,14 @@ class PlannedState:
         if self.dtype is None:
             return contextlib.nullcontext()
         return autocast(device_of((args, kwargs)), self.dtype)
+
+    def draws(self, key: Any) -> Any:
+        """Where the plan for ``key`` draws random masks as the original does
+        (``same_draws``): each element-wise dropout in the original's format
+        (:class:`~memlayout.plan.steer.draws.OriginalDraws`)."""
+        plan = self.plan if key == self.example else self._held.get(key)
+        formats = plan.verification.draws if plan is not None and plan.verification else ()
+        return OriginalDraws(formats) if formats else contextlib.nullcontext()
 
     def restride(self, output: Any, key: Any, inputs: Any, model: nn.Module) -> Any:
         """``output`` of ``model`` in the formats the original model returns it in
@@ -288,28 +326,29 @@ class PlannedState:
 
 
 def output_formats(output: Any, inputs: Any, ranks: tuple[int, ...]) -> Formats:
-    """``(index, label, rank)`` of every tensor of the original's ``output`` (on ``inputs``),
-    in ``iter_tensors`` order: the label of each one of a layout rank in one definite format
-    that is not a view of an input, ``-1`` for the others (as they come)."""
+    """Every tensor of the original's ``output`` (on ``inputs``), in ``iter_tensors`` order
+    (:class:`~memlayout.plan.steer.boundary.Returned`): the label of each one of a layout rank
+    in one definite format that is not a view of an input, ``None`` for the others (as they
+    come)."""
     formats = []
     views = storage_addresses(inputs)
     for i, t in enumerate(iter_tensors(output)):
-        label = -1
+        label = None
         if t.dim() in ranks and not storage_addresses(t) & views:
             found = label_of(value_meta(t, ranks).tensors, ranks)
             if found in (Label.CONTIGUOUS, Label.CHANNELS_LAST):
-                label = int(found)
-        formats.append((i, label, t.dim()))
+                label = found
+        formats.append(Returned(i, label, t.dim()))
     return tuple(formats)
 
 
-def _arrival_label(inputs: Any, ranks: tuple[int, ...]) -> int | None:
+def _arrival_label(inputs: Any, ranks: tuple[int, ...]) -> Label | None:
     """The label of the first layout-rank input in one definite format (``None``: none)."""
     for t in iter_tensors(inputs):
         if t.dim() in ranks:
             found = label_of(value_meta(t, ranks).tensors, ranks)
             if found in (Label.CONTIGUOUS, Label.CHANNELS_LAST):
-                return int(found)
+                return found
     return None
 
 

@@ -8,10 +8,11 @@ A ``torch.fx.GraphModule`` in the model is pickled and copied with its steering
 (:func:`carry_steering`).
 
 >>> from torch import nn
->>> from memlayout.plan.steer.boundary import Boundary
+>>> from memlayout.plan.steer.boundary import Boundary, Leaf, Returned
 >>> net = nn.Sequential(nn.Conv2d(3, 4, 3))
->>> s = Steering(parameters=(("0.weight", 1),), boundaries=(("", Boundary(inputs=((0, 1, 4),))),))
->>> state = steer(net, s, key="example", input_label=None, outputs=((0, 0, 4),), plan=None)
+>>> last, first = Label.CHANNELS_LAST, Label.CONTIGUOUS
+>>> s = Steering(parameters=(("0.weight", last),), boundaries=(("", Boundary(inputs=(Leaf(0, last, 4),))),))
+>>> state = steer(net, s, key="example", input_label=None, outputs=(Returned(0, first, 4),), plan=None)
 >>> net(torch.zeros(1, 3, 5, 5)).is_contiguous(), net[0].weight.is_contiguous()
 (True, False)
 >>> type(net) is nn.Sequential, list(net.state_dict())
@@ -49,7 +50,7 @@ class Steering:
     the label its format takes) and ``boundaries`` (a module's path, ``""`` the root, and
     what its calls convert)."""
 
-    parameters: tuple[tuple[str, int], ...] = ()
+    parameters: tuple[tuple[str, Label], ...] = ()
     boundaries: tuple[tuple[str, Boundary], ...] = ()
 
     def padded(self, channels: dict[str, tuple[int, int]]) -> Steering:
@@ -65,7 +66,7 @@ class Steering:
         return sum(len(b.inputs) + len(b.outputs) for _, b in self.boundaries)
 
 
-def steer(model: nn.Module, steering: Steering, *, key: Any, input_label: int | None,
+def steer(model: nn.Module, steering: Steering, *, key: Any, input_label: Label | None,
           outputs: Formats, plan: Any, dtype: torch.dtype | None = None,
           ranks: tuple[int, ...] = BASE_RANKS, max_plans: int = 8,
           replanner: Replanner | None = None) -> PlannedState:
@@ -103,7 +104,7 @@ def _root_forward(model: nn.Module, state: PlannedState) -> None:
     model.__dict__["forward"] = root
 
 
-def convert_parameters(model: nn.Module, parameters: tuple[tuple[str, int], ...]
+def convert_parameters(model: nn.Module, parameters: tuple[tuple[str, Label], ...]
                        ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Each named parameter or buffer of ``model`` in its label's format, in place: the same
     ``nn.Parameter`` (an optimizer holding it keeps it), its gradient too; a tensor several
