@@ -83,6 +83,18 @@ class Conditions:
                 f"OMP_WAIT_POLICY={self.omp_wait_policy or 'unset'}")
 
 
+def busier(before: Conditions, after: Conditions) -> Conditions:
+    """The busier of the conditions before and after a measurement (``after`` when both or
+    neither are busy): load at either end stretches the numbers taken between.
+
+    >>> quiet = Conditions(load_average=0.5, cpu_count=2, threads=1, omp_wait_policy="")
+    >>> loaded = Conditions(load_average=5.0, cpu_count=2, threads=1, omp_wait_policy="")
+    >>> busier(loaded, quiet) is loaded, busier(quiet, loaded) is loaded
+    (True, True)
+    """
+    return after if after.busy or not before.busy else before
+
+
 def overloaded(load_average: float | None, cpu_count: int | None) -> bool:
     """A load average above the core count (either unknown: not overloaded).
 

@@ -290,19 +290,30 @@ def iter_tensors(obj: Any):
             yield from iter_tensors(getattr(obj, field.name))
 
 
-def clone_inputs(inputs: Sequence[Any], *, requires_grad_only: bool = False) -> tuple[Any, ...]:
+def clone_inputs(inputs: Sequence[Any], *, requires_grad_only: bool = False,
+                 detach: bool = False, nested: bool = False) -> tuple[Any, ...]:
     """``inputs`` with every tensor among them cloned (a dense one keeps its strides; autograd
     flows through) and the rest as given, so that a call changing an input in place leaves the
     caller's unchanged. ``requires_grad_only``: clone only the tensors that require grad (a
-    fresh graph per call; the others are shared).
+    fresh graph per call; the others are shared). ``detach``: the clones are cut from
+    autograd. ``nested``: the tensors inside containers too, walked as :func:`map_tensors`
+    does (the containers made anew); otherwise only the tensors among ``inputs`` themselves.
 
     >>> x = torch.zeros(2, 3, 4, 4).to(memory_format=torch.channels_last)
     >>> y, n = clone_inputs((x, 3))
     >>> y is x, y.stride() == x.stride(), n
     (False, True, 3)
+    >>> clone_inputs(([x],))[0][0] is x, clone_inputs(([x],), nested=True)[0][0] is x
+    (True, False)
     """
-    return tuple(x.clone() if isinstance(x, torch.Tensor)
-                 and (x.requires_grad or not requires_grad_only) else x for x in inputs)
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        if requires_grad_only and not t.requires_grad:
+            return t
+        return (t.detach() if detach else t).clone()
+
+    if nested:
+        return tuple(map_tensors(x, clone) for x in inputs)
+    return tuple(clone(x) if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
 def mean_square_loss(out: Any) -> torch.Tensor | None:

@@ -271,6 +271,7 @@ def interleaved(
     clock: Callable[[], float] = time.perf_counter,
     on_step: Callable[[int, str], None] | None = None,
     rotate: bool = True,
+    stop: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
 ) -> Comparison:
     """Time every callable in ``fns`` once per round, in turn, for ``rounds`` rounds.
 
@@ -284,6 +285,8 @@ def interleaved(
       of rotations runs reversed: A B C, B C A, C A B, C B A, A C B, B A C, ...
     - a mode that raises is recorded with its error and dropped from later rounds; the others
       go on. ``on_step(round, name)`` is called before each timed sample (progress bars).
+    - ``stop(times)``, asked after each round with every mode's seconds so far, ends the run
+      early when it answers ``True`` (a sequential test: :func:`separated`).
     """
     if not fns:
         raise ValueError("interleaved() needs at least one callable")
@@ -328,8 +331,54 @@ def interleaved(
             t = run(name, repeat)
             if t is not None:
                 times[name].append(t)
+        if stop is not None and r + 1 < rounds and stop(times):
+            break
     modes = {n: ModeTiming(n, tuple(times[n]), errors.get(n), error_types.get(n)) for n in names}
     return Comparison(modes, baseline, rounds, repeat, warmup, tuple(order_log))
+
+
+#: the rounds a sequential race runs at least before it may stop early
+SEQUENTIAL_ROUNDS = 3
+
+
+def separated(reference: str, margin: float, least: int = SEQUENTIAL_ROUNDS
+              ) -> Callable[[Mapping[str, Sequence[float]]], bool]:
+    """A ``stop`` for :func:`interleaved`: the race is decided, and more rounds cannot change
+    what :meth:`Race.kept` keeps, once (after ``least`` rounds at least) every candidate's
+    per-round ratios against ``reference`` lie on one side of the threshold ``1 + margin``
+    with their median beyond it by more than ``CLOSE``, and the two fastest candidates beyond
+    it are as clearly apart from each other. A candidate that stopped running (it raised) is
+    left out.
+
+    >>> stop = separated("a", 0.02)
+    >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.5, 0.52, 0.49]})  # b twice as fast every round
+    True
+    >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.98, 1.01, 0.97]})  # a close call: time on
+    False
+    >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.5, 0.9, 0.49]})  # one slow round, still faster
+    True
+    >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.5, 1.2, 0.49]})  # slower in one: not separated
+    False
+    >>> stop({"a": [1.0, 1.0], "b": [0.5, 0.5]})  # too few rounds
+    False
+    """
+    threshold = 1.0 + margin
+
+    def apart(ratios: Sequence[float], line: float) -> bool:
+        return (len(ratios) >= least and abs(statistics.median(ratios) - line) >= CLOSE
+                and (min(ratios) > line or max(ratios) < line))
+
+    def stop(times: Mapping[str, Sequence[float]]) -> bool:
+        own = times.get(reference, ())
+        running = {n: t for n, t in times.items() if n != reference and len(t) == len(own)}
+        if not all(apart(round_ratios(own, t), threshold) for t in running.values()):
+            return False
+        faster = sorted((t for t in running.values()
+                         if statistics.median(round_ratios(own, t)) > threshold),
+                        key=lambda t: statistics.median(t))
+        return len(faster) < 2 or apart(round_ratios(faster[1], faster[0]), 1.0)
+
+    return stop
 
 
 def round_ratios(top: Sequence[float], bottom: Sequence[float]) -> tuple[float, ...]:

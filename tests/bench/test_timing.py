@@ -16,7 +16,7 @@ import scipy.stats
 
 from memlayout.machine import Conditions
 from memlayout.plan.check import guard
-from memlayout.timing import Race, Ratio, geomean, interleaved
+from memlayout.timing import SEQUENTIAL_ROUNDS, Race, Ratio, geomean, interleaved, separated
 
 
 class FakeClock:
@@ -238,3 +238,32 @@ def test_a_race_goes_through_json_and_the_records_codec_unchanged():
     back = guard.load(json.loads(json.dumps(dataclasses.asdict(race))))
     assert back == race and back.busy
     assert not guard.is_race({"ratios": {"nhwc": [1.1]}, "rounds": 1})  # no reference
+
+
+@pytest.mark.parametrize(("seconds", "margin", "stops"), [
+    ({"ref": 1.0, "fast": 0.5}, 0.02, True),  # twice as fast every round: decided at once
+    ({"ref": 1.0, "slow": 2.0}, 0.02, True),  # as clearly slower
+    ({"ref": 1.0, "close": 0.99}, 0.02, False),  # within the close band: all rounds
+    ({"ref": 1.0, "fast": 0.5, "faster": 0.49}, 0.02, False),  # the two winners too close
+    ({"ref": 1.0, "fast": 0.5, "faster": 0.25}, 0.02, True),
+])
+def test_a_sequential_race_stops_once_more_rounds_cannot_change_the_decision(
+        seconds: dict[str, float], margin: float, stops: bool) -> None:
+    now = [0.0]
+
+    def step(name: str):
+        def run() -> None:
+            now[0] += seconds[name]  # a clock the steps advance: no real time measured
+        return run
+
+    rounds = 9
+    c = interleaved({n: step(n) for n in seconds}, rounds=rounds, baseline="ref",
+                           clock=lambda: now[0], stop=separated("ref", margin))
+    ran = len(c["ref"].times)
+    assert ran == (SEQUENTIAL_ROUNDS if stops else rounds)
+    race = Race("ref", {n: Ratio.of_times("ref", n, c["ref"].times, c[n].times)
+                               for n in seconds if n != "ref"}, rounds=ran)
+    # what it keeps is what the full race keeps: the fastest beyond the margin, else ref
+    best = min(seconds, key=seconds.__getitem__)
+    want = best if seconds["ref"] / seconds[best] > 1 + margin else "ref"
+    assert race.kept("ref", margin) == want

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -15,6 +16,16 @@ from memlayout.coverage.records import CoverageReport, OpRecord, Values, Verdict
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines (cells as given: escape them with ``_cell``).
+
+    >>> _table(("op", "forward"), [("add", "preserves")])
+    ['| op | forward |', '|---|---|', '| add | preserves |']
+    """
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
 
 
 def _values(r: OpRecord) -> str:
@@ -81,31 +92,28 @@ def to_markdown(report: CoverageReport) -> str:
     bad = r.disagreements()
     lines += ["### Value disagreements between channels-last and contiguous runs", ""]
     if bad:
-        lines += ["Each is a bug in torch or in memlayout.", "",
-                  "| op | sample | result | max abs err | max rel err | mismatched | call |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, d in bad:
-            lines.append(f"| {_cell(name)} | {d.sample} | {d.what} | {d.max_abs:.3g} | "
-                         f"{d.max_rel:.3g} | {d.mismatched}/{d.numel} | `{_cell(d.call)}` |")
+        lines += ["Each is a bug in torch or in memlayout.", ""]
+        lines += _table(("op", "sample", "result", "max abs err", "max rel err", "mismatched",
+                         "call"),
+                        [(_cell(name), d.sample, d.what, f"{d.max_abs:.3g}", f"{d.max_rel:.3g}",
+                          f"{d.mismatched}/{d.numel}", f"`{_cell(d.call)}`") for name, d in bad])
     else:
         lines.append("None.")
     lines.append("")
     errors = [o for o in r.ops if o.forward is Verdict.ERROR or o.backward is Verdict.ERROR
               or any("fails only in" in n for n in o.notes)]
     if errors:
-        lines += ["### Errors", "",
-                  "| op | forward | backward | first error |", "|---|---|---|---|"]
-        for o in errors:
-            lines.append(f"| {_cell(o.name)} | {o.forward.value} | {o.backward.value} | "
-                         f"{_cell((o.error or '')[:240])} |")
+        lines += ["### Errors", ""]
+        lines += _table(("op", "forward", "backward", "first error"),
+                        [(_cell(o.name), o.forward.value, o.backward.value,
+                          _cell((o.error or "")[:240])) for o in errors])
         lines.append("")
     applicable = [o for o in r.ops if not (o.forward is Verdict.NOT_APPLICABLE
                                            and o.backward is Verdict.NOT_APPLICABLE)]
-    lines += ["### Per OpInfo op", "",
-              "| op | forward | backward | values agree | notes |", "|---|---|---|---|---|"]
-    for o in applicable:
-        lines.append(f"| {_cell(o.name)} | {o.forward.value} | {o.backward.value} | "
-                     f"{_values(o)} | {_cell(_notes(o))} |")
+    lines += ["### Per OpInfo op", ""]
+    lines += _table(("op", "forward", "backward", "values agree", "notes"),
+                    [(_cell(o.name), o.forward.value, o.backward.value, _values(o),
+                      _cell(_notes(o))) for o in applicable])
     lines.append("")
     skipped: dict[str, list[str]] = defaultdict(list)
     for o in r.ops:
@@ -118,12 +126,11 @@ def to_markdown(report: CoverageReport) -> str:
         lines.append("")
     aten = [a for a in r.aten if a.verdict is not Verdict.NOT_APPLICABLE]
     lines += ["### Per aten op (calls with a channels-last input, inside the channels-last runs)",
-              "", "| aten op | verdict | calls kept | calls dropped | phases | e.g. OpInfo ops |",
-              "|---|---|---|---|---|---|"]
-    for a in aten:
-        lines.append(f"| {a.name} | {a.verdict.value} | {a.preserves + a.mixed} | "
-                     f"{a.drops + a.mixed} | {'/'.join(a.phases)} | "
-                     f"{_cell(', '.join(a.opinfo_ops))} |")
+              ""]
+    lines += _table(("aten op", "verdict", "calls kept", "calls dropped", "phases",
+                     "e.g. OpInfo ops"),
+                    [(a.name, a.verdict.value, a.preserves + a.mixed, a.drops + a.mixed,
+                      "/".join(a.phases), _cell(", ".join(a.opinfo_ops))) for a in aten])
     lines.append("")
     return "\n".join(lines)
 

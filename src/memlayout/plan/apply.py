@@ -49,7 +49,7 @@ from memlayout.plan.solve.regions import RegionSolution, Solution, region_formul
 from memlayout.plan.steer.boundary import Boundary, Leaf
 from memlayout.plan.steer.build import build, node_choices, steering_of, wanted_outputs
 from memlayout.plan.steer.steering import Steering
-from memlayout.tensors import device_of, iter_tensors
+from memlayout.tensors import clone_inputs, device_of, iter_tensors
 
 
 def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None, *,
@@ -90,7 +90,7 @@ def apply(model: nn.Module, plan: Plan | str | Path, example_inputs: Any = None,
         inputs = inputs_in(inputs, options.input_label, options.ranks)
     reference = pipeline.reference_copy(root)
     state = module_state(reference)
-    example = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+    example = clone_inputs(inputs)
     captured = capture(pipeline.analysis_copy(reference), inputs, dtype=options.dtype,
                        ranks=options.ranks, device=options.device)
     costs = measure_regions(captured, options, None)  # analytical: nothing timed

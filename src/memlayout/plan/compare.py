@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from memlayout import dtypes
 from memlayout.devices import seam
 from memlayout.dtypes import TF32_AS, TOLERANCES, Compared
-from memlayout.tensors import iter_tensors, map_tensors
+from memlayout.tensors import clone_inputs, iter_tensors, map_tensors
 
 #: (rtol, atol) per dtype, relative to the reference's largest magnitude: ``memlayout.dtypes``'
 #: model rows
@@ -75,8 +75,8 @@ def float64_agreement(reference: nn.Module, planned: nn.Module, inputs: tuple[An
     xs = float64(inputs)
     try:
         with torch.no_grad(), float64_casts():
-            want = float64(reference)(*_clone(xs))
-            got = float64(planned)(*_clone(xs))
+            want = float64(reference)(*clone_inputs(xs))
+            got = float64(planned)(*clone_inputs(xs))
     except RuntimeError:  # a dtype the model fixes otherwise: no re-check, the mismatch stands
         return None
     ok, err, _ = compare(want, got, torch.float32)
@@ -187,10 +187,6 @@ def detached(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(detached(v) for v in value)
     return value
-
-
-def _clone(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
 def tolerance(dtype: torch.dtype | None) -> tuple[float, float]:

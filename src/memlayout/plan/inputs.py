@@ -13,7 +13,7 @@ from memlayout.errors import LayoutError, PlanError
 from memlayout.layout import Format
 from memlayout.plan.convert import convert_value
 from memlayout.plan.graph import Label
-from memlayout.tensors import iter_tensors, meta_weights
+from memlayout.tensors import clone_inputs, iter_tensors, meta_weights
 
 
 def check_materialized(model: nn.Module, inputs: tuple[Any, ...]) -> None:
@@ -34,9 +34,9 @@ def check_materialized(model: nn.Module, inputs: tuple[Any, ...]) -> None:
 def example_inputs_of(example_inputs: Any) -> tuple[Any, ...]:
     """``forward``'s positional arguments from an example (a tensor or a tuple), cloned."""
     if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs.clone(),)
+        return clone_inputs((example_inputs,))
     if isinstance(example_inputs, (tuple, list)) and example_inputs:
-        return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        return clone_inputs(example_inputs)
     raise PlanError(
         f"example_inputs must be a tensor or a non-empty tuple of forward's positional "
         f"arguments, got {type(example_inputs).__name__}"

@@ -84,7 +84,7 @@ from memlayout.plan.steer.build import (
 from memlayout.plan.steer.state import Formats, shape_signature
 from memlayout.plan.steer.steering import STATE, Steering, planned_state, steer, unsteer
 from memlayout.plan.weights import storage_counts
-from memlayout.tensors import device_of, iter_tensors
+from memlayout.tensors import clone_inputs, device_of, iter_tensors
 
 
 def optimize(model: nn.Module, example_inputs: Any, *, options: PlanOptions | None = None,
@@ -187,7 +187,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
     it. Returns the plan and the build kept."""
     store = open_cache(options.cache, refresh=options.refresh) if options.measure else None
     state = module_state(reference)
-    example = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+    example = clone_inputs(inputs)
     rng_state = _rng_state()
     clock = StepClock()
     try:

@@ -191,8 +191,8 @@ def test_a_second_plan_reads_memory_padding_and_mkldnn_records_from_the_cache(
     def no_run(*args, **kwargs):
         raise AssertionError("ran a forward although everything was cached")
 
-    for module, name in ((memory, "peak_memory"), (padding_mod, "_inputs_of"),
-                         (blocked, "_first_inputs")):
+    for module, name in ((memory, "peak_memory"), (padding_mod, "first_inputs"),
+                         (blocked, "first_inputs")):
         monkeypatch.setattr(module, name, no_run)
     second = optimize(net, x, **options).plan
     assert second.memory == first.memory

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from memlayout.devices import seam
+from memlayout.plan.capture.calls import first_inputs
 from memlayout.plan.compare import worst_error
 from memlayout.plan.costs.table import measured_on
 from memlayout.plan.report.records import BlockedReport
@@ -104,7 +105,9 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
         if cached is not None:
             cached["chains"] = [{**c, "source": "cache"} for c in cached["chains"]]
             return BlockedReport.from_dict(cached)
-    seen = _first_inputs(model, inputs, found)
+    firsts = {f"{path}:{names[0]}": model.get_submodule(path).get_submodule(names[0])
+              for path, names in found}
+    seen = first_inputs(model, inputs, firsts, dtype=None, device=device)
     out: list[dict[str, Any]] = []
     done: set[str] = set()
     for path, names in found:
@@ -144,27 +147,6 @@ def measure_blocked(model: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.d
 
 _NO_CHAIN = ("no chain of supported ops (Conv2d, BatchNorm2d, ReLU, MaxPool2d in an "
              "nn.Sequential) found")
-
-
-def _first_inputs(model: nn.Module, inputs: tuple[Any, ...],
-                  found: list[tuple[str, list[str]]]) -> dict[str, torch.Tensor]:
-    seen: dict[str, torch.Tensor] = {}
-    handles = []
-    for path, names in found:
-        seq = model.get_submodule(path) if path else model
-        key = f"{path}:{names[0]}"
-
-        def hook(_m: nn.Module, args: tuple[Any, ...], key: str = key) -> None:
-            if key not in seen and args and isinstance(args[0], torch.Tensor):
-                seen[key] = args[0].detach().clone(memory_format=torch.preserve_format)
-        handles.append(seq.get_submodule(names[0]).register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
 
 
 def _measure(mods: list[nn.Module], x: torch.Tensor, rounds: int) -> dict[str, Any]:

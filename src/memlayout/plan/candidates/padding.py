@@ -45,6 +45,7 @@ from torch import nn
 from memlayout.devices import Device, seam
 from memlayout.dtypes import autocast
 from memlayout.machine import CpuIsa
+from memlayout.plan.capture.calls import first_inputs
 from memlayout.plan.check.guard import RACE, save, stored, time_candidates
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
@@ -139,25 +140,6 @@ class PaddedConv2d(nn.Conv2d):
         return super().extra_repr() + f", padded=({self.in_padded}, {self.out_padded})"
 
 
-def _inputs_of(model: nn.Module, inputs: tuple[Any, ...], paths: list[str],
-               dtype: torch.dtype | None, device: torch.device) -> dict[str, torch.Tensor]:
-    """The input each module in ``paths`` first receives in one run of ``model``."""
-    seen: dict[str, torch.Tensor] = {}
-    handles = []
-    for path in paths:
-        def hook(_m: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
-            if path not in seen and args and isinstance(args[0], torch.Tensor):
-                seen[path] = args[0].detach().clone(memory_format=torch.preserve_format)
-        handles.append(model.get_submodule(path).register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad(), autocast(device, dtype):
-            model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
 def plan_padding(model: nn.Module, inputs: tuple[Any, ...], *,
                  padded: Callable[[dict[str, tuple[int, int]]], nn.Module] | None = None,
                  dtype: torch.dtype | None = None,
@@ -208,7 +190,7 @@ def _plan_padding(model: nn.Module, inputs: tuple[Any, ...], convs: dict[str, nn
                   dtype: torch.dtype | None, cache: Any, rounds: int, margin: float,
                   progress: Progress | None, blocks: tuple[int, ...], force: str | None,
                   context: list[str], device: torch.device) -> list[PadChoice]:
-    seen = _inputs_of(model, inputs, list(convs), dtype, device)
+    seen = first_inputs(model, inputs, convs, dtype=dtype, device=device)
     on = seam(device)
     choices: list[PadChoice] = []
     chosen_channels: dict[str, tuple[int, int]] = {}

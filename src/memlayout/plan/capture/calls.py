@@ -16,8 +16,9 @@ node ran in (``nn_module_stack``) but not which argument a value was.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from memlayout.dtypes import autocast
 from memlayout.errors import CaptureError, first_line
 from memlayout.plan.capture.reads import LayoutRead, LayoutReads
 from memlayout.plan.capture.trace import ConvolutionCount
+from memlayout.tensors import clone_inputs
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def record_calls(model: nn.Module, inputs: Sequence[Any], *, dtype: torch.dtype 
     try:
         with torch.no_grad(), autocast(device, dtype), ConvolutionCount() as count, \
                 LayoutReads(model) as reads:
-            output = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+            output = model(*clone_inputs(inputs))
     except Exception as exc:
         raise CaptureError(
             f"running {type(model).__name__} on the example inputs failed: "
@@ -146,6 +148,27 @@ def record_calls(model: nn.Module, inputs: Sequence[Any], *, dtype: torch.dtype 
                               mutated.get(path, ()))
              for path, n in counts.items()}
     return EagerRun(output, count.calls, calls, arguments, tuple(reads.found))
+
+
+def first_inputs(model: nn.Module, inputs: Sequence[Any], modules: Mapping[str, nn.Module], *,
+                 dtype: torch.dtype | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """Run ``model`` once on copies of ``inputs`` (no grad, autocast for ``dtype``); by key, a
+    copy (same strides) of the first tensor each of ``modules`` receives as its first
+    argument. A module not called so has no entry."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(key: str, _m: nn.Module, args: tuple[Any, ...]) -> None:
+        if key not in seen and args and isinstance(args[0], torch.Tensor):
+            seen[key] = args[0].detach().clone(memory_format=torch.preserve_format)
+
+    handles = [m.register_forward_pre_hook(partial(hook, key)) for key, m in modules.items()]
+    try:
+        with torch.no_grad(), autocast(device, dtype):
+            model(*clone_inputs(inputs))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
 
 
 def _version(value: Any) -> int | None:

@@ -63,7 +63,7 @@ from memlayout.plan.graph import (
 )
 from memlayout.plan.report.records import Coverage
 from memlayout.spatial import mark_spatial
-from memlayout.tensors import device_of
+from memlayout.tensors import clone_inputs, device_of
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def propagate(gm: fx.GraphModule, inputs: tuple[Any, ...], *, dtype: torch.dtype
             f"({', '.join(n.target for n in placeholders)}), the example gave {given}; "
             "pass example_inputs as one tensor or a tuple of forward's positional arguments"
         )
-    copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+    copies = clone_inputs(inputs)
     device = device_of(inputs, gm) if device is None else device
     with torch.no_grad(), autocast(device, dtype):
         return _MetaProp(gm, ranks, facts).run(*copies)

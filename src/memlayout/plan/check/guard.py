@@ -51,7 +51,7 @@ from torch import fx, nn
 
 from memlayout.devices import seam
 from memlayout.dtypes import autocast
-from memlayout.machine import Conditions
+from memlayout.machine import Conditions, busier
 from memlayout.plan.capture.regions import Captured
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
@@ -71,7 +71,7 @@ from memlayout.plan.steer.build import (
 )
 from memlayout.plan.steer.state import Formats
 from memlayout.tensors import iter_tensors, mean_square_loss
-from memlayout.timing import ModeTiming, Race, Ratio, interleaved
+from memlayout.timing import ModeTiming, Race, Ratio, interleaved, separated
 
 PLANNED = "planned"
 #: predicted / measured planned time above which the cost table is suspect. The table leaves
@@ -154,8 +154,9 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
                on_step: Callable[[int, str], None] | None = None,
                margin: float | None = None, reference: str = PLANNED) -> Race:
     """Time ``fns[reference]`` and the other steps interleaved, each a whole call as it will
-    run; with ``margin``, a close call (``Race.is_close``) is timed for ``rounds`` rounds
-    more. The :class:`Race` :func:`time_candidates` describes."""
+    run; with ``margin``, the rounds end early once the candidates are apart beyond the noise
+    (``memlayout.timing.separated``), and a close call (``Race.is_close``) is timed for
+    ``rounds`` rounds more. The :class:`Race` :func:`time_candidates` describes."""
     before = Conditions.now()
     sync = seam(device).synchronize
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
@@ -167,8 +168,10 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     repeat = max(1, min(100, int(0.02 / max(quick, 1e-6))))
     runs = [probe] if repeat == 1 else []
     if reference in live and rounds > len(runs):
+        # with a margin, the rounds stop as soon as more cannot change the decision
+        stop = separated(reference, margin) if margin is not None else None
         runs.append(interleaved(live, rounds=rounds - len(runs), warmup=0, repeat=repeat,
-                                baseline=reference, sync=sync, on_step=on_step))
+                                baseline=reference, sync=sync, on_step=on_step, stop=stop))
 
     def times(name: str) -> tuple[float, ...]:
         return tuple(t for c in runs for t in c[name].times)
@@ -182,8 +185,8 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
                          if name != reference and name not in errors else None)
                 if ratio is not None:
                     ratios[name] = ratio
-        after = Conditions.now()  # the busier of the two: noise anywhere in the run counts
-        conditions = after if after.busy or not before.busy else before
+        # noise anywhere in the run counts
+        conditions = busier(before, Conditions.now())
         own = ModeTiming(reference, times(reference) if reference in live else ())
         return Race(reference, ratios, rounds=len(own.times), repeat=repeat, errors=errors,
                     extended=extended, conditions=conditions,

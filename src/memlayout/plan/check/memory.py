@@ -50,7 +50,7 @@ from memlayout.plan.report.records import UNPADDED, MemoryCandidate, MemoryRepor
 from memlayout.plan.solve.mincut import Problem, Tensor, objective, solve_min_cut
 from memlayout.plan.solve.regions import Solution
 from memlayout.plan.steer.build import Build
-from memlayout.tensors import device_of
+from memlayout.tensors import clone_inputs, device_of
 
 CUDA_ALLOCATOR = "cuda_allocator"
 TENSOR_LIFETIME = "tensor_lifetime"
@@ -117,7 +117,7 @@ def peak_memory(module: nn.Module | Callable[..., Any], inputs: tuple[Any, ...],
     ``device``: default the inputs')."""
     if device is None:
         device = device_of(inputs, module) if isinstance(module, nn.Module) else device_of(inputs)
-    args = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+    args = clone_inputs(inputs)
     outs: list[Any] = []
 
     def call() -> None:

@@ -24,7 +24,7 @@ from memlayout.dtypes import autocast
 from memlayout.plan.graph import Label
 from memlayout.plan.solve.boundaries import OUT
 from memlayout.plan.solve.regions import Solution
-from memlayout.tensors import format_of, in_format
+from memlayout.tensors import clone_inputs, format_of, in_format
 
 
 def expected_results(solution: Solution) -> dict[str, dict[int, int]]:
@@ -63,7 +63,7 @@ def realized_differences(module: nn.Module, inputs: tuple[Any, ...], solution: S
         handles.append(target.register_forward_hook(hook))
     try:
         with torch.no_grad(), autocast(device, dtype):
-            module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+            module(*clone_inputs(inputs))
     finally:
         for h in handles:
             h.remove()

@@ -15,8 +15,9 @@ from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan.check.training import SEED, Draw, _LayoutFreeDropout
-from memlayout.plan.compare import _clone, compare, detached, float64, float64_casts, tolerance
+from memlayout.plan.compare import compare, detached, float64, float64_casts, tolerance
 from memlayout.plan.graph import node_target_name
+from memlayout.tensors import clone_inputs
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def call_twice(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype
     is left alone."""
     outputs, after, draws = [], [], []
     for i in range(calls):
-        xs = _clone(inputs)
+        xs = clone_inputs(inputs)
         with seam(device).fork_rng(), _LayoutFreeDropout(module if i == 0 else None) as drawn:
             torch.manual_seed(SEED + i)
             with torch.no_grad(), autocast(device, dtype):

@@ -25,7 +25,7 @@ from torch import nn
 from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.layout import Format
-from memlayout.machine import SPREAD_LIMIT, Conditions, noisy
+from memlayout.machine import SPREAD_LIMIT, Conditions, busier, noisy
 from memlayout.plan.check.guard import train_step
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.steer.steering import planned_state, prepare_inputs
@@ -135,8 +135,3 @@ def compare_with_eager(model: nn.Module, optimized: nn.Module, example_inputs: A
                     sync=seam(device).synchronize)
     return ModelComparison.of(c, "optimized", ("eager_nchw", "eager_nhwc"),
                               busier(conditions, Conditions.now()))
-
-
-def busier(before: Conditions, after: Conditions) -> Conditions:
-    """The busier of the conditions before and after a measurement."""
-    return after if after.busy or not before.busy else before

@@ -26,7 +26,7 @@ from memlayout.plan.compare import (
 from memlayout.plan.report.records import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
 from memlayout.plan.steer.draws import drawing
 from memlayout.plan.steer.state import propagated_format
-from memlayout.tensors import device_of, iter_tensors
+from memlayout.tensors import clone_inputs, device_of, iter_tensors
 
 SEED = 0  # the RNG state both models start a verified step from (masks: _LayoutFreeDropout)
 
@@ -83,8 +83,7 @@ def training_step(module: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dt
             with torch.enable_grad(), autocast(device, dtype):
                 # non-leaf copies (same strides): a forward that works on its input in place
                 # must not fail on a leaf that needs a gradient
-                args = tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad
-                             else x for x in xs)
+                args = clone_inputs(xs, requires_grad_only=True)
                 out = module(*args)
         with torch.enable_grad():  # the caller may be under no_grad (a replan in eval code)
             loss = training_loss(out)

@@ -53,6 +53,7 @@ from memlayout.plan.report.records import (
 from memlayout.plan.solve.regions import Solution
 from memlayout.plan.steer.build import Build
 from memlayout.plan.steer.state import Formats
+from memlayout.tensors import clone_inputs
 
 
 def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
@@ -151,7 +152,7 @@ def _module_outputs(model: nn.Module, inputs: tuple[Any, ...],
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+            model(*clone_inputs(inputs))
     finally:
         for h in handles:
             h.remove()

@@ -26,7 +26,7 @@ from memlayout.plan.compilers.backend_graphs import copy_graph, fresh_inputs, op
 from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
-from memlayout.tensors import iter_tensors
+from memlayout.tensors import clone_inputs, iter_tensors
 from memlayout.timing import Race
 
 _RANDOM = frozenset({"dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "dropout1d",
@@ -156,7 +156,7 @@ def _step(fn: Callable[..., Any], inputs: list[Any], names: list[str], *, train:
     xs = fresh_inputs(inputs)
     # non-leaf copies with the same strides: a graph that works on an input in place must not
     # fail on a leaf that needs a gradient
-    args = [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in xs]
+    args = clone_inputs(xs, requires_grad_only=True)
     with torch.set_grad_enabled(train), autocast(device, dtype):
         out = fn(*args)
     state = {name: x for name, x in zip(names, xs, strict=False)

@@ -64,9 +64,9 @@ from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import LayoutVerificationError
 from memlayout.layout import Format
-from memlayout.machine import Conditions
+from memlayout.machine import Conditions, busier
 from memlayout.plan.check.guard import RACE, save, stored, time_candidates
-from memlayout.plan.check.speed import ModelComparison, busier
+from memlayout.plan.check.speed import ModelComparison
 from memlayout.plan.compilers.backend_inner import PLAN_STANDS
 from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.compilers.runtime_model import (

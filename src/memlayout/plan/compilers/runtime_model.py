@@ -25,7 +25,7 @@ from memlayout.plan.graph import Label
 from memlayout.plan.inputs import _add_prefix, _strip_prefix
 from memlayout.plan.steer.state import PlannedState
 from memlayout.plan.steer.steering import STATE
-from memlayout.tensors import convert_batch, device_of
+from memlayout.tensors import clone_inputs, convert_batch, device_of
 
 
 class RuntimeModule(nn.Module):
@@ -204,7 +204,7 @@ def reference_outputs(model: nn.Module, inputs: tuple[Any, ...],
                       dtype: torch.dtype | None) -> Reference:
     work = copy.deepcopy(model).eval()
     with torch.no_grad(), autocast(device_of(inputs, work), dtype):
-        outputs = work(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+        outputs = work(*clone_inputs(inputs))
     return Reference(outputs, work, inputs)
 
 
@@ -213,7 +213,7 @@ def check_candidate(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dty
     """Call ``module`` once (the compile) and compare with ``reference``; the seconds taken."""
     start = time.perf_counter()
     with torch.no_grad():
-        got = module(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+        got = module(*clone_inputs(inputs))
     seconds = time.perf_counter() - start
     ok, err = reference.agrees(got, dtype)
     if not ok:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memlayout.files import write_atomic
+from memlayout.files import cache_dir, write_atomic
 from memlayout.machine import Conditions, fingerprint, noisy, overloaded
 from memlayout.plan.costs.transfer import (
     CostTableError,
@@ -88,13 +88,8 @@ class CacheWarning(RuntimeWarning):
 
 
 def cache_path() -> Path:
-    """``$MEMLAYOUT_CACHE_DIR/costs.sqlite``, else ``$XDG_CACHE_HOME/memlayout/costs.sqlite``
-    (``~/.cache`` when unset)."""
-    root = os.environ.get("MEMLAYOUT_CACHE_DIR")
-    if root:
-        return Path(root) / "costs.sqlite"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "memlayout" / "costs.sqlite"
+    """``costs.sqlite`` in memlayout's cache folder (:func:`memlayout.files.cache_dir`)."""
+    return cache_dir() / "costs.sqlite"
 
 
 def kind_of(key: str) -> str:

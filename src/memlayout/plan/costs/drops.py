@@ -37,7 +37,7 @@ from memlayout.layout import Format
 from memlayout.plan.convert import convert_module_to, convert_value
 from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import Label, graph_ranks
-from memlayout.tensors import device_of
+from memlayout.tensors import clone_inputs, device_of
 
 #: ``node.meta`` key of a dropping node's notes (a list of sentences)
 DROPS_KEY = "memlayout.drops"
@@ -61,7 +61,7 @@ def drop_notes(gm: fx.GraphModule, inputs: tuple[Any, ...], table: CostTable, *,
     device = device_of(inputs, gm) if device is None else device
     runner = _Explainer(gm, todo, dtype, device)
     with torch.no_grad(), autocast(device, dtype):
-        runner.run(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+        runner.run(*clone_inputs(inputs))
     for n in gm.graph.nodes:
         if n.name in runner.notes:
             n.meta[DROPS_KEY] = runner.notes[n.name]

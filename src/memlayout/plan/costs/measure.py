@@ -43,7 +43,7 @@ from torch import fx
 from memlayout.devices import Device, seam
 from memlayout.dtypes import autocast
 from memlayout.layout import strides_for
-from memlayout.machine import Conditions, noisy
+from memlayout.machine import Conditions, busier, noisy
 from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
 from memlayout.plan.costs.analytical import analytical_conversion, analytical_seconds
 from memlayout.plan.costs.cache import CostCache
@@ -488,8 +488,7 @@ class _Measurer(fx.Interpreter):
             spread = max((t.spread for t in result.modes.values() if t.ok), default=0.0)
             if not noisy(spread):
                 break
-        after = self.conditions()
-        return result, _Quality(spread, after if after.busy or not before.busy else before)
+        return result, _Quality(spread, busier(before, self.conditions()))
 
     def _remember(self, key: str, record: dict[str, Any], quality: _Quality) -> None:
         self.memo[key] = record

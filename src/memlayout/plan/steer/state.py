@@ -32,7 +32,7 @@ from memlayout.layout import Format
 from memlayout.plan.graph import Label, Request, label_of, value_meta
 from memlayout.plan.steer.boundary import Returned, convert_leaf, restride, storage_addresses
 from memlayout.plan.steer.draws import OriginalDraws
-from memlayout.tensors import device_of, iter_tensors, map_tensors
+from memlayout.tensors import clone_inputs, device_of, iter_tensors
 
 if TYPE_CHECKING:
     from memlayout.plan.report.plan import Plan
@@ -242,7 +242,7 @@ class PlannedState:
             if isinstance(t, nn.Parameter):
                 memo.setdefault(id(t), t)  # shared: the forward only reads it
         original = copy.deepcopy(model, memo)
-        inputs = map_tensors((args, kwargs), lambda t: t.detach().clone())
+        inputs = clone_inputs((args, kwargs), detach=True, nested=True)
         with seam(device_of(inputs, model)).fork_rng(), torch.no_grad(), \
                 self.autocast(*inputs):
             output = original(*inputs[0], **inputs[1])
