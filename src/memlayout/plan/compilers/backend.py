@@ -70,7 +70,10 @@ Dynamic shapes (``dynamic=True``, ``mark_dynamic``): the graph is planned at the
 sizes (the size hints) and that plan serves every size the graph is reused for; a
 recompile for another size bucket is planned again at its own example. (Inductor's own
 rule keeps its layout optimization on for dynamic graphs on the CPU: the mkldnn rule comes
-before its dynamic-shape exception.) Recompiles and guards stay Dynamo's.
+before its dynamic-shape exception.) Recompiles and guards stay Dynamo's. A convolution's
+stride, padding, dilation or groups passed as a symbolic integer (blocks of one class with
+different strides, under FSDP2) is guarded to its example value first
+(``fix_convolution_arguments``), as Inductor guards it when it lowers the convolution.
 
 >>> import torch
 >>> from torch import nn
@@ -109,6 +112,7 @@ from memlayout.plan.compilers.backend_check import (
 from memlayout.plan.compilers.backend_graphs import (
     NotPlanned,
     copy_graph,
+    fix_convolution_arguments,
     fsdp_managed,
     is_dynamic,
     real_inputs,
@@ -277,6 +281,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any],
     rank per device kind decides and every other rank compiles its plan without measuring
     (``memlayout.plan.compilers.backend_shared``); a rank that cannot take it warns and
     compiles the graph with Inductor's own layouts."""
+    fix_convolution_arguments(gm)  # constants, as Inductor's kernels take them
     inputs = real_inputs(example_inputs)
     device = device_of(inputs)
     with seam(device).fork_rng():

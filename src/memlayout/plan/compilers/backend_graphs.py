@@ -1,8 +1,8 @@
 """What the backend reads off a Dynamo graph (L2 plan, compilers): real inputs for its
-example ones, whether its sizes are symbolic, copies of it, the names and module paths of
-its nodes, the values written in place that a conversion would lose, the module state it
-must not plan, and the parameters whose gradients it hands back in their own strides
-(``memlayout.plan.compilers.backend``)."""
+example ones, whether its sizes are symbolic, its convolutions' integer arguments made
+constants, copies of it, the names and module paths of its nodes, the values written in
+place that a conversion would lose, the module state it must not plan, and the parameters
+whose gradients it hands back in their own strides (``memlayout.plan.compilers.backend``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ VIEWS = frozenset({"getitem", "view", "reshape", "narrow", "select", "slice", "p
                     "transpose", "unsqueeze", "squeeze", "expand", "as_strided", "unbind",
                     "split", "chunk", "t", "diagonal", "flatten", "unflatten", "detach",
                     "alias", "view_as", "expand_as", "movedim", "swapaxes"})
+
+#: the convolutions of a Dynamo graph, by ``op_name``
+CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                          "conv_transpose3d", "convolution", "_convolution"})
 
 
 def real_inputs(example_inputs: list[Any]) -> list[Any]:
@@ -60,6 +64,37 @@ def is_dynamic(gm: fx.GraphModule) -> bool:
         if isinstance(value, torch.Tensor | torch.SymInt) and has_free_symbols(value):
             return True
     return False
+
+
+def fix_convolution_arguments(gm: fx.GraphModule) -> int:
+    """Guard each symbolic integer a convolution of ``gm`` takes besides its tensors (stride,
+    padding, dilation, groups) to its example value, in Dynamo's shape env; how many.
+
+    Blocks of one class with different strides share one ``forward``: Dynamo's recompile for
+    the second stride passes it as a symbolic integer (under FSDP2, automatic dynamic
+    shapes). Inductor makes it a constant as it lowers the convolution (its kernels take
+    constants), but only after AOTAutograd has traced the graph with it symbolic, and what
+    that trace derived from it then fails to lower (a training batch norm's ``1 / count``,
+    the count otherwise static: ``TypeError: Cannot convert expression to float``). Guarded
+    first, these integers are constants for planning and compiling alike; Dynamo recompiles
+    for another value, as it would after Inductor's own guard."""
+    from torch.fx.experimental.symbolic_shapes import guard_int, has_free_symbols
+
+    fixed = 0
+
+    def fix(a: fx.Node) -> fx.Node:
+        nonlocal fixed
+        value = a.meta.get("example_value")
+        # a data-dependent one has no example value: left to Inductor
+        if isinstance(value, torch.SymInt) and has_free_symbols(value) and value.node.has_hint():
+            guard_int(value)
+            fixed += 1
+        return a
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and op_name(n) in CONVOLUTIONS:
+            fx.node.map_arg((n.args[2:], n.kwargs), fix)  # after the input and the weight
+    return fixed
 
 
 def _hint(size: Any) -> int:

@@ -26,16 +26,13 @@ from typing import Any
 
 from torch import fx
 
-from memlayout.plan.compilers.backend_graphs import module_path, op_name
+from memlayout.plan.compilers.backend_graphs import CONVOLUTIONS, module_path, op_name
 from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import LABELS, META_KEY, Label
 from memlayout.timing import KEEP_MARGIN
 
 log = logging.getLogger("memlayout.backend")
-
-CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-                          "conv_transpose3d", "convolution", "_convolution"})
 
 
 @dataclass(frozen=True)
