@@ -421,8 +421,16 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
         compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), model(x))
-        (graph,) = memlayout.backend_report(clear=True).graphs
+        report = memlayout.backend_report(clear=True)
+        (graph,) = report.graphs
         assert graph.planned and len(graph.differing) == 2 and graph.ran == fastest
+        # the price, by step: the guard (timing, and its compile of Inductor's own layouts:
+        # what torch.compile alone spends on the graph) only where it ran
+        assert (graph.own_compile_seconds is not None) == (graph.guard_seconds > 0) == (
+            run == "measured")
+        assert 0 <= graph.verify_seconds + graph.guard_seconds <= graph.compile_seconds
+        assert ("torch.compile alone" in report.price()) == (run == "measured")
+        assert report.render().splitlines()[1] == report.price()
         timed = dict(graph.timed)
         assert set(timed) == {Runner.PLAN_EAGER, Runner.INDUCTOR_OWN}
         for how, ratio in timed.items():  # the compiled plan's time over that way's

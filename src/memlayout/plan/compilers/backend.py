@@ -504,18 +504,22 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
             verification="the plan not run (Inductor's own layouts kept, as timed before)",
             compile_seconds=time.perf_counter() - start - plan_seconds))
     compiled = options.inner != "eager" and kept != Runner.PLAN_EAGER
+    verifying = 0.0
     try:
-        fn = (backend_inner.inner_compile(planned.graph, example_inputs, options, dtype, device) if compiled
-              else eager_run(eager_graph, options, device))
+        fn = (backend_inner.inner_compile(planned.graph, example_inputs, options, dtype, device)
+              if compiled else eager_run(eager_graph, options, device))
+        verifying = time.perf_counter()
         check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train, dtype=dtype,
                             device=device, compiled=compiled,
                             way=options.compiled_as if compiled else Runner.PLAN_EAGER)
+        verifying = time.perf_counter() - verifying
     except _DYNAMO_SIGNALS:
         raise
     except Exception as exc:  # the plan does not compile or run: Inductor's own instead
         check = GraphCheck(False, f"compiling the plan failed ({type(exc).__name__}: "
                        f"{first_line(exc)})", None)
     compile_seconds = time.perf_counter() - start - plan_seconds
+    record["verify_seconds"] = verifying
     if not check.ok:
         return _dropped(given, example_inputs, options, dtype, device, check, record,
                         compile_seconds)
@@ -524,8 +528,12 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         ran = Runner.PLAN_EAGER if kept == Runner.PLAN_EAGER else Runner.PLAN_COMPILED
         timed = guard_ratios(known)
     elif ran == Runner.PLAN_COMPILED and options.guard and options.measure:
+        guarding, spent = time.perf_counter(), {}
         fn, ran, timed = fastest_way(fn, given, eager_graph, example_inputs, inputs, options,
-                                  store, train=train, dtype=dtype, device=device)
+                                     store, train=train, dtype=dtype, device=device,
+                                     spent=spent)
+        record["guard_seconds"] = time.perf_counter() - guarding
+        record["own_compile_seconds"] = spent.get(Runner.INDUCTOR_OWN)
     runs = ran in (Runner.PLAN_COMPILED, Runner.PLAN_EAGER)
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
                                      max_error=check.error, timed=timed,

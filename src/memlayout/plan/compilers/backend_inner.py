@@ -5,6 +5,7 @@ run eagerly, and the guard's choice among them."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +60,7 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
              example_inputs: list[Any], inputs: list[Any], options: Backend,
              store: CostCache | None, *,
              train: bool, dtype: torch.dtype | None,
-             device: torch.device
+             device: torch.device, spent: dict[str, float] | None = None
              ) -> tuple[Callable[..., Any], Runner, tuple[tuple[str, float], ...]]:
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
     the plan compiled (``fn``, kept unless another is faster by more than ``KEEP_MARGIN``),
@@ -68,13 +69,17 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     planned format is the one Inductor's rule gives it: the layouts between them (attention,
     normalization, conversions) differ too, and can cost more than the convolutions save.
     Returns the function, what runs it and each other way's median ratio (the compiled
-    plan's time over its)."""
+    plan's time over its); ``spent["inductor_own"]``: the seconds Inductor's own compile took
+    (what ``torch.compile`` alone spends on the graph)."""
     made: dict[str, Callable[..., Any]] = {}
 
     def own() -> Callable[..., Any]:
         if Runner.INDUCTOR_OWN not in made:
+            start = time.perf_counter()
             made[Runner.INDUCTOR_OWN] = unplanned(gm, example_inputs, options, dtype, device,
                                                    backward_now=True)[0]  # timed here
+            if spent is not None:
+                spent[Runner.INDUCTOR_OWN] = time.perf_counter() - start
         return made[Runner.INDUCTOR_OWN]
 
     makers: dict[str, Callable[[], Callable[..., Any]]] = {
