@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from memlayout.train.ddp import DistInfo
 
@@ -50,7 +50,7 @@ def compile_model(model: nn.Module, how: str, *, measure: bool, per_block: bool 
     """
     if how == "none":
         return
-    backend: Any = "inductor"
+    backend: Any = inductor
     if how == "backend":
         from memlayout.plan.compilers.backend import Backend
 
@@ -59,6 +59,20 @@ def compile_model(model: nn.Module, how: str, *, measure: bool, per_block: bool 
         compile_blocks(model, backend)
     else:
         model.compile(backend=backend)
+
+
+def inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """``torch.compile``'s own backend, Inductor, each convolution's symbolic stride,
+    padding, dilation and groups fixed at its example value first
+    (``backend_graphs.fix_convolution_arguments``, as memlayout's backend does): blocks of one
+    class with different strides under FSDP2 otherwise fail inside Inductor, on the training
+    BatchNorm after the convolution ("Cannot convert expression to float")."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from memlayout.plan.compilers.backend_graphs import fix_convolution_arguments
+
+    fix_convolution_arguments(gm)
+    return compile_fx(gm, example_inputs)
 
 
 def compile_blocks(model: nn.Module, backend: Any) -> None:

@@ -66,26 +66,42 @@ def test_fsdp_blocks_of_one_class_with_two_strides_and_two_sizes_are_planned(
     block's with its symbolic stride and the recompiles with symbolic sizes, is planned and
     compiled with the plan standing, with no warning; outputs and input gradients equal
     eager's."""
-    from torch.distributed.fsdp import fully_shard
-
-    net = nn.Sequential(Down(4, 8, 1), Down(8, 8, 2)).train()
-    eager = copy.deepcopy(net)
-    backend = memlayout.backend(measure=False, guard=False, cache=False)
-    for block in net:
-        block.compile(backend=backend)
-        fully_shard(block)
     with warnings.catch_warnings():
         warnings.simplefilter("error", b.BackendWarning)
-        for shape in ((2, 4, 12, 12), (3, 4, 10, 14)):
-            x = torch.randn(shape)
-            mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-            out = net(mine)
-            out.square().mean().backward()
-            expected = eager(theirs)
-            expected.square().mean().backward()
-            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5)
+        _train_sharded_blocks(memlayout.backend(measure=False, guard=False, cache=False))
     graphs = memlayout.backend_report().graphs
     assert len(graphs) >= 3 and any(g.dynamic for g in graphs)
     for g in graphs:
         assert g.planned and not g.fallback and g.ran == Runner.PLAN_COMPILED, g
+
+
+
+def _train_sharded_blocks(backend: Any) -> None:
+    """Two blocks of one class (stride 1, then 2), each compiled with ``backend`` and
+    sharded by FSDP2, trained on two input sizes: outputs and input gradients equal eager's."""
+    from torch.distributed.fsdp import fully_shard
+
+    net = nn.Sequential(Down(4, 8, 1), Down(8, 8, 2)).train()
+    eager = copy.deepcopy(net)
+    for block in net:
+        block.compile(backend=backend)
+        fully_shard(block)
+    for shape in ((2, 4, 12, 12), (3, 4, 10, 14)):
+        x = torch.randn(shape)
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = net(mine)
+        out.square().mean().backward()
+        expected = eager(theirs)
+        expected.square().mean().backward()
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(fsdp_available() is not None, reason=str(fsdp_available()))
+def test_memlayout_trains_inductor_baseline_through_the_same_fsdp_blocks(one_member_group):
+    """``memlayout train --strategy fsdp --compile inductor``'s backend (Inductor, the
+    symbolic stride fixed first) on the same blocks: where plain ``backend="inductor"`` fails
+    inside Inductor on the stride-2 block's training batch norm, it compiles and trains."""
+    from memlayout.train.compiling import inductor
+
+    _train_sharded_blocks(inductor)
