@@ -341,14 +341,15 @@ def interleaved(
 SEQUENTIAL_ROUNDS = 3
 
 
-def separated(reference: str, margin: float, least: int = SEQUENTIAL_ROUNDS
+def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS - 1
               ) -> Callable[[Mapping[str, Sequence[float]]], bool]:
-    """A ``stop`` for :func:`interleaved`: the race is decided, and more rounds cannot change
-    what :meth:`Race.kept` keeps, once (after ``least`` rounds at least) every candidate's
-    per-round ratios against ``reference`` lie on one side of the threshold ``1 + margin``
-    with their median beyond it by more than ``CLOSE``, and the two fastest candidates beyond
-    it are as clearly apart from each other. A candidate that stopped running (it raised) is
-    left out.
+    """A ``stop`` for :func:`interleaved` of ``rounds`` rounds: the race is decided once more
+    than half its rounds (and ``SEQUENTIAL_ROUNDS`` at least) have run and every candidate's
+    per-round ratios against ``reference`` lie on one side of the threshold ``1 + margin``,
+    their median beyond it by more than ``CLOSE``, and the two fastest candidates beyond it
+    are as clearly apart from each other: the rounds left cannot move any of those medians
+    across, so :meth:`Race.kept` keeps what the full race would. A candidate that stopped
+    running (it raised) is left out; with none left running, the race goes on.
 
     >>> stop = separated("a", 0.02)
     >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.5, 0.52, 0.49]})  # b twice as fast every round
@@ -363,6 +364,7 @@ def separated(reference: str, margin: float, least: int = SEQUENTIAL_ROUNDS
     False
     """
     threshold = 1.0 + margin
+    least = max(SEQUENTIAL_ROUNDS, rounds // 2 + 1)
 
     def apart(ratios: Sequence[float], line: float) -> bool:
         return (len(ratios) >= least and abs(statistics.median(ratios) - line) >= CLOSE
@@ -371,7 +373,7 @@ def separated(reference: str, margin: float, least: int = SEQUENTIAL_ROUNDS
     def stop(times: Mapping[str, Sequence[float]]) -> bool:
         own = times.get(reference, ())
         running = {n: t for n, t in times.items() if n != reference and len(t) == len(own)}
-        if not all(apart(round_ratios(own, t), threshold) for t in running.values()):
+        if not running or not all(apart(round_ratios(own, t), threshold) for t in running.values()):
             return False
         faster = sorted((t for t in running.values()
                          if statistics.median(round_ratios(own, t)) > threshold),

@@ -223,7 +223,6 @@ LAYOUT_READS: dict[str, Any] = {
     "stride": lambda y: y * (y.stride(1) / 64),
     "data_ptr": lambda y: y + 1 if y.data_ptr() == y.contiguous().data_ptr() else y,
     "untyped_storage": _storage_view,
-    "view": lambda y: y.view(y.shape[0], -1).softmax(-1).view(y.shape),
 }
 
 
@@ -265,10 +264,9 @@ class ReadsInASubmodule(nn.Module):
         return self.conv3(F.relu(self.conv2(self.reader(F.relu(self.conv(x))))))
 
 
-def _same_as_original(planned: nn.Module, model: nn.Module, x: torch.Tensor,
-                      both: bool = True) -> None:
-    """On ``x``, and (``both``) on ``x`` channels-last, which the planned model plans anew."""
-    for arrives in (x, x.contiguous(memory_format=torch.channels_last))[:2 if both else 1]:
+def _same_as_original(planned: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    """On ``x``, and on ``x`` channels-last, which the planned model plans anew."""
+    for arrives in (x, x.contiguous(memory_format=torch.channels_last)):
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.testing.assert_close(planned(arrives), model(arrives), rtol=1e-4, atol=1e-4)
@@ -287,11 +285,10 @@ def test_layout_reading_code_is_named_and_sees_the_original_layouts(kind: str) -
     model, x = ReadsLayout(kind).eval(), _x()
     with pytest.warns(UserWarning, match="reads layouts") as caught:
         planned = _plan(model, x)
-    assert _named(planned, "view" if kind == "view" else kind, "the model")
+    assert _named(planned, kind, "the model")
     # kept by the plan itself, not by a fallback after a failed verification
     assert not any("failed verification" in str(w.message) for w in caught)
-    _same_as_original(planned, model, x, both=kind != "view")  # the original's view refuses
-    # a channels-last input
+    _same_as_original(planned, model, x)
 
 
 @pytest.mark.parametrize("train", [False, True])
@@ -325,3 +322,89 @@ def test_a_declared_input_format_is_verified_on_the_other_format_too(monkeypatch
     model, x = ReadsLayout("is_contiguous").eval(), _x()
     with pytest.raises(LayoutVerificationError, match="arrives contiguous"):
         _plan(model, x, input_format="channels_last")
+
+
+class Shuffled(nn.Module):
+    """ShuffleNet's channel shuffle between convolutions: ``view``s of values it has just
+    made contiguous itself, which read no layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchvision.models.shufflenetv2 import channel_shuffle
+
+        return self.conv2(channel_shuffle(F.relu(self.conv(x)), 4))
+
+
+@pytest.mark.parametrize("input_format", [None, "channels_last"])
+def test_views_that_read_no_layout_are_not_taken_for_layout_reads(input_format) -> None:
+    torch.manual_seed(0)
+    model, x = Shuffled().eval(), _x()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planned = _plan(model, x, input_format=input_format)
+    assert not any("reads layouts" in str(w.message) for w in caught)
+    with torch.no_grad():
+        torch.testing.assert_close(planned(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class FlatFirst(nn.Module):
+    """A forward that flattens its input with ``view``: it runs on contiguous inputs only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.view(x.shape[0], -1).sigmoid().view(x.shape))
+
+
+def test_a_declared_format_the_original_alone_runs_in_is_verified_on_it_only() -> None:
+    """With ``input_format="contiguous"``, the original does not run on a channels-last
+    input at all: nothing to compare there, and the plan (which converts such an input on
+    entry) runs it."""
+    model, x = FlatFirst().eval(), _x()
+    planned = _plan(model, x, input_format="contiguous")
+    with torch.no_grad():
+        got = planned(x.contiguous(memory_format=torch.channels_last))
+        torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_same_draws_holds_in_a_plan_applied_from_its_json(tmp_path) -> None:
+    model, x = Dropped().train(), _x()
+    opt = _plan(model, x, train=True, same_draws=True)
+    path = tmp_path / "plan.json"
+    path.write_text(opt.plan.to_json())
+    applied = memlayout.apply(Dropped().train(), path, x)
+    applied.load_state_dict(model.state_dict())
+    assert applied.plan.verification.draws == opt.plan.verification.draws != []
+    torch.manual_seed(3)
+    want = model(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(applied(x), want, rtol=1e-4, atol=1e-5)
+
+
+class ViewsAll(nn.Module):
+    """A ``view`` that flattens an activation: channels-last strides refuse it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.conv(x))
+        return self.conv2(y.view(y.shape[0], -1).softmax(-1).view(y.shape))
+
+
+def test_a_view_the_planned_layout_refuses_is_caught_by_the_verification() -> None:
+    """A view reads no value through the layout: it runs or raises. The planned model in
+    which it raises is given up by the verification for one in which it runs."""
+    torch.manual_seed(0)
+    model, x = ViewsAll().eval(), _x()
+    planned = _plan(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(planned(x), model(x), rtol=1e-4, atol=1e-4)

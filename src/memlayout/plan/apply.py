@@ -133,7 +133,8 @@ def saved_options(plan: Plan) -> PlanOptions:
         dtype=plan.dtype, input_format=plan.input_format, output_format=plan.output_format,
         measure=False, cache=False, rounds=1, name=plan.model, guard=False, guard_rounds=0,
         train=plan.train, keep_weight_formats=plan.weight_formats_kept, memory=False,
-        padding=False, weights=plan.weights)
+        padding=False, weights=plan.weights,
+        same_draws=bool(plan.verification and getattr(plan.verification, "draws", None)))
 
 
 def _steering(plan: Plan, solution: Solution, options: RunOptions) -> Steering:

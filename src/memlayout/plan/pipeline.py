@@ -128,6 +128,10 @@ def optimize(model: nn.Module, example_inputs: Any, *, options: PlanOptions | No
     - ``name``: the model's name in the plan (default: its class name).
     - ``fallback``: a plan that fails verification gives way to the model run in one format
       (the faster first), verified the same way, with a warning and a note; ``False`` raises.
+    - ``predict`` (with ``measure``): time only the layout nodes whose costs could change the
+      cut, predict the others (``plan.prediction``; off by default).
+    - ``same_draws``: dropout masks drawn as the original draws them under the same seed
+      (``memlayout.plan.steer.draws``); off: drawn in the plan's layout, with a warning.
 
     Besides the options, what this call plans: ``kwargs``, the example's keyword inputs (a
     diffusers UNet's ``encoder_hidden_states``); ``inplace``, the caller's object itself.

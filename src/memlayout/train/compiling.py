@@ -50,7 +50,8 @@ def compile_model(model: nn.Module, how: str, *, measure: bool, per_block: bool 
     """
     if how == "none":
         return
-    backend: Any = inductor
+    # under FSDP2, blocks of one class with other strides need their strides fixed first
+    backend: Any = inductor if per_block else "inductor"
     if how == "backend":
         from memlayout.plan.compilers.backend import Backend
 

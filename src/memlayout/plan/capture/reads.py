@@ -1,8 +1,9 @@
 """Python that reads a value's layout (L2 plan, capture): ``is_contiguous``, ``stride``,
-``data_ptr``, ``storage`` / ``untyped_storage``, ``as_strided``, ``.numpy()``, and ``view``
-where the other format could not take it. A forward that branches on such a call, or
-computes with its answer, may compute other values when the plan lays the value out
-otherwise, with no bug in any kernel.
+``data_ptr``, ``storage`` / ``untyped_storage``, ``storage_offset``, ``as_strided``,
+``.numpy()``. A forward that branches on such a call, or computes with its answer, may
+compute other values when the plan lays the value out otherwise, with no bug in any kernel.
+(A ``view`` that the plan's layout refuses changes no value: it raises, and the verification,
+which runs the planned model, gives the plan up for a verified one.)
 
 :class:`LayoutReads` is a ``TorchFunctionMode`` the capture's eager run goes through: it
 records each such call that the model's own code (not torch's) makes on one of its
@@ -39,7 +40,6 @@ READS = ("is_contiguous", "stride", "data_ptr", "storage", "untyped_storage", "a
          "numpy", "storage_offset")
 _RANKS = (3, 4, 5)
 _DISPATCH = (os.path.join("torch", "_tensor.py"), os.path.join("torch", "overrides.py"))
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 _LIBRARY = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__
                  .split(".")[0]]) if m.__file__)
 
@@ -72,8 +72,7 @@ class LayoutReads(TorchFunctionMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if args and self._watched(args[0]) and (name in READS or (
-                name == "view" and not _view_fits_both(args[0], args[1:], kwargs))):
+        if name in READS and args and self._watched(args[0]):
             self._record(name)
         return func(*args, **kwargs)
 
@@ -95,22 +94,6 @@ class LayoutReads(TorchFunctionMode):
         read = LayoutRead(module or "", call, where)
         if read not in self.found:
             self.found.append(read)
-
-
-def _view_fits_both(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``t.view(*args)`` would take ``t`` in either format of its rank (a dtype view,
-    or a shape the channels-last strides can give too): only a view one format refuses reads
-    the layout."""
-    other = _CHANNELS_LAST.get(t.dim())
-    if other is None or (args and isinstance(args[0], torch.dtype)) or "dtype" in kwargs:
-        return True
-    try:
-        for fmt in (torch.contiguous_format, other):
-            torch.empty(t.shape, device="meta").contiguous(memory_format=fmt).view(
-                *args, **kwargs)
-    except RuntimeError:
-        return False
-    return True
 
 
 def refuse_declared_input(reads: tuple[LayoutRead, ...], declared: bool) -> None:

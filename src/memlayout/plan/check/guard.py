@@ -169,7 +169,7 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     runs = [probe] if repeat == 1 else []
     if reference in live and rounds > len(runs):
         # with a margin, the rounds stop as soon as more cannot change the decision
-        stop = separated(reference, margin) if margin is not None else None
+        stop = separated(reference, margin, rounds - len(runs)) if margin is not None else None
         runs.append(interleaved(live, rounds=rounds - len(runs), warmup=0, repeat=repeat,
                                 baseline=reference, sync=sync, on_step=on_step, stop=stop))
 
@@ -366,9 +366,9 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
     inputs_of = ({name: inputs_in(inputs, UNIFORM[name], options.ranks) for name in names}
                  if own_inputs else None)
     race = time_candidates({name: b.module for name, b in builds.items()}, inputs,
-                               options.dtype, device=options.device, rounds=rounds,
-                               on_step=on_step, train=options.train, margin=margin,
-                               inputs_of=inputs_of)
+                           options.dtype, device=options.device, rounds=rounds,
+                           on_step=on_step, train=options.train, margin=margin,
+                           inputs_of=inputs_of)
     if store is not None and not race.errors:
         save(store, key, race)
     kept = race.kept(PLANNED, margin)

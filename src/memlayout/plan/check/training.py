@@ -207,8 +207,6 @@ class _LayoutFreeDropout(torch.overrides.TorchFunctionMode):
         return x.mul_(scale) if inplace else x * scale
 
 
-
-
 def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
                     dtype: torch.dtype | None = None,
                     device: torch.device | None = None) -> Verification:

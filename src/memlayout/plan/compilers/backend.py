@@ -508,11 +508,13 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     try:
         fn = (backend_inner.inner_compile(planned.graph, example_inputs, options, dtype, device)
               if compiled else eager_run(eager_graph, options, device))
-        verifying = time.perf_counter()
-        check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train, dtype=dtype,
-                            device=device, compiled=compiled,
-                            way=options.compiled_as if compiled else Runner.PLAN_EAGER)
-        verifying = time.perf_counter() - verifying
+        began = time.perf_counter()
+        try:
+            check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train,
+                                dtype=dtype, device=device, compiled=compiled,
+                                way=options.compiled_as if compiled else Runner.PLAN_EAGER)
+        finally:
+            verifying = time.perf_counter() - began
     except _DYNAMO_SIGNALS:
         raise
     except Exception as exc:  # the plan does not compile or run: Inductor's own instead

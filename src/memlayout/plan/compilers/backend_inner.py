@@ -69,7 +69,7 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     planned format is the one Inductor's rule gives it: the layouts between them (attention,
     normalization, conversions) differ too, and can cost more than the convolutions save.
     Returns the function, what runs it and each other way's median ratio (the compiled
-    plan's time over its); ``spent["inductor_own"]``: the seconds Inductor's own compile took
+    plan's time over its); ``spent[Runner.INDUCTOR_OWN]``: the seconds Inductor's own compile took
     (what ``torch.compile`` alone spends on the graph)."""
     made: dict[str, Callable[..., Any]] = {}
 

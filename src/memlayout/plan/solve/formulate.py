@@ -99,8 +99,13 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
                 producers[n.name] = cost.out[pin]  # type: ignore[assignment]
         kept: ValueMeta | None = n.meta.get(META_KEY)
         if n.meta.get(KEEP_KEY) and kept is not None and kept.label in LABELS \
-                and cost.seconds[kept.label] is not None:
-            pins[n.name] = kept.label  # layout-reading code sees it: as the original has it
+                and n.name not in pins:
+            # layout-reading code sees it: run it in the label whose output is the format
+            # the original gives it (its own label first)
+            runs = [label for label in (kept.label, *LABELS) if cost.seconds[label] is not None
+                    and cost.out[label] == kept.label]
+            if runs:
+                pins[n.name] = runs[0]
     # values in a definite format that no layout node decides: inputs, rank-2 -> rank-4 views
     free_inputs: list[str] = []
     for n in gm.graph.nodes:

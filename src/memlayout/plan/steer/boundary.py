@@ -162,7 +162,8 @@ def restride(output: Any, formats: tuple[Returned, ...],
         return output
     tensors = list(iter_tensors(output))
     if [r for _, _, r in formats] == [t.dim() for t in tensors]:
-        wanted = {i: label for i, label, _ in formats if label is not None}
+        # (-1: "as it comes" in a model pickled when labels were plain ints)
+        wanted = {i: label for i, label, _ in formats if label is not None and label >= 0}
     elif fallback is not None and keep is not None:
         wanted = {i: fallback for i, t in enumerate(tensors)
                   if t.dim() in ranks and not storage_addresses(t) & keep}

@@ -299,7 +299,8 @@ class PlannedState:
         (``same_draws``): each element-wise dropout in the original's format
         (:class:`~memlayout.plan.steer.draws.OriginalDraws`)."""
         plan = self.plan if key == self.example else self._held.get(key)
-        formats = plan.verification.draws if plan is not None and plan.verification else ()
+        formats = (getattr(plan.verification, "draws", ())  # a plan pickled before it had any
+                   if plan is not None and plan.verification else ())
         return OriginalDraws(formats) if formats else contextlib.nullcontext()
 
     def restride(self, output: Any, key: Any, inputs: Any, model: nn.Module) -> Any:
