@@ -1,36 +1,69 @@
-"""The first call of one compiled training step in a fresh process, for the cached-compile
-comparison: run it alternately for each backend, with the cost cache and Inductor's FX graph
-cache warm from an earlier run, and compare the printed times.
+"""The first call of one compiled model in a fresh process: its inference call, or a training
+step (forward and backward). With ``--fresh``, Inductor's caches and memlayout's cost cache
+are new folders under ``--caches`` (a first call with nothing cached); ``--costs DIR`` keeps
+memlayout's cost cache in DIR (warm from an earlier run), Inductor's still fresh. For the
+memlayout backend it also prints the report's price line (planning, compiling, verifying,
+guarding, and Inductor's own compile of the same graphs).
 
-    python benchmarks/backend/first_call.py memlayout mobilenet_v3_large bf16
-    python benchmarks/backend/first_call.py inductor mobilenet_v3_large bf16
+    python benchmarks/backend/first_call.py memlayout resnet18 fp32 [--task train]
+        [--batch 8] [--size 224] [--fresh] [--costs DIR] [--caches DIR]
+
+``benchmarks/backend/first_calls.py`` runs the comparison: each case alternately through
+``inductor`` and ``memlayout``, fresh and with the cost cache warm.
 """
 
+import argparse
+import os
 import sys
+import tempfile
 import time
 
-import torch
-import torchvision
 
-import memlayout
-from memlayout.dtypes import autocast, parse_dtype
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("backend", choices=["memlayout", "inductor"])
+    ap.add_argument("model", help="a torchvision model name")
+    ap.add_argument("dtype", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--task", choices=["train", "infer"], default="train")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--fresh", action="store_true", help="new, empty caches")
+    ap.add_argument("--costs", help="memlayout's cost cache folder (default: fresh or the user's)")
+    ap.add_argument("--caches", default=tempfile.gettempdir(), help="where fresh caches go")
+    args = ap.parse_args()
+    if args.fresh:  # before torch reads them
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-",
+                                                                  dir=args.caches)
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-", dir=args.caches)
+        os.environ["MEMLAYOUT_CACHE_DIR"] = args.costs or tempfile.mkdtemp(prefix="costs-",
+                                                                           dir=args.caches)
+    elif args.costs:
+        os.environ["MEMLAYOUT_CACHE_DIR"] = args.costs
 
+    import torch
+    import torchvision
 
-def main(backend_name: str, model_name: str, dtype_name: str) -> None:
+    import memlayout
+    from memlayout.dtypes import autocast, parse_dtype
+
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = torchvision.models.get_model(model_name).train()
-    x = torch.randn(8, 3, 224, 224)
-    backend = memlayout.backend() if backend_name == "memlayout" else backend_name
+    model = torchvision.models.get_model(args.model).train(args.task == "train")
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    backend = memlayout.backend() if args.backend == "memlayout" else "inductor"
     compiled = torch.compile(model, backend=backend)
-    dtype = None if dtype_name == "fp32" else parse_dtype(dtype_name)
+    dtype = None if args.dtype == "fp32" else parse_dtype(args.dtype)
     start = time.perf_counter()
-    with autocast(torch.device("cpu"), dtype):
+    with autocast(torch.device("cpu"), dtype), torch.set_grad_enabled(args.task == "train"):
         out = compiled(x)
-    out.float().square().mean().backward()
-    print(f"{backend_name} {model_name} {dtype_name}: first call "
-          f"{time.perf_counter() - start:.2f} s")
+    if args.task == "train":
+        out.float().square().mean().backward()
+    seconds = time.perf_counter() - start
+    print(f"{args.backend} {args.model} {args.task} {args.dtype}: first call {seconds:.2f} s")
+    if args.backend == "memlayout":
+        print(memlayout.backend_report().price())
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main()

@@ -1,0 +1,62 @@
+"""First calls of ``torch.compile(model)`` and ``torch.compile(model, backend="memlayout")``,
+each in a fresh process with new, empty caches (Inductor's and memlayout's cost cache), then
+the backend again with its cost cache warm from that run (Inductor's cache new again), case
+by case, the order of the two backends alternating between cases.
+
+    python benchmarks/backend/first_calls.py resnet18:infer resnet18:train [--batch 8]
+        [--size 224] [--dtype fp32]
+
+Prints each run's seconds and price line, and a table: per case the backend's first call over
+torch.compile's, fresh and with the cost cache warm.
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).with_name("first_call.py")
+
+
+def run(backend: str, model: str, task: str, args: argparse.Namespace, caches: str,
+        costs: str | None = None) -> float:
+    cmd = [sys.executable, str(SCRIPT), backend, model, args.dtype, "--task", task,
+           "--batch", str(args.batch), "--size", str(args.size), "--fresh", "--caches", caches,
+           *(["--costs", costs] if costs else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    print(out.strip(), flush=True)
+    return float(re.search(r"first call ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cases", nargs="+", help="MODEL:TASK, TASK infer or train")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--dtype", default="fp32")
+    args = ap.parse_args()
+    rows = []
+    for i, case in enumerate(args.cases):
+        model, task = case.split(":")
+        caches = tempfile.mkdtemp(prefix="first-call-")
+        costs = tempfile.mkdtemp(prefix="costs-", dir=caches)
+        seconds: dict[str, float] = {}
+        order = ("inductor", "memlayout") if i % 2 == 0 else ("memlayout", "inductor")
+        for backend in order:
+            seconds[backend] = run(backend, model, task, args, caches,
+                                   costs if backend == "memlayout" else None)
+        seconds["warm"] = run("memlayout", model, task, args, caches, costs)
+        rows.append((case, seconds))
+    print(f"\n| case (batch {args.batch}, {args.size} px, {args.dtype}) | torch.compile | "
+          "backend, fresh | ratio | backend, cost cache warm | ratio |")
+    print("|---|---|---|---|---|---|")
+    for case, s in rows:
+        print(f"| {case} | {s['inductor']:.1f} s | {s['memlayout']:.1f} s | "
+              f"{s['memlayout'] / s['inductor']:.2f}x | {s['warm']:.1f} s | "
+              f"{s['warm'] / s['inductor']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
