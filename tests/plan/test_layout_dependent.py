@@ -408,3 +408,16 @@ def test_a_view_the_planned_layout_refuses_is_caught_by_the_verification() -> No
     planned = _plan(model, x)
     with torch.no_grad():
         torch.testing.assert_close(planned(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class ReadsWithKeywords(ReadsLayout):
+    def forward(self, x: torch.Tensor, *, gain: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * gain
+
+
+def test_a_read_is_named_by_the_users_module_path_under_keyword_inputs() -> None:
+    torch.manual_seed(0)
+    model, x = ReadsWithKeywords("stride").eval(), _x()
+    with pytest.warns(UserWarning, match="reads layouts"):
+        planned = _plan(model, x, kwargs={"gain": torch.full((1,), 2.0)})
+    assert _named(planned, "stride", "the model"), planned.plan.notes

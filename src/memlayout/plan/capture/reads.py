@@ -34,6 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from memlayout.errors import PlanError
+from memlayout.plan.inputs import KeywordCall
 
 #: the calls whose answer is the layout itself
 READS = ("is_contiguous", "stride", "data_ptr", "storage", "untyped_storage", "as_strided",
@@ -65,7 +66,10 @@ class LayoutReads(TorchFunctionMode):
         super().__init__()
         self.model = model
         self.found: list[LayoutRead] = []
-        self._paths = {id(m): p for p, m in model.named_modules()}
+        # paths as the user names them: a keyword call's wrapper is not one of their modules
+        wrapped = isinstance(model, KeywordCall)
+        self._paths = {id(m): p.removeprefix("module").removeprefix(".") if wrapped else p
+                       for p, m in model.named_modules()}
         self._kept = {id(t) for t in (*model.parameters(), *model.buffers())}
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
