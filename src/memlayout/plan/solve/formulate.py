@@ -103,7 +103,7 @@ def node_terms(gm: fx.GraphModule, table: CostTable, *,
             # layout-reading code sees it: run it in the label whose output is the format
             # the original gives it (its own label first)
             runs = [label for label in (kept.label, *LABELS) if cost.seconds[label] is not None
-                    and cost.out[label] == kept.label]
+                    and cost.out[label] in (kept.label, Label.EITHER)]
             if runs:
                 pins[n.name] = runs[0]
     # values in a definite format that no layout node decides: inputs, rank-2 -> rank-4 views
