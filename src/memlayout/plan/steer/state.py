@@ -219,13 +219,10 @@ class PlannedState:
         return tuple(Argument(e[0], e[1], e[2], label.format(len(e[0])).value)
                      if len(e[0]) in self.ranks else e for e in key)
 
-    def _original_outputs(self, model: nn.Module, args: tuple[Any, ...],
-                          kwargs: dict[str, Any]) -> Formats:
-        """The formats the original hands this call's results back in (:func:`output_formats`):
-        the model's own forward, unsteered, once on a copy of ``model`` that shares its
-        parameters but has those the plan converted back in their original strides, on
-        copies of the call's tensors, under the plan's autocast; the caller's tensors, the
-        model's buffers and the random state as they were."""
+    def original_copy(self, model: nn.Module) -> nn.Module:
+        """A copy of ``model`` running the original's computation: the parameters and
+        buffers the plan converted back in their original strides (copies), the others
+        shared (the forward only reads them), every steered forward switched off."""
         originals = dict(self.original_strides)
         quiet = copy.copy(self)  # the copy's steered forwards read it: they run their own
         quiet.enabled = False
@@ -241,7 +238,16 @@ class PlannedState:
         for _, t in tensors:
             if isinstance(t, nn.Parameter):
                 memo.setdefault(id(t), t)  # shared: the forward only reads it
-        original = copy.deepcopy(model, memo)
+        return copy.deepcopy(model, memo)
+
+    def _original_outputs(self, model: nn.Module, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> Formats:
+        """The formats the original hands this call's results back in (:func:`output_formats`):
+        the model's own forward, unsteered, once on a copy of ``model`` that shares its
+        parameters but has those the plan converted back in their original strides, on
+        copies of the call's tensors, under the plan's autocast; the caller's tensors, the
+        model's buffers and the random state as they were."""
+        original = self.original_copy(model)
         inputs = clone_inputs((args, kwargs), detach=True, nested=True)
         with seam(device_of(inputs, model)).fork_rng(), torch.no_grad(), \
                 self.autocast(*inputs):
