@@ -201,6 +201,11 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
             outputs = wanted_outputs(captured, inputs, options)
         refuse_declared_input(captured.reads,
                               options.input_label is not None or options.auto_input)
+        if captured.reads:
+            # the parameters keep their own formats (a node that runs otherwise converts its
+            # weight per call): a later plan for another shape or mode, made on the live
+            # weights, then sees the layouts the original's code reads
+            options = dataclasses.replace(options, contiguous_weights=True)
         solution, decision, disagree = decided(reference, captured, inputs, options, store,
                                                outputs, clock)
         if decision.input_label is not None and options.auto_input:

@@ -115,7 +115,9 @@ def refuse_declared_input(reads: tuple[LayoutRead, ...], declared: bool) -> None
 def reads_note(reads: tuple[LayoutRead, ...]) -> str:
     """What a plan says of the layout reads it found and planned around."""
     return (f"the model's code reads layouts ({'; '.join(map(str, reads))}): the values "
-            "those reads see keep the formats the original gives them")
+            "those reads see keep the formats the original gives them, and the parameters "
+            "keep their own (a node that runs otherwise converts its weight per call), so "
+            "plans for other shapes and modes see the original's layouts too")
 
 
 def in_scope(module: str, path: str) -> bool:
