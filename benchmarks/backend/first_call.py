@@ -22,7 +22,8 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("backend", choices=["memlayout", "inductor"])
-    ap.add_argument("model", help="a torchvision model name")
+    ap.add_argument("model", help="a torchvision model name, or a model spec "
+                    "(benchmarks/real_models.py:smp_unet, timm:NAME)")
     ap.add_argument("dtype", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--task", choices=["train", "infer"], default="train")
     ap.add_argument("--batch", type=int, default=8)
@@ -48,14 +49,22 @@ def main() -> None:
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = torchvision.models.get_model(args.model).train(args.task == "train")
-    x = torch.randn(args.batch, 3, args.size, args.size)
+    kwargs: dict = {}
+    if ":" in args.model:  # a spec: its own example input, at --batch and --size
+        from memlayout.models import load_model
+
+        built = load_model(args.model, batch=args.batch, image_size=args.size)
+        model, x, kwargs = built.module, built.example_input, built.example_kwargs
+    else:
+        model = torchvision.models.get_model(args.model)
+        x = torch.randn(args.batch, 3, args.size, args.size)
+    model.train(args.task == "train")
     backend = memlayout.backend() if args.backend == "memlayout" else "inductor"
     compiled = torch.compile(model, backend=backend)
     dtype = None if args.dtype == "fp32" else parse_dtype(args.dtype)
     start = time.perf_counter()
     with autocast(torch.device("cpu"), dtype), torch.set_grad_enabled(args.task == "train"):
-        out = compiled(x)
+        out = compiled(*(x if isinstance(x, tuple) else (x,)), **kwargs)
     if args.task == "train":
         out.float().square().mean().backward()
     seconds = time.perf_counter() - start

@@ -32,14 +32,15 @@ def run(backend: str, model: str, task: str, args: argparse.Namespace, caches: s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("cases", nargs="+", help="MODEL:TASK, TASK infer or train")
+    ap.add_argument("cases", nargs="+", help="MODEL:TASK, TASK infer or train; MODEL a "
+                    "torchvision name or a spec (benchmarks/real_models.py:smp_unet)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--dtype", default="fp32")
     args = ap.parse_args()
     rows = []
     for i, case in enumerate(args.cases):
-        model, task = case.split(":")
+        model, task = case.rsplit(":", 1)
         caches = tempfile.mkdtemp(prefix="first-call-")
         costs = tempfile.mkdtemp(prefix="costs-", dir=caches)
         seconds: dict[str, float] = {}
