@@ -36,7 +36,8 @@ def _cache_store(path: str | None, *, readonly: bool = False,
     ``None``, said on screen, when there is no cache file (``create``: an empty one is made).
     A file memlayout did not create is refused (one error line) and left as it is;
     ``readonly``: nothing is created, repaired or moved (``show``, ``export``)."""
-    from memlayout.plan.costs.cache import CacheWarning, CostCache, cache_path, foreign_reason
+    from memlayout.plan.costs.cache import CacheWarning, CostCache, cache_path
+    from memlayout.plan.costs.cachefile import foreign_reason
 
     file = Path(path) if path else cache_path()
     if not file.is_file() and not create:

@@ -199,13 +199,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
             captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
                                ranks=options.ranks, device=options.device)
             outputs = wanted_outputs(captured, inputs, options)
-        refuse_declared_input(captured.reads,
-                              options.input_label is not None or options.auto_input)
-        if captured.reads:
-            # the parameters keep their own formats (a node that runs otherwise converts its
-            # weight per call): a later plan for another shape or mode, made on the live
-            # weights, then sees the layouts the original's code reads
-            options = dataclasses.replace(options, contiguous_weights=True)
+        options = around_reads(captured, options)
         solution, decision, disagree = decided(reference, captured, inputs, options, store,
                                                outputs, clock)
         if decision.input_label is not None and options.auto_input:
@@ -231,10 +225,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
         ran = {step for step, done in (("padding", bool(padded)),
                                        ("memory", memory.record is not None),
                                        ("blocked", blocked is not None)) if done}
-        notes: list[str] = []
-        if captured.reads:
-            notes.append(reads_note(captured.reads))
-            warnings.warn(f"memlayout: {notes[-1]}", stacklevel=3)
+        notes = reads_notes(captured)
         inplace = changed_inputs(captured, options)
         with clock("verify"):
             try:
@@ -249,13 +240,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
                 memory, padded, blocked = MemoryDecision(decision.build, None), (), None
                 notes.append(note)
                 warnings.warn(f"memlayout: {note}", stacklevel=3)
-        if verification.draws:
-            notes.append(f"random masks drawn as the original draws them (same_draws): "
-                         f"{', '.join(verification.redrawn)} each on a copy of its activation "
-                         "in the original's format")
-        elif verification.redrawn:
-            notes.append(redrawn_note(verification.redrawn))
-            warnings.warn(f"memlayout: {notes[-1]}", stacklevel=3)
+        notes += draws_notes(verification)
         realized: list[str] = []
         if decision.kept == PLANNED:
             with clock("verify"):  # the plan's formats against the ones the model realizes
@@ -319,6 +304,38 @@ def later_notes(realized: list[str], solution: Solution, decision: GuardDecision
         notes.append(suspect_note(solution.predicted["planned"], decision.record, disagree))
         warnings.warn(f"memlayout: {notes[-1]}", stacklevel=4)
     return notes
+
+
+def around_reads(captured: Captured, options: RunOptions) -> RunOptions:
+    """``options`` for a model whose own code reads layouts (``captured.reads``): refused
+    where inputs are converted on entry; else the parameters keep their own formats (a node
+    that runs otherwise converts its weight per call), so that a later plan for another
+    shape or mode, made on the live weights, sees the layouts the original's code reads."""
+    refuse_declared_input(captured.reads, options.input_label is not None or options.auto_input)
+    return dataclasses.replace(options, contiguous_weights=True) if captured.reads else options
+
+
+def reads_notes(captured: Captured) -> list[str]:
+    """What a plan says, with a warning, of the layout reads of the model's own code."""
+    if not captured.reads:
+        return []
+    note = reads_note(captured.reads)
+    warnings.warn(f"memlayout: {note}", stacklevel=4)
+    return [note]
+
+
+def draws_notes(verification: Verification) -> list[str]:
+    """What a plan says of the random masks it draws otherwise than the original: drawn as
+    the original (``same_draws``), or, with a warning, in the plan's layout."""
+    if verification.draws:
+        return [f"random masks drawn as the original draws them (same_draws): "
+                f"{', '.join(verification.redrawn)} each on a copy of its activation in the "
+                "original's format"]
+    if verification.redrawn:
+        note = redrawn_note(verification.redrawn)
+        warnings.warn(f"memlayout: {note}", stacklevel=4)
+        return [note]
+    return []
 
 
 def redrawn_note(modules: list[str]) -> str:

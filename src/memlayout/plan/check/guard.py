@@ -308,12 +308,7 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
         return build_uniform(reference, captured, solution, label, options, outputs,
                              arrive=label if own_inputs else options.input_label)
 
-    root = "module" if options.keywords else ""
-    # the format most of its nodes run in first (every node pinned: uniform in both)
-    skipped = sorted((name for name, label in UNIFORM.items()
-                      if is_uniform(solution, label, root)),
-                     key=lambda name: -sum(label == UNIFORM[name] for s in solution.regions
-                                           for label in s.labels.values()))
+    skipped = uniform_already(solution, "module" if options.keywords else "")
     if skipped:
         # the plan runs the model in one format end to end: run it exactly as that eager
         # model, so it is what it is compared with, not another copy of it
@@ -352,28 +347,41 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
         return decided(kept, describe(cached, kept=kept, margin=margin, source="cache",
                                         skipped=skipped))
     builds = {name: candidate(name) for name in [PLANNED, *names]}
-    rounds = options.guard_rounds
-    steps = [0]
-
-    def on_step(_round: int, name: str) -> None:
-        steps[0] += 1
-        if options.progress is not None:
-            # a close call runs as many rounds again (memlayout.timing.Race.is_close)
-            total = rounds * len(builds) * (1 + (steps[0] > rounds * len(builds)))
-            options.progress(steps[0], total, f"whole model, {name}")
-
     start = time.perf_counter()
     inputs_of = ({name: inputs_in(inputs, UNIFORM[name], options.ranks) for name in names}
                  if own_inputs else None)
     race = time_candidates({name: b.module for name, b in builds.items()}, inputs,
-                           options.dtype, device=options.device, rounds=rounds,
-                           on_step=on_step, train=options.train, margin=margin,
-                           inputs_of=inputs_of)
+                           options.dtype, device=options.device, rounds=options.guard_rounds,
+                           on_step=_progress(options, len(builds)), train=options.train,
+                           margin=margin, inputs_of=inputs_of)
     if store is not None and not race.errors:
         save(store, key, race)
     kept = race.kept(PLANNED, margin)
     return decided(kept, describe(race, kept=kept, margin=margin, source="measured",
                                     skipped=skipped, seconds=time.perf_counter() - start))
+
+
+def uniform_already(solution: Solution, root: str) -> list[str]:
+    """The one-format models (``UNIFORM`` names) the plan already is end to end
+    (:func:`is_uniform`), the format most of its nodes run in first (a plan whose every node
+    is pinned is uniform in both)."""
+    return sorted((name for name, label in UNIFORM.items()
+                   if is_uniform(solution, label, root)),
+                  key=lambda name: -sum(label == UNIFORM[name] for s in solution.regions
+                                        for label in s.labels.values()))
+
+
+def _progress(options: RunOptions, candidates: int) -> Callable[[int, str], None]:
+    """The guard's ``on_step``: ``options.progress(done, total, what)`` per timed sample."""
+    rounds, steps = options.guard_rounds, [0]
+
+    def on_step(_round: int, name: str) -> None:
+        steps[0] += 1
+        if options.progress is not None:
+            # a close call runs as many rounds again (memlayout.timing.Race.is_close)
+            total = rounds * candidates * (1 + (steps[0] > rounds * candidates))
+            options.progress(steps[0], total, f"whole model, {name}")
+    return on_step
 
 
 def build_uniform(reference: nn.Module, captured: Captured, solution: Solution, label: Label,

@@ -107,7 +107,6 @@ from memlayout.plan.compilers.backend_check import (
     GraphCheck,
     graph_signature,
     verify_graph,
-    verify_once,
 )
 from memlayout.plan.compilers.backend_graphs import (
     NotPlanned,
@@ -118,7 +117,9 @@ from memlayout.plan.compilers.backend_graphs import (
     real_inputs,
 )
 from memlayout.plan.compilers.backend_inner import (
+    DYNAMO_SIGNALS,
     as_given,
+    built_and_checked,
     ddp_split,
     eager_run,
     fastest_way,
@@ -150,7 +151,6 @@ from memlayout.timing import KEEP_MARGIN
 INNER_COMPILERS = ("inductor", "eager")
 
 #: Dynamo's control flow (trace again, skip the frame): raised through, never a failure
-_DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
 
 
 class BackendWarning(RuntimeWarning):
@@ -308,7 +308,7 @@ def _decide(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
         made = _compile_graph(gm, example_inputs, inputs, device, options, store)
     except Exception as exc:  # the other ranks wait for a decision: they hear of this one
         if job is not None:
-            signal = type(exc).__name__ if isinstance(exc, _DYNAMO_SIGNALS) else ""
+            signal = type(exc).__name__ if isinstance(exc, DYNAMO_SIGNALS) else ""
             with contextlib.suppress(ExchangeFailed):
                 exchange(job, Decision(signature, None, compiled_as=options.compiled_as,
                                        signal=signal))
@@ -348,7 +348,7 @@ def _follow(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
         return _without_plan(gm, example_inputs, inputs, device, options, job.rank,
                              f"rank {job.decider}'s decision did not arrive: {exc}")
     if decision.record is None:
-        signals = {cls.__name__: cls for cls in _DYNAMO_SIGNALS}
+        signals = {cls.__name__: cls for cls in DYNAMO_SIGNALS}
         if decision.signal in signals:
             raise signals[decision.signal](f"rank {job.decider} raised it compiling graph {graph}")
         raise PlanError(f"memlayout backend: rank {job.decider} failed to compile graph "
@@ -358,7 +358,7 @@ def _follow(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
     if problem is None:
         try:
             made = _taken(decision, gm, example_inputs, inputs, device, options)
-        except _DYNAMO_SIGNALS:
+        except DYNAMO_SIGNALS:
             raise
         except Exception as exc:
             problem = (f"rebuilding its plan failed ({type(exc).__name__}: "
@@ -470,7 +470,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     try:
         planned = plan_graph(gm, inputs, options, train=train, dtype=dtype, device=device,
                              rule=rule, store=store)
-    except _DYNAMO_SIGNALS:
+    except DYNAMO_SIGNALS:
         raise
     except NotPlanned as exc:
         fn, ran = unplanned(given, example_inputs, options, dtype, device)
@@ -503,28 +503,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
             **record, ran=Runner.INDUCTOR_OWN, timed=guard_ratios(known),
             verification="the plan not run (Inductor's own layouts kept, as timed before)",
             compile_seconds=time.perf_counter() - start - plan_seconds))
-    compiled = options.inner != "eager" and kept != Runner.PLAN_EAGER
-    verifying = 0.0
-    try:
-        fn = (backend_inner.inner_compile(planned.graph, example_inputs, options, dtype, device)
-              if compiled else eager_run(eager_graph, options, device))
-        began = time.perf_counter()
-        try:
-            check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train,
-                                dtype=dtype, device=device, compiled=compiled,
-                                way=options.compiled_as if compiled else Runner.PLAN_EAGER)
-        finally:
-            verifying = time.perf_counter() - began
-    except _DYNAMO_SIGNALS:
-        raise
-    except Exception as exc:  # the plan does not compile or run: Inductor's own instead
-        check = GraphCheck(False, f"compiling the plan failed ({type(exc).__name__}: "
-                       f"{first_line(exc)})", None)
-    compile_seconds = time.perf_counter() - start - plan_seconds
-    record["verify_seconds"] = verifying
-    if not check.ok:
+    built, check, record["verify_seconds"] = built_and_checked(
+        gm, planned.graph, eager_graph, example_inputs, inputs, options, store, train=train,
+        dtype=dtype, device=device, compiled=options.inner != "eager"
+        and kept != Runner.PLAN_EAGER)
+    if built is None or not check.ok:
         return _dropped(given, example_inputs, options, dtype, device, check, record,
-                        compile_seconds)
+                        time.perf_counter() - start - plan_seconds)
+    fn = built
     ran, timed = (Runner.PLAN_EAGER if options.inner == "eager" else Runner.PLAN_COMPILED), ()
     if kept is not None:
         ran = Runner.PLAN_EAGER if kept == Runner.PLAN_EAGER else Runner.PLAN_COMPILED

@@ -15,9 +15,12 @@ import torch._functorch.config
 from torch import fx
 
 from memlayout.dtypes import autocast
+from memlayout.errors import first_line
 from memlayout.plan.compilers.backend_check import (
+    GraphCheck,
     cached_guard,
     guard_graph,
+    verify_once,
 )
 from memlayout.plan.compilers.backend_graphs import (
     copy_graph,
@@ -39,6 +42,9 @@ PLAN_STANDS = {"layout_optimization": False}
 #: the ways the guard times a planned graph: the compiled plan, the plan eagerly, Inductor's own
 WAYS = [Runner.PLAN_COMPILED, Runner.PLAN_EAGER, Runner.INDUCTOR_OWN]
 
+
+#: what Dynamo raises through a backend to restart or skip a frame: never caught as a failure
+DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
 
 def known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Backend,
                     store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
@@ -219,3 +225,31 @@ def inductor_option(name: str) -> bool:
             return False
         holder = getattr(holder, part)
     return True
+
+
+def built_and_checked(gm: fx.GraphModule, graph: fx.GraphModule, eager_graph: fx.GraphModule,
+                       example_inputs: list[Any], inputs: list[Any], options: Backend,
+                       store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
+                       device: torch.device, compiled: bool
+                       ) -> tuple[Callable[..., Any] | None, GraphCheck, float]:
+    """The planned ``graph`` built (``compiled`` by the inner compiler, else run eagerly) and
+    verified once against ``gm``: the function, the check and the seconds verifying took. A
+    plan that does not compile or run is a failed check (Inductor's own runs instead)."""
+    fn: Callable[..., Any] | None = None
+    verifying = 0.0
+    try:
+        fn = (inner_compile(graph, example_inputs, options, dtype, device)
+              if compiled else eager_run(eager_graph, options, device))
+        began = time.perf_counter()
+        try:
+            check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train,
+                                dtype=dtype, device=device, compiled=compiled,
+                                way=options.compiled_as if compiled else Runner.PLAN_EAGER)
+        finally:
+            verifying = time.perf_counter() - began
+    except DYNAMO_SIGNALS:
+        raise
+    except Exception as exc:
+        check = GraphCheck(False, f"compiling the plan failed ({type(exc).__name__}: "
+                           f"{first_line(exc)})", None)
+    return fn, check, verifying

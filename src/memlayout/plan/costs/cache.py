@@ -57,6 +57,17 @@ from typing import Any
 
 from memlayout.files import cache_dir, write_atomic
 from memlayout.machine import Conditions, fingerprint, noisy, overloaded
+from memlayout.plan.costs.cachefile import (
+    APPLICATION_ID,
+    COLUMNS,
+    CREATE,
+    PROBLEMS,
+    SCHEMA,
+    TIMEOUT,
+    application_id,
+    foreign_reason,
+    schema_problem,
+)
 from memlayout.plan.costs.transfer import (
     CostTableError,
     ExportReport,
@@ -66,21 +77,6 @@ from memlayout.plan.costs.transfer import (
     read_cost_table,
     table_text,
 )
-
-SCHEMA = 2  # ``PRAGMA user_version`` of a cache file this code reads
-#: ``PRAGMA application_id`` of every cache file memlayout creates ("MLay"): only a file that
-#: carries it (or holds exactly this schema, written before the id was set) is memlayout's
-APPLICATION_ID = int.from_bytes(b"MLay", "big")
-SQLITE_HEADER = b"SQLite format 3\x00"
-#: seconds a read or write waits for another process's lock before the cache is turned off
-#: (a planning run commits one small row at a time: a longer lock is a stuck process)
-TIMEOUT = 1.0
-_COLUMNS = ("key", "fingerprint", "kind", "value", "load_average", "cpu_count", "spread",
-            "noisy", "taken_at")
-_CREATE = """CREATE TABLE entries (
-    key TEXT NOT NULL, fingerprint TEXT NOT NULL, kind TEXT NOT NULL, value TEXT NOT NULL,
-    load_average REAL, cpu_count INTEGER, spread REAL, noisy INTEGER NOT NULL,
-    taken_at TEXT NOT NULL, PRIMARY KEY (key, fingerprint))"""
 
 
 class CacheWarning(RuntimeWarning):
@@ -207,7 +203,7 @@ class CostCache:
 
     def _create(self, db: sqlite3.Connection) -> None:
         with db:
-            db.execute(_CREATE)
+            db.execute(CREATE)
             db.execute(f"PRAGMA user_version = {SCHEMA}")
             db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
 
@@ -218,7 +214,7 @@ class CostCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         db = self._connect()
         try:
-            problem = _schema_problem(db)
+            problem = schema_problem(db)
         except sqlite3.OperationalError:
             db.close()
             raise  # locked, unreadable: off for this run, the file is left as it is
@@ -228,7 +224,7 @@ class CostCache:
             self._create(db)
             return db
         if problem is None:
-            if not self.readonly and _application_id(self.path) != APPLICATION_ID:
+            if not self.readonly and application_id(self.path) != APPLICATION_ID:
                 # memlayout's file from before the id was set: mark it as memlayout's
                 with contextlib.suppress(sqlite3.Error), db:
                     db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
@@ -237,12 +233,12 @@ class CostCache:
         if problem == "empty":
             return None
         if self.readonly:  # a reader reports what it found and moves nothing
-            self.problem = (f"{_PROBLEMS[problem]}; the next plan (or `memlayout cache "
+            self.problem = (f"{PROBLEMS[problem]}; the next plan (or `memlayout cache "
                             "clear`) moves it aside and starts afresh")
             self._reads = False
             return None
         aside = self._move_aside(problem)
-        self._warn(f"memlayout: the measurement cache {self.path} was {_PROBLEMS[problem]}; "
+        self._warn(f"memlayout: the measurement cache {self.path} was {PROBLEMS[problem]}; "
                    f"moved to {aside.name} and started afresh (everything is measured again)")
         db = self._connect()
         self._create(db)
@@ -293,7 +289,7 @@ class CostCache:
         assert self._db is not None
         try:
             row = self._db.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM entries WHERE key = ? AND fingerprint = ?",
+                f"SELECT {', '.join(COLUMNS)} FROM entries WHERE key = ? AND fingerprint = ?",
                 (key, self.fingerprint)).fetchone()
         except sqlite3.Error as exc:
             self._off(exc, "reading", reads=True)
@@ -357,8 +353,8 @@ class CostCache:
                conditions.taken_at or now_utc())
         try:
             with self._db:
-                self._db.execute(f"INSERT OR REPLACE INTO entries ({', '.join(_COLUMNS)}) "
-                                 f"VALUES ({', '.join('?' * len(_COLUMNS))})", row)
+                self._db.execute(f"INSERT OR REPLACE INTO entries ({', '.join(COLUMNS)}) "
+                                 f"VALUES ({', '.join('?' * len(COLUMNS))})", row)
         except sqlite3.Error as exc:
             # a read-only file still serves reads; anything else (a lock) turns it off
             readonly = "readonly" in str(exc).lower()
@@ -458,7 +454,7 @@ class CostCache:
         if self._db is not None:
             try:
                 rows = self._db.execute(
-                    f"SELECT {', '.join(_COLUMNS)} FROM entries ORDER BY key").fetchall()
+                    f"SELECT {', '.join(COLUMNS)} FROM entries ORDER BY key").fetchall()
             except sqlite3.Error as exc:
                 raise CostTableError(f"the cache {self.path} cannot be read now ({exc}); "
                                      "nothing was exported") from exc
@@ -496,8 +492,8 @@ class CostCache:
                                  f"({self.problem or 'read-only, or locked'}); nothing was "
                                  "imported")
         added = replaced = skipped = 0
-        insert = (f"INSERT OR REPLACE INTO entries ({', '.join(_COLUMNS)}) "
-                  f"VALUES ({', '.join('?' * len(_COLUMNS))})")
+        insert = (f"INSERT OR REPLACE INTO entries ({', '.join(COLUMNS)}) "
+                  f"VALUES ({', '.join('?' * len(COLUMNS))})")
         try:
             with self._db:  # one transaction: all of the table, or nothing
                 for e in table.entries:
@@ -524,83 +520,6 @@ class CostCache:
             with contextlib.suppress(sqlite3.Error):
                 self._db.close()
             self._db = None
-
-
-_PROBLEMS = {"corrupt": "not a readable SQLite database",
-             "foreign": "written with another schema (another memlayout version)"}
-
-
-def _application_id(path: Path) -> int | None:
-    """The SQLite ``application_id`` in the file's header, ``None`` for a file too short or
-    not SQLite's (read from the header: a corrupt database still tells whose it is)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(100)
-    except OSError:
-        return None
-    if len(head) < 72 or not head.startswith(SQLITE_HEADER):
-        return None
-    return int.from_bytes(head[68:72], "big")
-
-
-def foreign_reason(path: Path | str) -> str | None:
-    """Why the file at ``path`` is not a measurement cache memlayout created, or ``None``: it
-    is one, or there is no file (or an empty one) yet. Reads only; a lock held on an SQLite
-    file raises ``sqlite3.OperationalError``.
-
-    >>> import tempfile, pathlib
-    >>> other = pathlib.Path(tempfile.mkdtemp()) / "app.db"
-    >>> _ = other.write_bytes(b"not a database")
-    >>> foreign_reason(other)
-    'a file that is not an SQLite database'
-    """
-    path = Path(path)
-    if not path.is_file() or path.stat().st_size == 0:
-        return None
-    app = _application_id(path)
-    if app is None:
-        return "a file that is not an SQLite database"
-    if app == APPLICATION_ID:
-        return None
-    if app != 0:
-        return f"another application's SQLite database (application_id {app:#x})"
-    # no application id: memlayout's own cache written before it set one holds exactly its
-    # table, at its schema version; anything else is someone else's
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=TIMEOUT)
-    except sqlite3.Error:
-        return "an SQLite database memlayout cannot open"
-    try:
-        tables = sorted(r[0] for r in db.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table'"))
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        columns = {r[1] for r in db.execute("PRAGMA table_info(entries)")}
-    except sqlite3.OperationalError:
-        raise  # a lock: whose it is cannot be told now
-    except sqlite3.DatabaseError:
-        return "an SQLite database that cannot be read, without memlayout's application id"
-    finally:
-        db.close()
-    if tables == ["entries"] and version == SCHEMA and columns == set(_COLUMNS):
-        return None
-    return (f"an SQLite database of another application (tables: "
-            f"{', '.join(tables) or 'none'})")
-
-
-def _schema_problem(db: sqlite3.Connection) -> str | None:
-    """``None`` (this schema), ``"empty"``, ``"corrupt"`` or ``"foreign"``; raises
-    ``OperationalError`` when the file cannot be read now (a lock)."""
-    check = db.execute("PRAGMA quick_check").fetchone()
-    if check is None or check[0] != "ok":
-        return "corrupt"
-    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    if not tables:
-        return "empty"
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    columns = {r[1] for r in db.execute("PRAGMA table_info(entries)")}
-    if version != SCHEMA or columns != set(_COLUMNS):
-        return "foreign"
-    return None
 
 
 def _entry(row: tuple[Any, ...]) -> Entry:

@@ -113,14 +113,10 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     again from ``model`` (measured where ``timed`` names them, read from the cache where an
     identical op was measured since)."""
     device = device_of(inputs, gm) if device is None else device
-    context = [measured_on(device), torch.__version__, str(dtype)]
     nodes_context = node_context(device, dtype, train=train, weights=weights)
     layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
-    values = [n for n in gm.graph.nodes if n.op != "get_attr"
-              and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS]
     table = CostTable()
     todo_nodes: dict[str, list[str]] = {}
-    todo_values: dict[str, list[str]] = {}
     todo_predicted: set[str] = set()
     predicting = model is not None and measure
     for n in layout_nodes:
@@ -145,9 +141,38 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                 todo_predicted.add(n.name)
         else:
             todo_nodes[n.name] = keys
-    if previous is not None:
+    if previous is not None:  # its conversions are kept as they are
         table.conversions = dict(previous.conversions)
-        values = []
+        todo_values: dict[str, list[str]] = {}
+    else:
+        todo_values = _look_up_conversions(gm, table, cache, device=device, dtype=dtype,
+                                           measure=measure)
+    total = len(todo_nodes) + len(todo_values) + len(todo_predicted)
+    if total:
+        runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
+                           rounds=rounds, device=seam(device), progress=progress,
+                           total=total, train=train, weights=weights, clock=clock,
+                           conditions=conditions, model=model, predicted=todo_predicted)
+        with torch.no_grad(), autocast(device, dtype):
+            runner.run(*inputs)
+    if train and previous is None:  # a converted value's gradient is converted back
+        table.conversions = {
+            name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes,
+                                 c.timed, c.noisy)
+            for name, c in table.conversions.items()}
+    return table
+
+
+def _look_up_conversions(gm: fx.GraphModule, table: CostTable, cache: CostCache | None, *,
+                         device: torch.device, dtype: torch.dtype | None,
+                         measure: bool) -> dict[str, list[str]]:
+    """Fill ``table.conversions`` with each consumed definite-format value's conversion the
+    cache holds (analytical ones when not ``measure``); returns the cache keys (to 1, to 0)
+    of those still to be measured, by value name."""
+    context = [measured_on(device), torch.__version__, str(dtype)]
+    values = [n for n in gm.graph.nodes if n.op != "get_attr"
+              and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS]
+    todo: dict[str, list[str]] = {}
     for v in values:
         meta: ValueMeta = v.meta[META_KEY]
         if not _consumed(gm, v):
@@ -164,21 +189,8 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
             table.conversions[v.name] = _conversion_cost(v.name, meta, [e.value for e in entries],
                                                          noisy=any(e.noisy for e in entries))
         else:
-            todo_values[v.name] = keys
-    total = len(todo_nodes) + len(todo_values) + len(todo_predicted)
-    if total:
-        runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
-                           rounds=rounds, device=seam(device), progress=progress,
-                           total=total, train=train, weights=weights, clock=clock,
-                           conditions=conditions, model=model, predicted=todo_predicted)
-        with torch.no_grad(), autocast(device, dtype):
-            runner.run(*inputs)
-    if train and previous is None:  # a converted value's gradient is converted back
-        table.conversions = {
-            name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes,
-                                 c.timed, c.noisy)
-            for name, c in table.conversions.items()}
-    return table
+            todo[v.name] = keys
+    return todo
 
 
 def node_context(device: torch.device, dtype: torch.dtype | None, *, train: bool,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memlayout.errors import MemlayoutError
+from memlayout.plan.costs.cachefile import SQLITE_HEADER
 
 if TYPE_CHECKING:
     from memlayout.plan.costs.cache import Entry
@@ -121,8 +122,6 @@ def read_cost_table(path: Path | str, *, machine: str | None = None) -> CostTabl
     except OSError as exc:
         raise CostTableError(f"cannot read the cost table {path} "
                              f"({exc.strerror or exc})") from exc
-    from memlayout.plan.costs.cache import SQLITE_HEADER
-
     what = ("an SQLite database (a measurement cache itself?)" if data.startswith(SQLITE_HEADER)
             else "a file")
     not_table = (f"{path} is {what}, not a cost table `memlayout cache export` wrote; "
