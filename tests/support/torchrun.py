@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 # What torch says when gradients and DDP buckets disagree in layout (reducer.cpp), and ours.
 LAYOUT_WARNINGS = ("Grad strides do not match", "bucket view", "gradient layout contract")
@@ -31,3 +32,22 @@ def run_worker(script: str, tmp_path: Path) -> tuple[str, list[dict]]:
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-3000:]
     return log, [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def graph_record(r: Any) -> dict[str, Any]:
+    """A backend ``GraphRecord`` as a worker writes it into its result."""
+    return {"graph": r.graph, "planned": r.planned, "ran": r.ran, "rank": r.rank,
+            "decided_by": r.decided_by, "measured": r.measured, "cached": r.cached,
+            "digest": r.digest, "fallback": r.fallback, "verification": r.verification,
+            "convolutions": [[c.where, c.planned] for c in r.convolutions]}
+
+
+def finish_rank(out: dict[str, Any]) -> None:
+    """A worker's last step: its result written to ``result-{rank}.json`` (what
+    :func:`run_worker` reads), the ranks met, the process group closed."""
+    import torch.distributed as dist
+
+    with open(f"result-{dist.get_rank()}.json", "w") as fh:
+        json.dump(out, fh)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -119,11 +119,10 @@ def test_every_ddp_split_graph_is_planned_compiled_and_trains_as_without_memlayo
 
 
 WORKER = '''
-import json
 import torch, torch.distributed as dist
 import memlayout
 from memlayout.plan.compilers.backend import BackendWarning
-from tests.support.torchrun import LAYOUT_WARNINGS
+from tests.support.torchrun import LAYOUT_WARNINGS, finish_rank
 from tests.train.test_backend_ddp import job
 
 dist.init_process_group("gloo")
@@ -138,10 +137,7 @@ layout = [[m for _, m in j["warnings"] if any(t in m for t in LAYOUT_WARNINGS)]
 out = {"backend_warnings": [m for c, m in planned["warnings"] if issubclass(c, BackendWarning)],
        "layout_warnings": layout[0], "control": layout[1], "mismatched": planned["mismatched"],
        "graphs": [[r.planned, r.ran, r.verification] for r in records], "close": close}
-with open(f"result-{dist.get_rank()}.json", "w") as fh:
-    json.dump(out, fh)
-dist.barrier()
-dist.destroy_process_group()
+finish_rank(out)
 '''
 
 
@@ -160,10 +156,10 @@ def test_two_ranks_plan_every_split_graph_without_layout_warnings(tmp_path):
 
 
 SHARED = '''
-import json
 import torch, torch.distributed as dist
 import memlayout
 from memlayout.plan.compilers.backend import BackendWarning
+from tests.support.torchrun import finish_rank, graph_record
 from tests.train.test_backend_ddp import job
 
 dist.init_process_group("gloo")
@@ -175,15 +171,8 @@ reference = job("eager")
 close = all(torch.allclose(planned["state"][k], v, rtol=1e-4, atol=1e-5)
             for k, v in reference["state"].items())
 out = {"backend_warnings": [m for c, m in planned["warnings"] if issubclass(c, BackendWarning)],
-       "graphs": [{"graph": r.graph, "planned": r.planned, "ran": r.ran, "rank": r.rank,
-                   "decided_by": r.decided_by, "measured": r.measured, "cached": r.cached,
-                   "digest": r.digest, "convolutions": [c.planned for c in r.convolutions]}
-                  for r in records],
-       "report": report, "close": close}
-with open(f"result-{dist.get_rank()}.json", "w") as fh:
-    json.dump(out, fh)
-dist.barrier()
-dist.destroy_process_group()
+       "graphs": [graph_record(r) for r in records], "report": report, "close": close}
+finish_rank(out)
 '''
 
 

@@ -88,11 +88,10 @@ def test_a_graph_of_a_module_fsdp_manages_is_known_as_one(one_member_group, shar
 
 
 WORKER = '''
-import json
 import torch, torch.distributed as dist
 import memlayout
 from memlayout.plan.compilers.backend import BackendWarning
-from tests.support.torchrun import LAYOUT_WARNINGS
+from tests.support.torchrun import LAYOUT_WARNINGS, finish_rank, graph_record
 from memlayout.models import load_model
 from tests.train.test_backend_fsdp import MODEL, SIZE, job
 
@@ -112,19 +111,10 @@ def close(a, b):
 out = {"backend_warnings": [m for c, m in planned["warnings"] if issubclass(c, BackendWarning)],
        "layout_warnings": [m for _, m in planned["warnings"]
                            if any(t in m for t in LAYOUT_WARNINGS)],
-       "graphs": [{"graph": r.graph, "planned": r.planned, "ran": r.ran, "rank": r.rank,
-                   "decided_by": r.decided_by, "measured": r.measured, "cached": r.cached,
-                   "digest": r.digest, "fallback": r.fallback,
-                   "verification": r.verification,
-                   "convolutions": [[c.where, c.planned] for c in r.convolutions]}
-                  for r in records],
-       "report": report, "trained": any(not torch.equal(v, start[k])
+       "graphs": [graph_record(r) for r in records], "report": report, "trained": any(not torch.equal(v, start[k])
                                         for k, v in planned["state"].items()),
        "close": close(planned, inductor), "inductor_vs_eager": close(inductor, eager)}
-with open(f"result-{dist.get_rank()}.json", "w") as fh:
-    json.dump(out, fh)
-dist.barrier()
-dist.destroy_process_group()
+finish_rank(out)
 '''
 
 
