@@ -24,6 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from memlayout.layout import Format
+from memlayout.tensors import torch_memory_format
 
 #: element-wise dropouts: (argument names, alpha dropout, in place, training by default)
 DROPOUTS: dict[Any, tuple[tuple[str, ...], bool, bool, bool]] = {
@@ -73,7 +74,7 @@ class OriginalDraws(torch.overrides.TorchFunctionMode):
         k, self.calls = self.calls, self.calls + 1
         if k >= len(self.formats) or x.dim() not in (4, 5):
             return func(*args, **kwargs)
-        want, have = _MEMORY_FORMATS[Format(self.formats[k])], _memory_format(x)
+        want, have = torch_memory_format(Format(self.formats[k])), _memory_format(x)
         if want == have:
             return func(*args, **kwargs)
         moved = x.contiguous(memory_format=want)
@@ -85,12 +86,8 @@ class OriginalDraws(torch.overrides.TorchFunctionMode):
         return x.copy_(moved) if inplace else out.contiguous(memory_format=have)
 
 
-_MEMORY_FORMATS = {Format.CONTIGUOUS: torch.contiguous_format,
-                   Format.CHANNELS_LAST: torch.channels_last,
-                   Format.CHANNELS_LAST_3D: torch.channels_last_3d}
-
-
 def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    """The memory format torch's kernels read from ``x``'s strides (rank 4 or 5)."""
     other = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
     if x.is_contiguous(memory_format=other) and not x.is_contiguous():
         return other
