@@ -19,14 +19,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from memlayout.machine import Conditions
 
-#: a candidate replaces the default one (what would run without the race: Inductor's own
-#: layouts in ``memlayout.compile``, the compiled plan in the backend) only when faster by
-#: more than this in the median of per-round ratios: noise and near ties keep the default
+#: the one margin of every race that keeps a candidate: another replaces the default one (the
+#: plan in ``optimize``'s guard and in the backend, Inductor's own layouts in
+#: ``memlayout.compile``, the original model in a multi-rank training check) only when faster
+#: by more than this in the median of per-round ratios: noise and near ties keep the default
 KEEP_MARGIN = 0.02
 #: a best median ratio this near the threshold ``1 + margin`` is a close call (``Race.is_close``)
 CLOSE = 0.03
@@ -210,7 +211,7 @@ class Race:
         speeds = self.speeds
         return speeds[name] > speeds.get(default, 1.0) * (1.0 + margin)
 
-    def kept(self, default: str | None = None, margin: float = 0.0) -> str:
+    def kept(self, default: str | None = None, margin: float = KEEP_MARGIN) -> str:
         """The candidate to keep: ``default`` (the reference when ``None`` or when it did
         not run) unless the fastest by median ratio beats it by more than ``margin``; ties go
         to the first listed, the reference first.
@@ -238,11 +239,20 @@ class Race:
         (True, False)
         >>> race(nchw=(1.054, 1.282, 0.876, 0.931, 0.89)).is_close(0.0)
         True
+
+        A tie is not a close call: when every round of the best candidate (at least
+        ``SEQUENTIAL_ROUNDS``) lies within ``margin`` of the reference, either choice costs
+        less than the margin accepts, and more rounds would not change that (:func:`tied`):
+
+        >>> race(nhwc=(1.01, 0.99, 1.015)).is_close(0.02), race(nhwc=(1.01, 0.99, 1.015)).is_close(0.0)
+        (False, True)
         """
         threshold = 1.0 + margin
         if not self.ratios:
             return False
         best = max(self.ratios.values(), key=lambda r: r.median).per_round
+        if tied(best, margin):  # every round within the margin: the choice no longer matters
+            return False
         if abs(statistics.median(best) - threshold) < CLOSE:
             return True
         if len(best) < 2:
@@ -272,6 +282,7 @@ def interleaved(
     on_step: Callable[[int, str], None] | None = None,
     rotate: bool = True,
     stop: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
+    retire: Callable[[Mapping[str, Sequence[float]]], Iterable[str]] | None = None,
 ) -> Comparison:
     """Time every callable in ``fns`` once per round, in turn, for ``rounds`` rounds.
 
@@ -287,6 +298,9 @@ def interleaved(
       go on. ``on_step(round, name)`` is called before each timed sample (progress bars).
     - ``stop(times)``, asked after each round with every mode's seconds so far, ends the run
       early when it answers ``True`` (a sequential test: :func:`separated`).
+    - ``retire(times)``, asked after each round too, names modes that leave the later rounds
+      (their rounds so far are kept; the baseline never leaves): a candidate already out of
+      the running (:func:`behind`) costs no more time.
     """
     if not fns:
         raise ValueError("interleaved() needs at least one callable")
@@ -300,6 +314,7 @@ def interleaved(
     times: dict[str, list[float]] = {n: [] for n in names}
     errors: dict[str, str] = {}
     error_types: dict[str, type[BaseException]] = {}
+    retired: set[str] = set()
 
     def run(name: str, calls: int) -> float | None:
         try:
@@ -320,7 +335,7 @@ def interleaved(
                 break
     order_log: list[tuple[str, ...]] = []
     for r in range(rounds):
-        live = [n for n in names if n not in errors]
+        live = [n for n in names if n not in errors and n not in retired]
         if not live:
             break
         order = tuple(round_order(live, r) if rotate else live)
@@ -333,6 +348,8 @@ def interleaved(
                 times[name].append(t)
         if stop is not None and r + 1 < rounds and stop(times):
             break
+        if retire is not None:
+            retired.update(n for n in retire(times) if n != baseline)
     modes = {n: ModeTiming(n, tuple(times[n]), errors.get(n), error_types.get(n)) for n in names}
     return Comparison(modes, baseline, rounds, repeat, warmup, tuple(order_log))
 
@@ -348,8 +365,10 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
     per-round ratios against ``reference`` lie on one side of the threshold ``1 + margin``,
     their median beyond it by more than ``CLOSE``, and the two fastest candidates beyond it
     are as clearly apart from each other: the rounds left cannot move any of those medians
-    across, so :meth:`Race.kept` keeps what the full race would. A candidate that stopped
-    running (it raised) is left out; with none left running, the race goes on.
+    across, so :meth:`Race.kept` keeps what the full race would. A candidate whose every round
+    lies within ``margin`` of the reference (:func:`tied`) is decided too: whichever is kept,
+    the difference no longer matters. A candidate that stopped running (it raised) is left
+    out; with none left running, the race goes on.
 
     >>> stop = separated("a", 0.02)
     >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.5, 0.52, 0.49]})  # b twice as fast every round
@@ -362,6 +381,8 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
     False
     >>> stop({"a": [1.0, 1.0], "b": [0.5, 0.5]})  # too few rounds
     False
+    >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.99, 1.005, 1.01]})  # a tie within the margin
+    True
     """
     threshold = 1.0 + margin
     least = max(SEQUENTIAL_ROUNDS, rounds // 2 + 1)
@@ -373,7 +394,9 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
     def stop(times: Mapping[str, Sequence[float]]) -> bool:
         own = times.get(reference, ())
         running = {n: t for n, t in times.items() if n != reference and len(t) == len(own)}
-        if not running or not all(apart(round_ratios(own, t), threshold) for t in running.values()):
+        if not running or not all(apart(round_ratios(own, t), threshold)
+                                  or (len(t) >= least and tied(round_ratios(own, t), margin))
+                                  for t in running.values()):
             return False
         faster = sorted((t for t in running.values()
                          if statistics.median(round_ratios(own, t)) > threshold),
@@ -381,6 +404,51 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
         return len(faster) < 2 or apart(round_ratios(faster[1], faster[0]), 1.0)
 
     return stop
+
+
+def tied(ratios: Sequence[float], margin: float) -> bool:
+    """Every one of at least ``SEQUENTIAL_ROUNDS`` per-round ratios lies within ``margin`` of 1
+    (between ``1 / (1 + margin)`` and ``1 + margin``): the two candidates are equal within what
+    a race's margin accepts. Were either truly faster beyond it, each round would fall outside
+    with a probability of a half or more, so all of them inside is the less likely the more
+    rounds there are (an eighth for three).
+
+    >>> tied([0.99, 1.01, 1.015], 0.02), tied([0.99, 1.01, 1.03], 0.02), tied([1.0, 1.0], 0.02)
+    (True, False, False)
+    """
+    return (margin > 0 and len(ratios) >= SEQUENTIAL_ROUNDS
+            and all(1 / (1 + margin) <= r <= 1 + margin for r in ratios))
+
+
+def behind(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS - 1
+           ) -> Callable[[Mapping[str, Sequence[float]]], list[str]]:
+    """A ``retire`` for :func:`interleaved` of ``rounds`` rounds: the candidates already out of
+    the running, once as many rounds as :func:`separated` asks for have run: slower than
+    ``reference`` in every round, their median ratio below the threshold ``1 + margin`` by
+    more than ``CLOSE``. The rounds left could not make one the fastest beyond the threshold,
+    so :meth:`Race.kept` cannot keep it; timing it further only costs time.
+
+    >>> retire = behind("a", 0.02)
+    >>> retire({"a": [1.0, 1.0, 1.0], "slow": [2.0, 1.9, 2.1], "fast": [0.5, 0.5, 0.5]})
+    ['slow']
+    >>> retire({"a": [1.0, 1.0, 1.0], "near": [1.01, 1.02, 0.99]}), retire({"a": [1.0], "slow": [2.0]})
+    ([], [])
+    """
+    threshold = 1.0 + margin
+    least = max(SEQUENTIAL_ROUNDS, rounds // 2 + 1)
+
+    def retire(times: Mapping[str, Sequence[float]]) -> list[str]:
+        own = times.get(reference, ())
+        out = []
+        for name, t in times.items():
+            ratios = round_ratios(own, t)
+            if (name != reference and len(t) == len(own) and len(ratios) >= least
+                    and max(ratios) < threshold
+                    and statistics.median(ratios) <= threshold - CLOSE):
+                out.append(name)
+        return out
+
+    return retire
 
 
 def round_ratios(top: Sequence[float], bottom: Sequence[float]) -> tuple[float, ...]:
@@ -406,6 +474,20 @@ def geomean(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("geomean of no values")
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def centre_and_spread(values: Sequence[float]) -> tuple[float, float]:
+    """The median of ``values`` and their robust standard deviation (1.4826 times the median
+    absolute deviation: a normal sample's standard deviation), what an outlier round or a
+    cost measured under load moves least.
+
+    >>> centre_and_spread([1.0, 2.0, 3.0, 100.0])
+    (2.5, 1.4826)
+    """
+    if not values:
+        raise ValueError("centre of no values")
+    centre = statistics.median(values)
+    return centre, 1.4826 * statistics.median(abs(x - centre) for x in values)
 
 
 #: a timed sample lasts about this long: enough calls of a short op that the clock's and the

@@ -16,7 +16,15 @@ import scipy.stats
 
 from memlayout.machine import Conditions
 from memlayout.plan.check import guard
-from memlayout.timing import SEQUENTIAL_ROUNDS, Race, Ratio, geomean, interleaved, separated
+from memlayout.timing import (
+    KEEP_MARGIN,
+    SEQUENTIAL_ROUNDS,
+    Race,
+    Ratio,
+    geomean,
+    interleaved,
+    separated,
+)
 
 
 class FakeClock:
@@ -210,7 +218,7 @@ def test_a_race_keeps_the_default_unless_the_fastest_median_beats_it_by_the_marg
         want = best if medians[best] > base * (1 + margin) else (
             default if default in medians else "ref")
         assert race.kept(default, margin) == want, (default, margin)
-    assert race.kept() == race.kept("ref", 0.0)
+    assert race.kept() == race.kept("ref", KEEP_MARGIN)
     assert (race.median("b"), race.min("b"), race.max("b")) == (
         statistics.median(rounds["b"]), min(rounds["b"]), max(rounds["b"]))
 
@@ -226,6 +234,10 @@ def test_a_close_call_is_a_median_near_the_threshold_or_quartiles_across_it(marg
     q1, _, q3 = statistics.quantiles(wide, n=4)
     assert _race(x=wide).is_close(margin) == (q1 <= threshold <= q3)
     assert not _race().is_close(margin)  # nothing but the reference ran
+    # every round within the margin of the reference: a tie, whichever is kept (no margin:
+    # no tie, and a median at the threshold is as close as a call gets)
+    tie = tuple(1 + d * margin for d in (0.5, -0.5, 0.0))
+    assert _race(x=tie).is_close(margin) == (margin == 0)
     assert _race(x=near).settled(margin) is False
     assert dataclasses.replace(_race(x=near), extended=True).settled(margin)
 
@@ -243,7 +255,8 @@ def test_a_race_goes_through_json_and_the_records_codec_unchanged():
 @pytest.mark.parametrize(("seconds", "margin", "stops"), [
     ({"ref": 1.0, "fast": 0.5}, 0.02, True),  # twice as fast every round: decided at once
     ({"ref": 1.0, "slow": 2.0}, 0.02, True),  # as clearly slower
-    ({"ref": 1.0, "close": 0.99}, 0.02, False),  # within the close band: all rounds
+    ({"ref": 1.0, "close": 0.975}, 0.02, False),  # within the close band: all rounds
+    ({"ref": 1.0, "tie": 0.99}, 0.02, True),  # every round within the margin: a tie
     ({"ref": 1.0, "fast": 0.5, "faster": 0.49}, 0.02, False),  # the two winners too close
     ({"ref": 1.0, "fast": 0.5, "faster": 0.25}, 0.02, True),
 ])

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import memlayout
 from memlayout.plan.compilers.backend import BackendWarning
-from memlayout.plan.compilers.runners import Runner
+from memlayout.plan.runners import Runner
 from tests.support.torchrun import LAYOUT_WARNINGS, run_worker
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -74,9 +74,9 @@ from memlayout.plan.compare import compare as compare_outputs
 from memlayout.plan.compilers.backend_report import BackendReport
 from memlayout.plan.compilers.backend_report import backend_report as report_backend
 from memlayout.plan.compilers.compiled import compile as plan_and_compile
-from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.pipeline import optimize
+from memlayout.plan.runners import Runner
 from memlayout.plan.steer.steering import prepare_inputs
 from memlayout.tensors import (
     convert_batch,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -26,9 +26,6 @@ from memlayout.layout import Format
 from memlayout.machine import Conditions
 from memlayout.models import load_model
 from memlayout.tensors import iter_tensors
-
-if TYPE_CHECKING:
-    pass
 
 
 @app.command()

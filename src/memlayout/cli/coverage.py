@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -21,9 +21,6 @@ from memlayout.cli.common import (
 )
 from memlayout.errors import MemlayoutError
 from memlayout.layout import Format
-
-if TYPE_CHECKING:
-    pass
 
 
 @app.command()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import torch
 import typer
@@ -13,9 +13,6 @@ from memlayout.cli.app import app
 from memlayout.cli.common import at_least, check_device, console, fail, print_conditions
 from memlayout.errors import MemlayoutError
 from memlayout.machine import Conditions
-
-if TYPE_CHECKING:
-    pass
 
 
 @app.command("bench-data")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -20,9 +20,6 @@ from memlayout.cli.common import (
 from memlayout.errors import MemlayoutError
 from memlayout.models import load_model
 from memlayout.tensors import iter_tensors
-
-if TYPE_CHECKING:
-    pass
 
 
 @app.command()

@@ -32,13 +32,10 @@ from memlayout.plan.graph import Label, Request, planned_ranks
 from memlayout.plan.inputs import format_label
 from memlayout.plan.weights import CONTIGUOUS, CONVERTED, WEIGHTS
 from memlayout.tensors import device_of
+from memlayout.timing import KEEP_MARGIN
 
 #: ``progress(done, total, what)``, called while measuring
 Progress = Callable[[int, int, str], None]
-#: the guard's default margin: ``optimize``'s result must never measure slower than the model
-#: run eagerly in one format, so any median win of one replaces the plan (unlike
-#: ``memlayout.timing.KEEP_MARGIN``, where near ties keep the default)
-PLAN_GUARD_MARGIN = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,7 @@ class PlanOptions:
     #: than ``guard_margin`` (``plan.guard``)
     guard: bool = True
     guard_rounds: int = 5
-    guard_margin: float = PLAN_GUARD_MARGIN
+    guard_margin: float = KEEP_MARGIN
     #: plan a training step: costs forward + backward, verification through one step's
     #: outputs, gradients and running statistics; gradients come back in their parameters'
     #: strides
@@ -161,7 +158,7 @@ class RunOptions:
     refresh: bool = False
     guard: bool = True
     guard_rounds: int = 5
-    guard_margin: float = PLAN_GUARD_MARGIN
+    guard_margin: float = KEEP_MARGIN
     keep_weight_formats: bool = False
     contiguous_weights: bool = False  # every parameter stays contiguous (FSDP's fully_shard)
     max_plans: int = 8
@@ -263,5 +260,5 @@ def _output_label(output_format: str | Format | None) -> Label | Request | None:
     return format_label(output_format, "output_format")
 
 
-__all__ = ["PLAN_GUARD_MARGIN", "PlanOptions", "Progress", "RunOptions", "budget_bytes",
+__all__ = ["PlanOptions", "Progress", "RunOptions", "budget_bytes",
            "run_options"]

@@ -14,7 +14,7 @@ training will. Rank 0 decides from its rounds and every rank keeps the same mode
 models are left in the state they had (buffers, gradients, the RNG).
 
 >>> check = TogetherCheck(Ratio(ORIGINAL, PLANNED, 1.2, (1.2, 1.1, 1.3)), world_size=2)
->>> check.kept, round(check.ratio.median, 2)
+>>> str(check.kept), round(check.ratio.median, 2)
 ('planned', 1.2)
 """
 
@@ -33,13 +33,14 @@ from torch import nn
 from memlayout.devices import seam
 from memlayout.dtypes import autocast
 from memlayout.errors import TrainError
+from memlayout.plan.runners import Runner
 from memlayout.tensors import mean_square_loss
 from memlayout.timing import Race, Ratio, interleaved
 
 #: timed rounds (each model once per round) and training steps per timed call
 ROUNDS = 5
 STEPS = 2
-PLANNED, ORIGINAL = "planned", "original"
+PLANNED, ORIGINAL = Runner.PLAN_EAGER, Runner.ORIGINAL_EAGER
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from memlayout.plan.check import guard
 from memlayout.plan.compilers import backend as b
 from memlayout.plan.compilers import backend_check, backend_inner, backend_plan
 from memlayout.plan.compilers.compiled import inductor_layout_decision
-from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.runners import Runner
 from tests.support.machine import fake_guard_clock
 
 
@@ -314,7 +314,7 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
     # the guard times the compiled plan (made the fastest on a fake clock) against the plan
     # eager and Inductor's own layouts, both compiled and run for real inside the backend's
     # call: a training step, forward and backward
-    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == guard.PLANNED else 1.0)
+    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_COMPILED else 1.0)
     compiled = torch.compile(ours, backend=memlayout.backend(cache=cache, rounds=1))
     out, grads = _train_step(compiled, x)
     want, want_grads = _train_step(theirs, x)
@@ -414,9 +414,7 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     assert _scale_channels_last(cache, 50.0) >= 2
     opened, cost_cache = [], b.CostCache
     monkeypatch.setattr(b, "CostCache", lambda *a, **k: opened.append(a) or cost_cache(*a, **k))
-    names = {Runner.PLAN_COMPILED: guard.PLANNED, Runner.PLAN_EAGER: Runner.PLAN_EAGER,
-             Runner.INDUCTOR_OWN: Runner.INDUCTOR_OWN}
-    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == names[fastest] else 1.0)
+    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == fastest else 1.0)
     for run in ("measured", "cached"):
         compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
         with torch.no_grad():
@@ -707,7 +705,7 @@ def test_the_bench_note_counts_the_weights_of_the_plans_that_run():
     running = [w for g in graphs if g.ran != Runner.INDUCTOR_OWN for w in g.converted_weights]
     assert (f"{len(running)} weights ({sum(size for _, size in running) / 1e6:.3g} MB) "
             "converted per call") in note
-    assert "3 graphs (1 planned, 1 eager, 1 inductor)" in note
+    assert "3 graphs (1 planned+inductor, 1 planned, 1 inductor)" in note
     assert "1 convolutions differ from Inductor's rule: layer1.conv" in note
     assert "the guard timed Inductor's own layouts at up to 2.5x the compiled plan's time" in note
 

@@ -18,7 +18,7 @@ from torch import fx, nn
 import memlayout
 from memlayout.plan.compilers import backend as b
 from memlayout.plan.compilers.backend_graphs import fix_convolution_arguments, is_dynamic
-from memlayout.plan.compilers.runners import Runner
+from memlayout.plan.runners import Runner
 from memlayout.train.fsdp import fsdp_available
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

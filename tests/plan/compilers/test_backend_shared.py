@@ -26,7 +26,7 @@ from memlayout.plan.compilers import backend as b
 from memlayout.plan.compilers import backend_plan
 from memlayout.plan.compilers.backend import BackendWarning
 from memlayout.plan.compilers.backend_shared import Decision, ExchangeFailed, Job, plan_digest
-from memlayout.plan.compilers.runners import Runner
+from memlayout.plan.runners import Runner
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

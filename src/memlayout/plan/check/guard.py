@@ -6,8 +6,8 @@ is timed as a whole model against the original run entirely in one format, exact
 NCHW and eager NHWC run it (weights and inputs converted; outputs as the plan keeps them),
 except a format the plan already runs end to end, interleaved round by round through
 ``memlayout.timing.interleaved``. The plan is kept unless another candidate is faster by
-more than ``margin`` (default ``memlayout.plan.options.PLAN_GUARD_MARGIN``, 0: the faster in
-the median) in the median of the per-round ratios ``planned / candidate``. A close call (the
+more than ``margin`` (default ``memlayout.timing.KEEP_MARGIN``, 2 %: near ties keep the
+plan) in the median of the per-round ratios ``planned / candidate``. A close call (the
 best candidate's median within ``memlayout.timing.CLOSE`` of the threshold ``1 + margin``, or
 its middle half of rounds on both sides of it) is timed for as many rounds again before it
 is decided: on a noisy machine five rounds cannot tell 2 % apart, and the bar is "never below
@@ -29,10 +29,10 @@ The measurement is a :class:`memlayout.timing.Race` with the plan as its referen
 
 >>> def race(**rounds):
 ...     return Race(PLANNED, {n: Ratio(PLANNED, n, 1.0, r) for n, r in rounds.items()}, rounds=3)
->>> race(all_contiguous=(0.8, 0.9, 0.85), all_channels_last=(1.2, 1.3, 1.1)).kept(PLANNED, 0.02)
+>>> str(race(all_contiguous=(0.8, 0.9, 0.85), all_channels_last=(1.2, 1.3, 1.1)).kept(PLANNED))
 'all_channels_last'
 >>> close = race(all_channels_last=(1.01, 1.0, 1.02))
->>> close.kept(PLANNED, 0.02), close.kept(PLANNED, 0.0)
+>>> str(close.kept(PLANNED)), str(close.kept(PLANNED, 0.0))
 ('planned', 'all_channels_last')
 """
 
@@ -59,6 +59,7 @@ from memlayout.plan.graph import KEEP_KEY, META_KEY, Label, Request, value_meta
 from memlayout.plan.inputs import inputs_in
 from memlayout.plan.options import RunOptions
 from memlayout.plan.report.records import GuardRecord, RatioRange, decode
+from memlayout.plan.runners import Runner
 from memlayout.plan.solve.regions import Solution
 from memlayout.plan.steer.build import (
     Build,
@@ -71,9 +72,19 @@ from memlayout.plan.steer.build import (
 )
 from memlayout.plan.steer.state import Formats
 from memlayout.tensors import iter_tensors, mean_square_loss
-from memlayout.timing import ModeTiming, Race, Ratio, interleaved, separated
+from memlayout.timing import (
+    Comparison,
+    ModeTiming,
+    Race,
+    Ratio,
+    behind,
+    interleaved,
+    round_ratios,
+    separated,
+)
 
-PLANNED = "planned"
+#: the plan run eagerly, the race's reference
+PLANNED = Runner.PLAN_EAGER
 #: predicted / measured planned time above which the cost table is suspect. The table leaves
 #: out what runs between the layout nodes (elementwise ops, dispatch, Python) and takes each
 #: op's fastest round, so it predicts less than the model takes (docs/benchmarks.md has the
@@ -83,9 +94,9 @@ PLANNED = "planned"
 SUSPECT = 3.0
 #: the form of a stored race (``timing.Race``), in every key a race is stored under, so a record
 #: stored in another form is not read
-RACE = "race"
+RACE = "race v2"
 #: eager in one format -> its label
-UNIFORM = {"all_contiguous": Label.CONTIGUOUS, "all_channels_last": Label.CHANNELS_LAST}
+UNIFORM = {Runner.ALL_CONTIGUOUS: Label.CONTIGUOUS, Runner.ALL_CHANNELS_LAST: Label.CHANNELS_LAST}
 
 
 def signature(graphs: list[tuple[str, fx.GraphModule, Mapping[str, Label]]],
@@ -154,9 +165,10 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
                on_step: Callable[[int, str], None] | None = None,
                margin: float | None = None, reference: str = PLANNED) -> Race:
     """Time ``fns[reference]`` and the other steps interleaved, each a whole call as it will
-    run; with ``margin``, the rounds end early once the candidates are apart beyond the noise
-    (``memlayout.timing.separated``), and a close call (``Race.is_close``) is timed for
-    ``rounds`` rounds more. The :class:`Race` :func:`time_candidates` describes."""
+    run; with ``margin`` (the decision being ``race.kept(reference, margin)``), the rounds end
+    early once the candidates are apart beyond the noise or tied (``memlayout.timing.separated``),
+    a candidate out of the running leaves them (``memlayout.timing.behind``), and a close call
+    (``Race.is_close``) is timed for ``rounds`` rounds more. The :class:`Race` :func:`time_candidates` describes."""
     before = Conditions.now()
     sync = seam(device).synchronize
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
@@ -169,22 +181,34 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     runs = [probe] if repeat == 1 else []
     if reference in live and rounds > len(runs):
         # with a margin, the rounds stop as soon as more cannot change the decision
+        # and a candidate out of the running leaves them
         stop = separated(reference, margin, rounds - len(runs)) if margin is not None else None
+        retire = behind(reference, margin, rounds - len(runs)) if margin is not None else None
         runs.append(interleaved(live, rounds=rounds - len(runs), warmup=0, repeat=repeat,
-                                baseline=reference, sync=sync, on_step=on_step, stop=stop))
+                                baseline=reference, sync=sync, on_step=on_step, stop=stop,
+                                retire=retire))
+
+    def run_times(c: Comparison, name: str) -> tuple[float, ...]:
+        return c.modes[name].times if name in c.modes else ()  # retired: not in later runs
 
     def times(name: str) -> tuple[float, ...]:
-        return tuple(t for c in runs for t in c[name].times)
+        return tuple(t for c in runs for t in run_times(c, name))
+
+    def ratio(name: str) -> Ratio | None:
+        # rounds paired within each run: a retired candidate ran fewer rounds in one
+        per_round = tuple(r for c in runs
+                          for r in round_ratios(run_times(c, reference), run_times(c, name)))
+        whole = Ratio.of_times(reference, name, times(reference), times(name))
+        return dataclasses.replace(whole, per_round=per_round) if whole and per_round else None
 
     def race(extended: bool = False) -> Race:
         errors = {n: t.error for c in (probe, *runs) for n, t in c.modes.items() if t.error}
         ratios: dict[str, Ratio] = {}
         if reference not in errors:
             for name in live:
-                ratio = (Ratio.of_times(reference, name, times(reference), times(name))
-                         if name != reference and name not in errors else None)
-                if ratio is not None:
-                    ratios[name] = ratio
+                made = ratio(name) if name != reference and name not in errors else None
+                if made is not None:
+                    ratios[name] = made
         # noise anywhere in the run counts
         conditions = busier(before, Conditions.now())
         own = ModeTiming(reference, times(reference) if reference in live else ())
@@ -196,8 +220,10 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     first = race()
     if margin is None or first.errors or not first.is_close(margin):
         return first
-    runs.append(interleaved(live, rounds=rounds, warmup=0, repeat=repeat, baseline=reference,
-                            sync=sync, on_step=on_step))
+    running = {n: f for n, f in live.items()  # not the ones retired as out of the running
+               if len(runs[-1][n].times) == len(runs[-1][reference].times)}
+    runs.append(interleaved(running, rounds=rounds, warmup=0, repeat=repeat,
+                            baseline=reference, sync=sync, on_step=on_step))
     return race(extended=True)
 
 

@@ -143,8 +143,8 @@ from memlayout.plan.compilers.backend_shared import (
     job_of,
     plan_digest,
 )
-from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.runners import Runner
 from memlayout.tensors import device_of
 from memlayout.timing import KEEP_MARGIN
 

@@ -23,9 +23,9 @@ from memlayout.plan.check import guard
 from memlayout.plan.check.training import Step, agree, training_loss
 from memlayout.plan.compare import float64
 from memlayout.plan.compilers.backend_graphs import copy_graph, fresh_inputs, op_name
-from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import measured_on
+from memlayout.plan.runners import Runner
 from memlayout.tensors import clone_inputs, iter_tensors
 from memlayout.timing import Race
 

@@ -26,8 +26,8 @@ from memlayout.plan.compilers.backend_graphs import (
     copy_graph,
     grads_in_parameter_strides,
 )
-from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.runners import Runner
 from memlayout.timing import KEEP_MARGIN, Race
 
 if TYPE_CHECKING:

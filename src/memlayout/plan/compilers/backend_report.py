@@ -27,9 +27,9 @@ from typing import Any
 from torch import fx
 
 from memlayout.plan.compilers.backend_graphs import CONVOLUTIONS, module_path, op_name
-from memlayout.plan.compilers.runners import Runner
 from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import LABELS, META_KEY, Label
+from memlayout.plan.runners import Runner
 from memlayout.timing import KEEP_MARGIN
 
 log = logging.getLogger("memlayout.backend")
@@ -105,8 +105,8 @@ class GraphRecord:
     """One graph Dynamo handed to the backend and what became of it.
 
     ``graph``: Dynamo's compile id (``frame/recompile``); ``planned``: whether a plan was made
-    (``reason`` says why not); ``ran``: what runs it, a ``Runner``: ``"planned"`` (the plan
-    compiled, Inductor's layout optimization off), ``"eager"`` (the plan run eagerly:
+    (``reason`` says why not); ``ran``: what runs it, a ``Runner``: ``"planned+inductor"``
+    (the plan compiled, Inductor's layout optimization off), ``"planned"`` (the plan run eagerly:
     ``inner="eager"``, or it measured faster), ``"inductor"`` (Inductor's own layouts: not
     planned, a plan dropped, or they measured faster), ``"eager (as given)"`` (the graph as
     given run eagerly: ``inner="eager"``, not planned); ``inductor_rule``: Inductor's

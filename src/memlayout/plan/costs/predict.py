@@ -33,7 +33,6 @@ import hashlib
 import itertools
 import json
 import math
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ from torch import fx
 
 from memlayout.plan.costs.analytical import _convolution_work, analytical_seconds
 from memlayout.plan.graph import node_target_name
+from memlayout.timing import centre_and_spread
 
 #: standard deviations (of the log ratios) each prediction's interval spans either way
 Z = 3.0
@@ -108,7 +108,8 @@ class CostModel:
             logs_q = [math.log((s.m1 / s.m0) / (s.a1 / s.a0)) for s in pairs.values()]
             everything += logs0
             n = len(logs0)
-            centre0, centre_q = statistics.median(logs0), statistics.median(logs_q)
+            centre0, sigma0 = centre_and_spread(logs0)
+            centre_q, sigma_q = centre_and_spread(logs_q)
             if n < MIN_SAMPLES:
                 kinds[kind] = KindFit(math.exp(centre0), math.exp(centre_q), PRIOR_SIGMA,
                                       PRIOR_SIGMA, n)
@@ -116,9 +117,8 @@ class CostModel:
             widen = math.sqrt(1 + 1 / n)
             kinds[kind] = KindFit(
                 math.exp(centre0), math.exp(centre_q),
-                max(SIGMA_FLOOR, _robust_sigma(logs0, centre0) * widen),
-                max(SIGMA_FLOOR, _robust_sigma(logs_q, centre_q) * widen), n)
-        prior = math.exp(statistics.median(everything)) if everything else 1.0
+                max(SIGMA_FLOOR, sigma0 * widen), max(SIGMA_FLOOR, sigma_q * widen), n)
+        prior = math.exp(centre_and_spread(everything)[0]) if everything else 1.0
         return cls(kinds, prior)
 
     def predict(self, kind: str, analytic: tuple[float | None, float | None]) -> Predicted:
@@ -139,11 +139,6 @@ class CostModel:
             (rho * math.exp(-Z * fit.sigma_q), rho * math.exp(Z * fit.sigma_q)))]
         width = max(abs(max(corners) - delta), abs(delta - min(corners)))
         return Predicted((c0, c0 * rho), width)
-
-
-def _robust_sigma(logs: list[float], centre: float) -> float:
-    """1.4826 times the median absolute deviation: a normal sample's standard deviation."""
-    return 1.4826 * statistics.median(abs(x - centre) for x in logs)
 
 
 def op_kind(gm: fx.GraphModule, n: fx.Node) -> str:

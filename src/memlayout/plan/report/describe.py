@@ -27,6 +27,7 @@ from memlayout.plan.report.records import (
     PadChoice,
     Price,
 )
+from memlayout.plan.runners import Runner
 
 _METHODS = {"tensor_lifetime": "tensor-lifetime count", "cuda_allocator": "CUDA allocator"}
 
@@ -141,11 +142,11 @@ def compiled_summary(c: CompiledRecord) -> str:
     """What ``memlayout.compile`` kept in one line."""
     decision = {True: "channels-last for every 2-d convolution", False: "off",
                 None: "unknown"}[c.inductor_layout_opt]
-    kept = {"planned": "the plan, compiled with Inductor's layout_optimization off "
+    kept = {Runner.PLAN_COMPILED: "the plan, compiled with Inductor's layout_optimization off "
                        "(the plan's strides stand)",
-            "inductor": "torch.compile of the original model with the compile settings "
+            Runner.INDUCTOR_OWN: "torch.compile of the original model with the compile settings "
                         "given (Inductor chooses the layouts; the plan above is not applied)",
-            "inductor+freezing": "torch.compile of the original model with Inductor's freezing "
+            Runner.INDUCTOR_FROZEN: "torch.compile of the original model with Inductor's freezing "
                                  "(weights folded and prepacked; the plan above is not applied)"}
     what = kept.get(c.kept, f"the {c.kept} runtime's model (its own copy of the weights)")
     if c.kept in c.precision:

@@ -17,6 +17,7 @@ from typing import Any
 
 from memlayout.errors import PlanError
 from memlayout.machine import Conditions
+from memlayout.plan.runners import Runner
 from memlayout.timing import Ratio
 
 SCHEMA = 1  # the version of the plan's JSON
@@ -377,7 +378,7 @@ class CompiledRecord(Record):
     repeat: int = 1
     reason: str = ""
     seconds: float = 0.0
-    baseline: str = "planned"  # the candidate the ratios are taken against
+    baseline: str = Runner.PLAN_COMPILED  # the candidate the ratios are taken against
     precision: dict[str, str] = field(default_factory=dict)  # what each candidate computes in
     unavailable: dict[str, str] = field(default_factory=dict)  # candidates not built, and why
     input_format: str | None = None  # the format ``prepare_inputs`` gives (None: as given)
