@@ -70,7 +70,11 @@ def main() -> None:
     seconds = time.perf_counter() - start
     print(f"{args.backend} {args.model} {args.task} {args.dtype}: first call {seconds:.2f} s")
     if args.backend == "memlayout":
-        print(memlayout.backend_report().price())
+        report = memlayout.backend_report()
+        print(report.price())
+        print("graphs: " + "; ".join(
+            f"{g.graph} {g.ran}, {len(g.differing)} of {len(g.convolutions)} convolutions "
+            "planned otherwise than Inductor's rule" for g in report.graphs))
     sys.stdout.flush()
 
 
