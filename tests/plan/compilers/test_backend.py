@@ -447,25 +447,44 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     assert len(rules) == 1
 
 
-def test_inductors_own_is_timed_even_where_every_convolution_agrees_with_its_rule(
-        monkeypatch, tmp_path):
+@pytest.mark.parametrize("train", [False, True])
+def test_a_plan_that_agrees_with_inductors_rule_runs_inductors_own_untimed_in_inference(
+        monkeypatch, tmp_path, train):
     """Inductor's rule stated off (convolutions keep their traced strides) and the plan
-    contiguous: no convolution differs, yet the layouts between them may, so Inductor's own
-    is timed too, and kept where it is faster."""
+    contiguous: no convolution differs. In inference the two programs differ at most between
+    the convolutions: Inductor's own runs, compiled once, nothing timed, the plan neither
+    compiled nor verified. In training the plan also decides the gradients' strides: the
+    guard times Inductor's own against it, and keeps it where it is faster."""
     monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: False)
-    model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
+    model, x = _plain(), torch.randn(2, 3, 12, 12)
+    model.train(train)
     cache = str(tmp_path / "costs.sqlite")
-    _measure_into(cache, model, x, train=False)
+    _measure_into(cache, model, x, train=train)
     _scale_channels_last(cache, 50.0)
     asked = _spied_inner(monkeypatch)
+    verified = []
+    monkeypatch.setattr(backend_check, "verify_graph",
+                        lambda *a, real=backend_check.verify_graph, **k: verified.append(1)
+                        or real(*a, **k))
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.INDUCTOR_OWN else 1.0)
-    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), model(x))
+    ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(ours, backend=memlayout.backend(cache=cache))
+    if train:
+        (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(theirs, x)
+        torch.testing.assert_close(grads, want_grads)
+    else:
+        with torch.no_grad():
+            out, want = compiled(x), theirs(x)
+    torch.testing.assert_close(out, want)
     (graph,) = memlayout.backend_report().graphs
-    assert not graph.differing and graph.ran == Runner.INDUCTOR_OWN
-    assert {how for how, _ in graph.timed} == {Runner.PLAN_EAGER, Runner.INDUCTOR_OWN}
-    assert asked == [backend_inner.PLAN_STANDS, {}]
+    assert graph.planned and graph.convolutions and not graph.differing
+    assert graph.ran == Runner.INDUCTOR_OWN
+    if train:
+        assert {how for how, _ in graph.timed} == {Runner.PLAN_EAGER, Runner.INDUCTOR_OWN}
+        assert asked == [backend_inner.PLAN_STANDS, {}] and verified
+    else:
+        assert graph.timed == () and graph.verification == b.AGREES
+        assert asked == [{}] and not verified  # Inductor's own, once: the plan not built
 
 
 def _no_timing(*args, **kwargs):

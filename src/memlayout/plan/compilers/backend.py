@@ -37,6 +37,12 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    decided before builds only the way that runs (the plan is neither compiled nor verified
    where Inductor's own was kept; where the eager plan was, that is what is verified).
    Inductor's rule for the report (``inductor_rule``, a trace to aten) is cached the same way.
+   An inference graph whose plan puts every convolution in the format Inductor's rule gives
+   it (``agrees_with_inductor``) is not timed: the two programs differ at most between the
+   convolutions, by less than a race on a few rounds can tell, so the guard keeps what
+   ``torch.compile`` alone runs, Inductor's own layouts, and the plan is neither compiled
+   nor verified (its record says so). A training graph is guarded as above: there the plan
+   also decides the gradients' strides (DDP's buckets compare them).
 
 Parameters are graph inputs here (Dynamo lifts them), so a weight planned in another format
 than it is stored in is converted on every call, and in training its gradient is converted
@@ -487,6 +493,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                          inductor_rule=rule,
                                          plan_seconds=time.perf_counter() - start))
     plan_seconds = time.perf_counter() - start
+    if not train and options.guard and options.measure and agrees_with_inductor(planned):
+        fn = unplanned(given, example_inputs, options, dtype, device)[0]
+        return _Compiled(fn, GraphRecord(
+            **head, planned=True, inductor_rule=rule, convolutions=planned.convolutions,
+            conversions=planned.conversions, converted_weights=planned.weights,
+            measured=planned.table.measured, cached=planned.table.cached,
+            plan_seconds=plan_seconds, ran=Runner.INDUCTOR_OWN,
+            verification=AGREES, compile_seconds=time.perf_counter() - start - plan_seconds))
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     record = {**head, "planned": True, "inductor_rule": rule,
               "convolutions": planned.convolutions, "conversions": planned.conversions,
@@ -528,6 +542,51 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                      compile_seconds=time.perf_counter() - start - plan_seconds),
                      planned if runs else None,
                      graph_signature(eager_graph, inputs) if runs else "")
+
+
+#: the record's verification of a graph whose plan agrees with Inductor's rule
+AGREES = ("the plan not run: its convolutions' formats save less than the keep margin over "
+          "Inductor's rule's, by their measured costs, so Inductor's own layouts run, not "
+          "timed against it")
+FORMATS = ("contiguous", "channels_last")  # the order of a convolution's ``seconds``
+
+
+def agrees_with_inductor(planned: Planned, margin: float = KEEP_MARGIN) -> bool:
+    """Whether the plan's convolutions (one at least, each with a format Inductor's rule
+    states) would save less than ``margin`` of their time in the formats the rule gives them:
+    by their costs, the convolutions where the two differ cost less in the plan's format
+    than in Inductor's by less than ``margin`` times every convolution's planned time (so
+    each agreeing, or a difference within the costs' own noise). The conversions the plan
+    needs around them are left out: they only make its gain smaller.
+
+    >>> from memlayout.plan.compilers.backend_report import ConvolutionChoice
+    >>> def conv(planned, inductor, seconds=(1.0, 1.0)):
+    ...     return ConvolutionChoice("c", "conv2d", (1, 3, 8, 8), planned, inductor, seconds, True)
+    >>> def plan(*convolutions):
+    ...     return Planned(None, None, 0, convolutions)
+    >>> cl, c = "channels_last", "contiguous"
+    >>> agrees_with_inductor(plan(conv(cl, cl), conv(c, c)))
+    True
+    >>> agrees_with_inductor(plan(*[conv(cl, cl)] * 9, conv(c, cl, (0.99, 1.0))))  # 1 % of 10 s
+    True
+    >>> agrees_with_inductor(plan(conv(cl, cl), conv(c, cl, (0.5, 1.0))))  # 0.5 s of 1.5 s
+    False
+    >>> agrees_with_inductor(plan()), agrees_with_inductor(plan(conv(cl, None)))
+    (False, False)
+    """
+    convolutions = planned.convolutions
+    if not convolutions or any(c.inductor is None or c.planned is None for c in convolutions):
+        return False
+    total, gain = 0.0, 0.0
+    for c in convolutions:
+        seconds = dict(zip(FORMATS, c.seconds or (None, None), strict=True))
+        mine, theirs = seconds.get(c.planned), seconds.get(c.inductor)
+        if c.differs:
+            if mine is None or theirs is None:
+                return False  # no cost to weigh: not known to agree
+            gain += theirs - mine
+        total += mine or 0.0
+    return gain <= margin * total
 
 
 def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,

@@ -71,9 +71,11 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
     the plan compiled (``fn``, kept unless another is faster by more than ``KEEP_MARGIN``),
     the plan run eagerly, and ``gm`` compiled by Inductor with its own layouts: what
-    ``torch.compile`` alone would run. That one is timed even where every convolution's
-    planned format is the one Inductor's rule gives it: the layouts between them (attention,
-    normalization, conversions) differ too, and can cost more than the convolutions save.
+    ``torch.compile`` alone would run. In training that one is timed even where every
+    convolution's planned format is the one Inductor's rule gives it: the layouts between
+    them (attention, normalization, conversions) and the gradients' strides differ too, and
+    can cost more than the convolutions save (an inference graph that agrees runs Inductor's
+    own untimed: ``backend.agrees_with_inductor``).
     Returns the function, what runs it and each other way's median ratio (the compiled
     plan's time over its); ``spent[Runner.INDUCTOR_OWN]``: the seconds Inductor's own compile took
     (what ``torch.compile`` alone spends on the graph)."""
