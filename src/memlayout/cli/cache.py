@@ -6,7 +6,7 @@ import contextlib
 import datetime
 import sqlite3
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -102,6 +102,21 @@ def cache_prune(
                           markup=False, highlight=False)
 
 
+def _with_table(path: str | None, how: Callable[[Any], Any], **opening: bool
+                ) -> tuple[Any, Path]:
+    """``how(store)`` on the cache at ``path`` (opened as ``_cache_store(path, **opening)``)
+    and the cache's file; a refused cost table (``CostTableError``) is one error line."""
+    from memlayout.plan.costs.cache import CostTableError
+
+    with _cache_store(path, **opening) as opened:
+        assert opened is not None
+        store, file = opened
+        try:
+            return how(store), file
+        except CostTableError as exc:
+            fail(exc)
+
+
 @cache_app.command("clear")
 def cache_clear(
     path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
@@ -121,7 +136,7 @@ def cache_export(
     path: Annotated[str | None, typer.Option(help=CACHE_HELP)] = None,
 ) -> None:
     """Write this machine's entries to PATH, for machines of its fingerprint to import."""
-    from memlayout.plan.costs.cache import CostTableError, cache_path
+    from memlayout.plan.costs.cache import cache_path
 
     file = Path(path) if path else cache_path()
     try:
@@ -133,21 +148,16 @@ def cache_export(
                              "first, or give --path")
     except MemlayoutError as exc:
         fail(exc)
-    with _cache_store(path, readonly=True) as opened:
-        assert opened is not None
-        store, file = opened
-        try:
-            report = store.export_table(table, busy=busy)
-        except CostTableError as exc:
-            fail(exc)
-        left = [f"{n} {what}" for n, what in (
-            (report.busy, "taken on a busy machine (--busy exports them)"),
-            (report.other_machines, "of other machines"),
-            (report.unreadable, "unreadable")) if n]
-        console.print(f"exported {report.exported} entries from {file} to {report.path}"
-                      + (f"; left out {', '.join(left)}" if left else ""),
-                      markup=False, highlight=False)
-        console.print(f"fingerprint: {report.fingerprint}", markup=False, highlight=False)
+    report, file = _with_table(path, lambda store: store.export_table(table, busy=busy),
+                               readonly=True)
+    left = [f"{n} {what}" for n, what in (
+        (report.busy, "taken on a busy machine (--busy exports them)"),
+        (report.other_machines, "of other machines"),
+        (report.unreadable, "unreadable")) if n]
+    console.print(f"exported {report.exported} entries from {file} to {report.path}"
+                  + (f"; left out {', '.join(left)}" if left else ""),
+                  markup=False, highlight=False)
+    console.print(f"fingerprint: {report.fingerprint}", markup=False, highlight=False)
 
 
 @cache_app.command("import")
@@ -163,16 +173,10 @@ def cache_import(
         read_cost_table(table, machine=fingerprint())  # refused before a cache is created
     except CostTableError as exc:
         fail(exc)
-    with _cache_store(path, create=True) as opened:
-        assert opened is not None
-        store, file = opened
-        try:
-            report = store.import_table(table)
-        except CostTableError as exc:
-            fail(exc)
-        console.print(f"imported {report.imported} entries into {file} ({report.added} new, "
-                      f"{report.replaced} replacing older ones); skipped {report.skipped} "
-                      "where the cache's own is as new or newer", markup=False, highlight=False)
+    report, file = _with_table(path, lambda store: store.import_table(table), create=True)
+    console.print(f"imported {report.imported} entries into {file} ({report.added} new, "
+                  f"{report.replaced} replacing older ones); skipped {report.skipped} "
+                  "where the cache's own is as new or newer", markup=False, highlight=False)
 
 
 def render(summary: CacheSummary, console: Any) -> None:

@@ -161,14 +161,21 @@ def first_inputs(model: nn.Module, inputs: Sequence[Any], modules: Mapping[str, 
         if key not in seen and args and isinstance(args[0], torch.Tensor):
             seen[key] = args[0].detach().clone(memory_format=torch.preserve_format)
 
-    handles = [m.register_forward_pre_hook(partial(hook, key)) for key, m in modules.items()]
+    run_hooked(model, inputs, [m.register_forward_pre_hook(partial(hook, key))
+                               for key, m in modules.items()], dtype=dtype, device=device)
+    return seen
+
+
+def run_hooked(model: nn.Module, inputs: Sequence[Any], handles: Sequence[Any], *,
+               dtype: torch.dtype | None, device: torch.device) -> None:
+    """Run ``model`` once on copies of ``inputs`` (no grad, autocast for ``dtype``) for what
+    its hooks (``handles``) see; the hooks are removed after, whatever happens."""
     try:
         with torch.no_grad(), autocast(device, dtype):
             model(*clone_inputs(inputs))
     finally:
         for h in handles:
             h.remove()
-    return seen
 
 
 def _version(value: Any) -> int | None:

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from memlayout.dtypes import autocast
+from memlayout.plan.capture.calls import run_hooked
 from memlayout.plan.graph import Label
 from memlayout.plan.solve.boundaries import OUT
 from memlayout.plan.solve.regions import Solution
-from memlayout.tensors import clone_inputs, format_of, in_format
+from memlayout.tensors import format_of, in_format
 
 
 def expected_results(solution: Solution) -> dict[str, dict[int, int]]:
@@ -61,12 +61,7 @@ def realized_differences(module: nn.Module, inputs: tuple[Any, ...], solution: S
                     if text is not None and text not in found:
                         found.append(text)
         handles.append(target.register_forward_hook(hook))
-    try:
-        with torch.no_grad(), autocast(device, dtype):
-            module(*clone_inputs(inputs))
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(module, inputs, handles, dtype=dtype, device=device)
     return found
 
 
