@@ -113,5 +113,22 @@ def monai_unet3d():
     return model.eval(), (torch.randn(1, 1, 64, 64, 64, generator=gen),)
 
 
+def yolov8n():
+    """ultralytics ``DetectionModel`` from its packaged ``yolov8n.yaml`` (80 classes), one
+    640x640 image, in eval mode (the detection head's decoded boxes out)."""
+    import os
+    import tempfile
+
+    # offline and quiet, its settings file in a folder of its own (before its import)
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    os.environ.setdefault("YOLO_VERBOSE", "False")
+    os.environ.setdefault("YOLO_CONFIG_DIR", tempfile.mkdtemp(prefix="ultralytics-"))
+    from ultralytics.nn.tasks import DetectionModel
+
+    gen = _seeded()
+    model = DetectionModel("yolov8n.yaml", verbose=False)
+    return model.eval(), (torch.randn(1, 3, 640, 640, generator=gen),)
+
+
 MODELS = ("ddpm_unet", "sd_vae", "small_sd_unet", "smp_unet", "smp_deeplabv3plus",
-          "mobilevitv2", "coatnet", "monai_unet3d")
+          "mobilevitv2", "coatnet", "monai_unet3d", "yolov8n")
