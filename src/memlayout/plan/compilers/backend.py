@@ -41,8 +41,9 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    it (``agrees_with_inductor``) is not timed: the two programs differ at most between the
    convolutions, by less than a race on a few rounds can tell, so the guard keeps what
    ``torch.compile`` alone runs, Inductor's own layouts, and the plan is neither compiled
-   nor verified (its record says so). A training graph is guarded as above: there the plan
-   also decides the gradients' strides (DDP's buckets compare them).
+   nor verified (its record says so). A training graph that agrees is guarded as above
+   without Inductor's own: there the plan also decides the gradients' strides (DDP's buckets
+   compare them), and the plan run eagerly can beat any compiled step.
 
 Parameters are graph inputs here (Dynamo lifts them), so a weight planned in another format
 than it is stored in is converted on every call, and in training its gradient is converted
@@ -124,6 +125,7 @@ from memlayout.plan.compilers.backend_graphs import (
 )
 from memlayout.plan.compilers.backend_inner import (
     DYNAMO_SIGNALS,
+    WAYS,
     as_given,
     built_and_checked,
     ddp_split,
@@ -493,7 +495,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                          inductor_rule=rule,
                                          plan_seconds=time.perf_counter() - start))
     plan_seconds = time.perf_counter() - start
-    if not train and options.guard and options.measure and agrees_with_inductor(planned):
+    agrees = agrees_with_inductor(planned)
+    if not train and options.guard and options.measure and agrees:
         fn = unplanned(given, example_inputs, options, dtype, device)[0]
         return _Compiled(fn, GraphRecord(
             **head, planned=True, inductor_rule=rule, convolutions=planned.convolutions,
@@ -508,8 +511,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
               "measured": planned.table.measured, "cached": planned.table.cached,
               "plan_seconds": plan_seconds}
     # the guard decided this graph before (the cost cache): build only what will run
+    # a plan that agrees with Inductor's rule by its costs: Inductor's own is not raced
+    ways = [w for w in WAYS if not (agrees and w == Runner.INDUCTOR_OWN)]
     known = known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
-                            device=device)
+                            device=device, ways=ways)
     kept = known.kept(Runner.PLAN_COMPILED, KEEP_MARGIN) if known is not None else None
     if kept == Runner.INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
         fn = unplanned(given, example_inputs, options, dtype, device)[0]
@@ -533,7 +538,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         guarding, spent = time.perf_counter(), {}
         fn, ran, timed = fastest_way(fn, given, eager_graph, example_inputs, inputs, options,
                                      store, train=train, dtype=dtype, device=device,
-                                     spent=spent)
+                                     spent=spent, ways=ways)
         record["guard_seconds"] = time.perf_counter() - guarding
         record["own_compile_seconds"] = spent.get(Runner.INDUCTOR_OWN)
     runs = ran in (Runner.PLAN_COMPILED, Runner.PLAN_EAGER)

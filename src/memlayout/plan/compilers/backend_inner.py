@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,11 +48,12 @@ DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame
 
 def known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Backend,
                     store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
-                    device: torch.device) -> Race | None:
-    """The guard's cached race for this planned graph, if the guard runs and one stands."""
+                    device: torch.device, ways: Sequence[Runner] = WAYS) -> Race | None:
+    """The guard's cached race of ``ways`` for this planned graph, if the guard runs and one
+    stands."""
     if options.inner == "eager" or not (options.guard and options.measure) or store is None:
         return None
-    return cached_guard(WAYS, eager_graph, inputs, store=store, margin=KEEP_MARGIN,
+    return cached_guard(list(ways), eager_graph, inputs, store=store, margin=KEEP_MARGIN,
                         train=train, dtype=dtype, device=device,
                         compiled_as=options.compiled_as)
 
@@ -66,7 +67,8 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
              example_inputs: list[Any], inputs: list[Any], options: Backend,
              store: CostCache | None, *,
              train: bool, dtype: torch.dtype | None,
-             device: torch.device, spent: dict[str, float] | None = None
+             device: torch.device, spent: dict[str, float] | None = None,
+             ways: Sequence[Runner] = WAYS
              ) -> tuple[Callable[..., Any], Runner, tuple[tuple[str, float], ...]]:
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
     the plan compiled (``fn``, kept unless another is faster by more than ``KEEP_MARGIN``),
@@ -74,8 +76,10 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     ``torch.compile`` alone would run. In training that one is timed even where every
     convolution's planned format is the one Inductor's rule gives it: the layouts between
     them (attention, normalization, conversions) and the gradients' strides differ too, and
-    can cost more than the convolutions save (an inference graph that agrees runs Inductor's
-    own untimed: ``backend.agrees_with_inductor``).
+    can cost more than the convolutions save, unless ``ways`` leaves it out (a training graph
+    whose plan saves less than the margin over Inductor's rule by its costs: then only the
+    plan compiled and eager are raced; an inference graph that agrees runs Inductor's own
+    untimed: ``backend.agrees_with_inductor``).
     Returns the function, what runs it and each other way's median ratio (the compiled
     plan's time over its); ``spent[Runner.INDUCTOR_OWN]``: the seconds Inductor's own compile took
     (what ``torch.compile`` alone spends on the graph)."""
@@ -94,6 +98,7 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
         Runner.PLAN_COMPILED: lambda: fn,
         Runner.PLAN_EAGER: lambda: eager_run(eager_graph, options, device),
         Runner.INDUCTOR_OWN: own}
+    makers = {way: make for way, make in makers.items() if way in ways}
     race = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
                        margin=KEEP_MARGIN, train=train, dtype=dtype, device=device,
                        compiled_as=options.compiled_as)
