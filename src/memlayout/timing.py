@@ -297,10 +297,8 @@ def interleaved(
     - a mode that raises is recorded with its error and dropped from later rounds; the others
       go on. ``on_step(round, name)`` is called before each timed sample (progress bars).
     - ``stop(times)``, asked after each round with every mode's seconds so far, ends the run
-      early when it answers ``True`` (a sequential test: :func:`separated`).
-    - ``retire(times)``, asked after each round too, names modes that leave the later rounds
-      (their rounds so far are kept; the baseline never leaves): a candidate already out of
-      the running (:func:`behind`) costs no more time.
+      early when it answers ``True`` (:func:`separated`); ``retire(times)`` names modes that
+      leave the later rounds, their rounds kept, never the baseline (:func:`behind`).
     """
     if not fns:
         raise ValueError("interleaved() needs at least one callable")

@@ -485,7 +485,7 @@ def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_o
         assert asked == [backend_inner.PLAN_STANDS] and verified
     else:
         assert graph.ran == Runner.INDUCTOR_OWN
-        assert graph.timed == () and graph.verification == b.AGREES
+        assert graph.timed == () and graph.verification == backend_plan.AGREES
         assert asked == [{}] and not verified  # Inductor's own, once: the plan not built
 
 

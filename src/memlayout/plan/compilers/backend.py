@@ -37,11 +37,12 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    decided before builds only the way that runs (the plan is neither compiled nor verified
    where Inductor's own was kept; where the eager plan was, that is what is verified).
    Inductor's rule for the report (``inductor_rule``, a trace to aten) is cached the same way.
-   An inference graph whose plan puts every convolution in the format Inductor's rule gives
-   it (``agrees_with_inductor``) is not timed: the two programs differ at most between the
-   convolutions, by less than a race on a few rounds can tell, so the guard keeps what
-   ``torch.compile`` alone runs, Inductor's own layouts, and the plan is neither compiled
-   nor verified (its record says so). A training graph that agrees is guarded as above
+   An inference graph whose plan agrees with Inductor's rule by its costs
+   (``agrees_with_inductor``: the convolutions it puts in another format would save less
+   than ``KEEP_MARGIN`` of their time) is not timed: the two programs then differ by about
+   what a race on a few rounds cannot tell, so the guard keeps what ``torch.compile`` alone
+   runs, Inductor's own layouts, and the plan is neither compiled nor verified (its record
+   says so). A training graph that agrees is guarded as above
    without Inductor's own: there the plan also decides the gradients' strides (DDP's buckets
    compare them), and the plan run eagerly can beat any compiled step.
 
@@ -137,7 +138,9 @@ from memlayout.plan.compilers.backend_inner import (
     unplanned,
 )
 from memlayout.plan.compilers.backend_plan import (
+    AGREES,
     Planned,
+    agrees_with_inductor,
     cached_rule,
     inductor_rule,
     plan_graph,
@@ -150,6 +153,7 @@ from memlayout.plan.compilers.backend_shared import (
     exchange,
     job_of,
     plan_digest,
+    untakeable,
 )
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.runners import Runner
@@ -361,7 +365,8 @@ def _follow(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
             raise signals[decision.signal](f"rank {job.decider} raised it compiling graph {graph}")
         raise PlanError(f"memlayout backend: rank {job.decider} failed to compile graph "
                         f"{graph} (its error says why); rank {job.rank} stops with it")
-    problem = _untakeable(decision, signature, options, inputs, device)
+    problem = untakeable(decision, signature, compiled_as=options.compiled_as,
+                         train=_training(inputs), dtype=dtype_name(options.run_dtype(device)))
     made = None
     if problem is None:
         try:
@@ -379,25 +384,6 @@ def _follow(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
     RECORDS.add(dataclasses.replace(made.record, rank=job.rank, decided_by=job.decider,
                                     digest=made.digest(signature)))
     return made.fn
-
-
-def _untakeable(decision: Decision, signature: str, options: Backend, inputs: list[Any],
-                device: torch.device) -> str | None:
-    """Why this rank cannot take ``decision`` (its graph, or how it runs, differs), else
-    ``None``."""
-    record = decision.record
-    assert record is not None
-    if decision.signature != signature:
-        return "the graph differs (its code, or its inputs' shapes, strides or dtypes)"
-    if decision.compiled_as != options.compiled_as:
-        return (f"the backend's options differ (compiled as {decision.compiled_as!r} there, "
-                f"{options.compiled_as!r} here)")
-    dtype = dtype_name(options.run_dtype(device))
-    if (record.train, record.dtype) != (_training(inputs), dtype):
-        return (f"the graph runs otherwise ({'train' if record.train else 'infer'}, "
-                f"{record.dtype} there; {'train' if _training(inputs) else 'infer'}, {dtype} "
-                "here)")
-    return None
 
 
 def _taken(decision: Decision, gm: fx.GraphModule, example_inputs: list[Any],
@@ -496,20 +482,16 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                          plan_seconds=time.perf_counter() - start))
     plan_seconds = time.perf_counter() - start
     agrees = agrees_with_inductor(planned)
-    if not train and options.guard and options.measure and agrees:
-        fn = unplanned(given, example_inputs, options, dtype, device)[0]
-        return _Compiled(fn, GraphRecord(
-            **head, planned=True, inductor_rule=rule, convolutions=planned.convolutions,
-            conversions=planned.conversions, converted_weights=planned.weights,
-            measured=planned.table.measured, cached=planned.table.cached,
-            plan_seconds=plan_seconds, ran=Runner.INDUCTOR_OWN,
-            verification=AGREES, compile_seconds=time.perf_counter() - start - plan_seconds))
-    eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     record = {**head, "planned": True, "inductor_rule": rule,
               "convolutions": planned.convolutions, "conversions": planned.conversions,
               "converted_weights": planned.weights,
               "measured": planned.table.measured, "cached": planned.table.cached,
               "plan_seconds": plan_seconds}
+    if not train and options.guard and options.measure and agrees:  # Inductor's own, untimed
+        fn = unplanned(given, example_inputs, options, dtype, device)[0]
+        return _Compiled(fn, GraphRecord(**record, ran=Runner.INDUCTOR_OWN, verification=AGREES,
+                                         compile_seconds=time.perf_counter() - start - plan_seconds))
+    eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     # the guard decided this graph before (the cost cache): build only what will run
     # a plan that agrees with Inductor's rule by its costs: Inductor's own is not raced
     ways = [w for w in WAYS if not (agrees and w == Runner.INDUCTOR_OWN)]
@@ -547,51 +529,6 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                      compile_seconds=time.perf_counter() - start - plan_seconds),
                      planned if runs else None,
                      graph_signature(eager_graph, inputs) if runs else "")
-
-
-#: the record's verification of a graph whose plan agrees with Inductor's rule
-AGREES = ("the plan not run: its convolutions' formats save less than the keep margin over "
-          "Inductor's rule's, by their measured costs, so Inductor's own layouts run, not "
-          "timed against it")
-FORMATS = ("contiguous", "channels_last")  # the order of a convolution's ``seconds``
-
-
-def agrees_with_inductor(planned: Planned, margin: float = KEEP_MARGIN) -> bool:
-    """Whether the plan's convolutions (one at least, each with a format Inductor's rule
-    states) would save less than ``margin`` of their time in the formats the rule gives them:
-    by their costs, the convolutions where the two differ cost less in the plan's format
-    than in Inductor's by less than ``margin`` times every convolution's planned time (so
-    each agreeing, or a difference within the costs' own noise). The conversions the plan
-    needs around them are left out: they only make its gain smaller.
-
-    >>> from memlayout.plan.compilers.backend_report import ConvolutionChoice
-    >>> def conv(planned, inductor, seconds=(1.0, 1.0)):
-    ...     return ConvolutionChoice("c", "conv2d", (1, 3, 8, 8), planned, inductor, seconds, True)
-    >>> def plan(*convolutions):
-    ...     return Planned(None, None, 0, convolutions)
-    >>> cl, c = "channels_last", "contiguous"
-    >>> agrees_with_inductor(plan(conv(cl, cl), conv(c, c)))
-    True
-    >>> agrees_with_inductor(plan(*[conv(cl, cl)] * 9, conv(c, cl, (0.99, 1.0))))  # 1 % of 10 s
-    True
-    >>> agrees_with_inductor(plan(conv(cl, cl), conv(c, cl, (0.5, 1.0))))  # 0.5 s of 1.5 s
-    False
-    >>> agrees_with_inductor(plan()), agrees_with_inductor(plan(conv(cl, None)))
-    (False, False)
-    """
-    convolutions = planned.convolutions
-    if not convolutions or any(c.inductor is None or c.planned is None for c in convolutions):
-        return False
-    total, gain = 0.0, 0.0
-    for c in convolutions:
-        seconds = dict(zip(FORMATS, c.seconds or (None, None), strict=True))
-        mine, theirs = seconds.get(c.planned), seconds.get(c.inductor)
-        if c.differs:
-            if mine is None or theirs is None:
-                return False  # no cost to weigh: not known to agree
-            gain += theirs - mine
-        total += mine or 0.0
-    return gain <= margin * total
 
 
 def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,

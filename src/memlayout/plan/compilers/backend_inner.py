@@ -79,7 +79,7 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     can cost more than the convolutions save, unless ``ways`` leaves it out (a training graph
     whose plan saves less than the margin over Inductor's rule by its costs: then only the
     plan compiled and eager are raced; an inference graph that agrees runs Inductor's own
-    untimed: ``backend.agrees_with_inductor``).
+    untimed: ``backend_plan.agrees_with_inductor``).
     Returns the function, what runs it and each other way's median ratio (the compiled
     plan's time over its); ``spent[Runner.INDUCTOR_OWN]``: the seconds Inductor's own compile took
     (what ``torch.compile`` alone spends on the graph)."""

@@ -47,6 +47,7 @@ from memlayout.plan.solve.regions import solve_labels
 from memlayout.plan.steer.rewrite import rewrite
 from memlayout.spatial import mark_spatial
 from memlayout.tensors import to_dense
+from memlayout.timing import KEEP_MARGIN
 
 if TYPE_CHECKING:
     from memlayout.plan.compilers.backend import Backend
@@ -214,3 +215,47 @@ def cached_rule(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any]
     rule = inductor_rule(gm, example_inputs, dtype=dtype, train=train, device=device)
     store.put(key, {"rule": rule}, is_noisy=False)
     return rule
+
+
+#: the record's verification of a graph whose plan agrees with Inductor's rule
+AGREES = ("the plan not run: its convolutions' formats save less than the keep margin over "
+          "Inductor's rule's, by their measured costs, so Inductor's own layouts run, not "
+          "timed against it")
+FORMATS = ("contiguous", "channels_last")  # the order of a convolution's ``seconds``
+
+
+def agrees_with_inductor(planned: Planned, margin: float = KEEP_MARGIN) -> bool:
+    """Whether the plan's convolutions (one at least, each with a format Inductor's rule
+    states) would save less than ``margin`` of their time in the formats the rule gives them:
+    by their costs, the convolutions where the two differ cost less in the plan's format
+    than in Inductor's by less than ``margin`` times every convolution's planned time (so
+    each agreeing, or a difference within the costs' own noise). The conversions the plan
+    needs around them are left out: they only make its gain smaller.
+
+    >>> def conv(planned, inductor, seconds=(1.0, 1.0)):
+    ...     return ConvolutionChoice("c", "conv2d", (1, 3, 8, 8), planned, inductor, seconds, True)
+    >>> def plan(*convolutions):
+    ...     return Planned(None, None, 0, convolutions)
+    >>> cl, c = "channels_last", "contiguous"
+    >>> agrees_with_inductor(plan(conv(cl, cl), conv(c, c)))
+    True
+    >>> agrees_with_inductor(plan(*[conv(cl, cl)] * 9, conv(c, cl, (0.99, 1.0))))  # 1 % of 10 s
+    True
+    >>> agrees_with_inductor(plan(conv(cl, cl), conv(c, cl, (0.5, 1.0))))  # 0.5 s of 1.5 s
+    False
+    >>> agrees_with_inductor(plan()), agrees_with_inductor(plan(conv(cl, None)))
+    (False, False)
+    """
+    convolutions = planned.convolutions
+    if not convolutions or any(c.inductor is None or c.planned is None for c in convolutions):
+        return False
+    total, gain = 0.0, 0.0
+    for c in convolutions:
+        seconds = dict(zip(FORMATS, c.seconds or (None, None), strict=True))
+        mine, theirs = seconds.get(c.planned), seconds.get(c.inductor)
+        if c.differs:
+            if mine is None or theirs is None:
+                return False  # no cost to weigh: not known to agree
+            gain += theirs - mine
+        total += mine or 0.0
+    return gain <= margin * total

@@ -127,4 +127,23 @@ def plan_digest(signature: str, labels: Mapping[str, Label], ran: str,
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-__all__ = ["Decision", "ExchangeFailed", "Job", "exchange", "job_of", "plan_digest"]
+def untakeable(decision: Decision, signature: str, *, compiled_as: str, train: bool,
+               dtype: str) -> str | None:
+    """Why a rank whose graph has ``signature``, compiled as ``compiled_as``, run for
+    training or not (``train``) in ``dtype`` cannot take ``decision`` (its graph, or how it
+    runs, differs), else ``None``."""
+    record = decision.record
+    assert record is not None
+    if decision.signature != signature:
+        return "the graph differs (its code, or its inputs' shapes, strides or dtypes)"
+    if decision.compiled_as != compiled_as:
+        return (f"the backend's options differ (compiled as {decision.compiled_as!r} there, "
+                f"{compiled_as!r} here)")
+    if (record.train, record.dtype) != (train, dtype):
+        return (f"the graph runs otherwise ({'train' if record.train else 'infer'}, "
+                f"{record.dtype} there; {'train' if train else 'infer'}, {dtype} here)")
+    return None
+
+
+__all__ = ["Decision", "ExchangeFailed", "Job", "exchange", "job_of", "plan_digest",
+           "untakeable"]
