@@ -47,7 +47,8 @@ PLANNED, ORIGINAL = Runner.PLAN_EAGER, Runner.ORIGINAL_EAGER
 class TogetherCheck:
     """The ratio ``original time / planned time`` (> 1: the plan is faster) measured with
     ``world_size`` ranks computing at once, and the model kept: the plan when it was faster
-    in the median of the per-round ratios, else the original."""
+    by more than ``memlayout.timing.KEEP_MARGIN`` in the median of the per-round ratios,
+    else the original (near ties keep the model as built)."""
 
     ratio: Ratio
     world_size: int
