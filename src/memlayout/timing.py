@@ -383,11 +383,10 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
     True
     """
     threshold = 1.0 + margin
-    least = max(SEQUENTIAL_ROUNDS, rounds // 2 + 1)
+    least = _least(rounds)
 
     def apart(ratios: Sequence[float], line: float) -> bool:
-        return (len(ratios) >= least and abs(statistics.median(ratios) - line) >= CLOSE
-                and (min(ratios) > line or max(ratios) < line))
+        return _apart(ratios, line, least)
 
     def stop(times: Mapping[str, Sequence[float]]) -> bool:
         own = times.get(reference, ())
@@ -433,20 +432,29 @@ def behind(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS - 
     ([], [])
     """
     threshold = 1.0 + margin
-    least = max(SEQUENTIAL_ROUNDS, rounds // 2 + 1)
+    least = _least(rounds)
 
     def retire(times: Mapping[str, Sequence[float]]) -> list[str]:
         own = times.get(reference, ())
-        out = []
-        for name, t in times.items():
-            ratios = round_ratios(own, t)
-            if (name != reference and len(t) == len(own) and len(ratios) >= least
-                    and max(ratios) < threshold
-                    and statistics.median(ratios) <= threshold - CLOSE):
-                out.append(name)
-        return out
+        return [name for name, t in times.items()
+                if name != reference and len(t) == len(own)
+                and _apart(ratios := round_ratios(own, t), threshold, least)
+                and max(ratios) < threshold]
 
     return retire
+
+
+def _least(rounds: int) -> int:
+    """The rounds a sequential race of ``rounds`` runs before it decides anything: more than
+    half of them, and ``SEQUENTIAL_ROUNDS`` at least."""
+    return max(SEQUENTIAL_ROUNDS, rounds // 2 + 1)
+
+
+def _apart(ratios: Sequence[float], line: float, least: int) -> bool:
+    """At least ``least`` per-round ratios, all on one side of ``line``, their median beyond
+    it by ``CLOSE`` or more: the rounds left of the race cannot move the median across."""
+    return (len(ratios) >= least and abs(statistics.median(ratios) - line) >= CLOSE
+            and (min(ratios) > line or max(ratios) < line))
 
 
 def round_ratios(top: Sequence[float], bottom: Sequence[float]) -> tuple[float, ...]:

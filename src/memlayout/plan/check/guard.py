@@ -168,7 +168,8 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     run; with ``margin`` (the decision being ``race.kept(reference, margin)``), the rounds end
     early once the candidates are apart beyond the noise or tied (``memlayout.timing.separated``),
     a candidate out of the running leaves them (``memlayout.timing.behind``), and a close call
-    (``Race.is_close``) is timed for ``rounds`` rounds more. The :class:`Race` :func:`time_candidates` describes."""
+    (``Race.is_close``) is timed for ``rounds`` rounds more. The :class:`Race`
+    :func:`time_candidates` describes."""
     before = Conditions.now()
     sync = seam(device).synchronize
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
@@ -180,8 +181,8 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     repeat = max(1, min(100, int(0.02 / max(quick, 1e-6))))
     runs = [probe] if repeat == 1 else []
     if reference in live and rounds > len(runs):
-        # with a margin, the rounds stop as soon as more cannot change the decision
-        # and a candidate out of the running leaves them
+        # with a margin, the rounds stop as soon as more cannot change the decision, and a
+        # candidate out of the running leaves them
         stop = separated(reference, margin, rounds - len(runs)) if margin is not None else None
         retire = behind(reference, margin, rounds - len(runs)) if margin is not None else None
         runs.append(interleaved(live, rounds=rounds - len(runs), warmup=0, repeat=repeat,

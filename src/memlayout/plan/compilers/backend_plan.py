@@ -221,7 +221,6 @@ def cached_rule(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any]
 AGREES = ("the plan not run: its convolutions' formats save less than the keep margin over "
           "Inductor's rule's, by their measured costs, so Inductor's own layouts run, not "
           "timed against it")
-FORMATS = ("contiguous", "channels_last")  # the order of a convolution's ``seconds``
 
 
 def agrees_with_inductor(planned: Planned, margin: float = KEEP_MARGIN) -> bool:
@@ -251,8 +250,7 @@ def agrees_with_inductor(planned: Planned, margin: float = KEEP_MARGIN) -> bool:
         return False
     total, gain = 0.0, 0.0
     for c in convolutions:
-        seconds = dict(zip(FORMATS, c.seconds or (None, None), strict=True))
-        mine, theirs = seconds.get(c.planned), seconds.get(c.inductor)
+        mine, theirs = c.seconds_in(c.planned), c.seconds_in(c.inductor)
         if c.differs:
             if mine is None or theirs is None:
                 return False  # no cost to weigh: not known to agree

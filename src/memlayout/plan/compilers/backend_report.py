@@ -35,6 +35,10 @@ from memlayout.timing import KEEP_MARGIN
 log = logging.getLogger("memlayout.backend")
 
 
+#: the formats a convolution's ``seconds`` are given in, in order (its labels' names)
+FORMATS = (Label.CONTIGUOUS.text, Label.CHANNELS_LAST.text)
+
+
 @dataclass(frozen=True)
 class ConvolutionChoice:
     """One convolution of a graph: where it is (the module path, else the graph node), its
@@ -56,14 +60,19 @@ class ConvolutionChoice:
         """The plan and Inductor's rule put this convolution in different formats."""
         return None not in (self.planned, self.inductor) and self.planned != self.inductor
 
+    def seconds_in(self, fmt: str | None) -> float | None:
+        """The measured seconds in format ``fmt`` (a name of ``FORMATS``; ``None`` where not
+        measured, the format fails, or ``fmt`` is none of them)."""
+        if self.seconds is None or fmt not in FORMATS:
+            return None
+        return self.seconds[FORMATS.index(fmt)]
+
     def describe(self) -> str:
         rule = f" (Inductor: {self.inductor})" if self.differs else ""
         text = f"{self.where} {self.op} {self.shape}: {self.planned or 'as given'}{rule}"
         if self.seconds is not None:
             kind = "measured" if self.timed else "estimated"
-            parts = [f"{_ms(s)} {fmt}" for s, fmt in zip(self.seconds,
-                                                        ("contiguous", "channels_last"),
-                                                        strict=True)]
+            parts = [f"{_ms(self.seconds_in(fmt))} {fmt}" for fmt in FORMATS]
             text += f"; {kind} " + ", ".join(parts)
         return text
 
