@@ -8,7 +8,7 @@ import sqlite3
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.markup import escape
@@ -19,7 +19,10 @@ from memlayout.errors import CacheFileError, MemlayoutError
 from memlayout.machine import SPREAD_LIMIT
 
 if TYPE_CHECKING:
-    from memlayout.plan.costs.cache import CacheSummary
+    from memlayout.plan.costs.cache import CacheSummary, CostCache
+
+#: what a cost-table move returns (its report)
+Moved = TypeVar("Moved")
 
 
 cache_app = typer.Typer(help="The measurement cache: show, prune, clear, export, import.",
@@ -102,8 +105,8 @@ def cache_prune(
                           markup=False, highlight=False)
 
 
-def _with_table(path: str | None, how: Callable[[Any], Any], **opening: bool
-                ) -> tuple[Any, Path]:
+def _with_table(path: str | None, how: Callable[[CostCache], Moved], **opening: bool
+                ) -> tuple[Moved, Path]:
     """``how(store)`` on the cache at ``path`` (opened as ``_cache_store(path, **opening)``)
     and the cache's file; a refused cost table (``CostTableError``) is one error line."""
     from memlayout.plan.costs.cache import CostTableError
