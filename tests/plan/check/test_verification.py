@@ -4,11 +4,15 @@ copies of those inputs too, not on the float32 images beside float64 weights."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from memlayout.errors import LayoutVerificationError
+from memlayout.plan.check.semantics import module_state
+from memlayout.plan.check.verification import verify_model
 from memlayout.plan.pipeline import optimize
 from tests.support.planted import corrupt_the_plan_at
 
@@ -55,3 +59,22 @@ def test_a_wrong_plan_on_a_list_of_images_names_the_module(monkeypatch) -> None:
         optimize(Images().eval(), _images(), measure=False, cache=False, memory=False,
                  output_format=None, fallback=False)
     assert err.value.node == "body (Sequential)"
+
+
+def test_verification_calls_each_model_twice() -> None:
+    """The original and the planned model are each called twice from the caller's state (the
+    second call finds a forward that changes with each call); the planned model's first call
+    is the output check as well, not a call of its own."""
+    calls: dict[int, int] = {}
+
+    class Counted(Images):
+        def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+            calls[id(self)] = calls.get(id(self), 0) + 1
+            return super().forward(images)
+
+    reference = Counted().eval()
+    planned = copy.deepcopy(reference)
+    record = verify_model(reference, planned, _images(), dtype=None, device=torch.device("cpu"),
+                          train=False, state=module_state(reference))
+    assert record.ok
+    assert calls == {id(reference): 2, id(planned): 2}

@@ -38,14 +38,23 @@ class Leaf:
 
     shape: tuple[int, ...]
     dtype: str
-    digest: tuple[float, float]  # sum and sum of magnitudes, in float64
+    digest: tuple[float, float]  # sum and sum of magnitudes (accumulated as in _ACCUMULATE)
 
     def matches(self, other: Leaf) -> bool:
-        """The same tensor value (up to the rounding of summing it in another order)."""
+        """The same tensor value, up to the rounding of computing it by another kernel and
+        summing it in another order: both sums agree within ``_MATCH`` of the sum of
+        magnitudes (a sum that cancels to near zero is as exact as its terms, not more)."""
         if self.shape != other.shape or self.dtype != other.dtype:
             return False
-        return all(abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
+        scale = max(1.0, self.digest[1], other.digest[1])
+        return all(abs(a - b) <= _MATCH * scale
                    for a, b in zip(self.digest, other.digest, strict=True))
+
+
+#: how far two leaves' sums may be apart, relative to their sum of magnitudes, and still hold
+#: one value: float32 accumulation over millions of elements, plus a few ulps per element
+#: between two kernels computing the same op
+_MATCH = 1e-5
 
 
 def leaf_of(value: Any) -> Leaf | None:
@@ -56,8 +65,12 @@ def leaf_of(value: Any) -> Leaf | None:
     t = value.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
-    try:
-        digest = (float(t.sum(dtype=torch.float64)), float(t.abs().sum(dtype=torch.float64)))
+    # float32 accumulation for the float32 and narrower floats (a float64 sum costs several
+    # times as much, on every module call's values), float64 for the rest
+    acc = torch.float32 if t.is_floating_point() and t.element_size() <= 4 else torch.float64
+    try:  # not a call of the model's: past any torch-function mode watching it
+        with torch._C.DisableTorchFunction():
+            digest = (float(t.sum(dtype=acc)), float(t.abs().sum(dtype=acc)))
     except RuntimeError:  # a dtype without a float64 sum (quantized)
         return None
     return Leaf(tuple(t.shape), str(t.dtype).removeprefix("torch."), digest)

@@ -146,14 +146,17 @@ def check_semantics(want: Calls, got: Calls, dtype: torch.dtype | None, *,
 
 def verify_semantics(original: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
                      state: ModuleState, want: Calls, *, dtype: torch.dtype | None,
-                     device: torch.device, inplace: tuple[str, ...] = ()) -> int:
-    """``check_semantics`` of two calls of ``planned`` from ``state`` against ``want`` (the
-    original's two calls from it), then ``check_parameters``. As for a training step, values
+                     device: torch.device, inplace: tuple[str, ...] = (),
+                     got: Calls | None = None) -> int:
+    """``check_semantics`` of two calls of ``planned`` from ``state`` (``got``: those calls,
+    made already) against ``want`` (the original's two calls from it), then
+    ``check_parameters``. As for a training step, values
     beyond the dtype's tolerance pass only if float64 copies of both models, from the same
     state, agree within float32's: rounding (a train-mode BatchNorm amplifies it) is not a
     difference, a wrong state update is. Returns the tensors and parameters checked."""
-    restore_state(planned, state)
-    got = call_twice(planned, inputs, dtype=dtype, device=device)
+    if got is None:
+        restore_state(planned, state)
+        got = call_twice(planned, inputs, dtype=dtype, device=device)
     try:
         count = check_semantics(want, got, dtype, inplace=inplace)
     except LayoutVerificationError as failure:

@@ -69,16 +69,17 @@ def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ..
     try:
         restore_state(reference, state)
         restore_state(planned, state)
-        ran = _runs(planned, inputs, dtype=dtype, device=device)
+        ran = _runs(planned, inputs, dtype=dtype, device=device)  # its two calls, checked below
         restore_state(planned, state)
         if train:
             verification = verify_training(reference, planned, inputs, dtype=dtype, device=device)
         else:
             verification = _one_call(reference, planned, inputs, dtype=dtype, device=device,
-                                     expected=want.outputs[0])
+                                     expected=want.outputs[0], got=ran.outputs[0])
         restore_state(reference, state)
+        restore_state(planned, state)
         count = verify_semantics(reference, planned, inputs, state, want, dtype=dtype,
-                                 device=device, inplace=inplace)
+                                 device=device, inplace=inplace, got=ran)
     finally:
         restore_state(reference, state)
         restore_state(planned, state)
@@ -91,12 +92,13 @@ def verify_model(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ..
 
 
 def _runs(planned: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | None,
-          device: torch.device) -> Calls:
-    """One call of the planned model; ``LayoutVerificationError`` when it fails where the
-    original runs (an op that needs a format the plan did not give it: a ``.view`` of a
-    channels-last tensor)."""
+          device: torch.device, calls: int = 2) -> Calls:
+    """The planned model's two calls (``calls``) from the caller's state, as ``call_twice``
+    makes the original's (what the output and semantic checks compare); ``LayoutVerificationError``
+    when it fails where the original runs (an op that needs a format the plan did not give
+    it: a ``.view`` of a channels-last tensor)."""
     try:
-        return call_twice(planned, inputs, dtype=dtype, device=device, calls=1)
+        return call_twice(planned, inputs, dtype=dtype, device=device, calls=calls)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise LayoutVerificationError(
@@ -105,10 +107,10 @@ def _runs(planned: nn.Module, inputs: tuple[Any, ...], *, dtype: torch.dtype | N
 
 
 def _one_call(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...], *,
-              dtype: torch.dtype | None, device: torch.device, expected: Any) -> Verification:
-    """One call of ``planned`` against ``expected`` (the original's output, from the same
-    state and seed as ``call_twice`` draws), with the float64 re-check beyond tolerance."""
-    got = call_twice(planned, inputs, dtype=dtype, device=device, calls=1).outputs[0]
+              dtype: torch.dtype | None, device: torch.device, expected: Any,
+              got: Any) -> Verification:
+    """The planned model's first call (``got``) against ``expected`` (the original's, from
+    the same state and seed: ``call_twice``), with the float64 re-check beyond tolerance."""
     ok, err, count = compare(expected, got, dtype)
     rtol = tolerance(dtype)[0]
     if ok:
@@ -230,7 +232,8 @@ def verify_other_format(reference: nn.Module, planned: nn.Module, inputs: tuple[
         except Exception:
             return
         restore_state(planned, state)
-        got = _runs(planned, other, dtype=options.dtype, device=options.device).outputs[0]
+        got = _runs(planned, other, dtype=options.dtype, device=options.device,
+                   calls=1).outputs[0]
         ok, err, _ = compare(want, got, options.dtype)
         if not ok:  # rounding of the run dtype alone, when float64 copies agree
             ok = float64_agreement(reference, planned, other, device=options.device) is not None

@@ -174,9 +174,9 @@ def _min_cut_labels(n: int, source: int, sink: int,
     caps = np.array(list(edges.values()), dtype=np.int32)
     graph = csr_matrix((caps, (rows, cols)), shape=(n, n))
     flow = maximum_flow(graph, source, sink).flow.tocsr()
+    flows = np.asarray(flow[rows, cols]).ravel()  # one lookup for all edges, in their order
     residual: dict[int, list[int]] = {}
-    for (u, v), cap in edges.items():
-        f = flow[u, v]
+    for (u, v), cap, f in zip(edges, caps.tolist(), flows.tolist(), strict=True):
         if cap - f > 0:
             residual.setdefault(u, []).append(v)
         if f > 0:
