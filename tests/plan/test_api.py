@@ -80,9 +80,12 @@ def test_state_dicts_load_both_ways(db) -> None:
 def test_second_plan_measures_nothing(db) -> None:
     model = Branchy().eval()
     first = memlayout.optimize(model, _x(), cache=db, rounds=1)
-    second = memlayout.optimize(model, _x(), cache=db, rounds=1)
+    second = memlayout.optimize(model, _x(), cache=db, rounds=1, reuse=False)
     assert first.plan.measured > 0
     assert second.plan.measured == 0 and second.plan.cached >= first.plan.measured
+    third = memlayout.optimize(model, _x(), cache=db, rounds=1)  # the stored plan, rebuilt
+    assert third.plan.measured == 0 and third.plan.notes[-1].startswith("the plan stored")
+    assert [n.format for n in third.plan.nodes] == [n.format for n in first.plan.nodes]
 
 
 def test_default_cache_dir_follows_env(tmp_path, monkeypatch) -> None:

@@ -105,7 +105,7 @@ def test_train_costs_are_cached_under_their_own_keys(db) -> None:
     model = Net()
     first = optimize(model, _x(), train=True, cache=db, rounds=1, guard=False)
     assert first.plan.measured > 0
-    again = optimize(model, _x(), train=True, cache=db, rounds=1, guard=False)
+    again = optimize(model, _x(), train=True, cache=db, rounds=1, guard=False, reuse=False)
     assert (again.plan.measured, again.plan.cached > 0) == (0, True)
     with sqlite3.connect(db) as con:
         keys = [json.loads(k) for (k,) in con.execute("SELECT key FROM entries")]

@@ -102,7 +102,7 @@ def test_measured_storage_is_recorded_per_channels_last_convolution(tmp_path) ->
     _check_against_eager(model, opt, x)
     # a second plan reads both variants' timings from the cache: nothing measured
     again = optimize(model, x, train=True, weights="contiguous", cache=tmp_path / "c.sqlite",
-                     guard=False, rounds=1, memory=False, padding=False)
+                     guard=False, rounds=1, memory=False, padding=False, reuse=False)
     assert again.plan.measured == 0 and again.plan.notes == opt.plan.notes
 
 

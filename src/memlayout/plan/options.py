@@ -67,6 +67,11 @@ class PlanOptions:
     cache: bool | str | Path = True
     #: measure every cost and whole-model decision again, overwriting the cached ones
     refresh: bool = False
+    #: (with ``measure``) a plan stored in the cost cache for this very model (its code,
+    #: modules, parameters' shapes and formats, inputs' signature, options) is rebuilt and
+    #: verified again, nothing captured or measured (``memlayout.plan.reuse``); ``False``: plan
+    #: it again from the cached costs
+    reuse: bool = True
     #: ``progress(done, total, what)``, called while measuring
     progress: Progress | None = field(default=None, compare=False, repr=False)
     #: the name the plan gives the model (``None``: its class name)
@@ -156,6 +161,7 @@ class RunOptions:
     rounds: int = 5
     cache: bool | str | Path = True
     refresh: bool = False
+    reuse: bool = True
     guard: bool = True
     guard_rounds: int = 5
     guard_margin: float = KEEP_MARGIN
@@ -203,6 +209,7 @@ def run_options(options: PlanOptions, model: nn.Module, inputs: tuple[Any, ...],
         output_label=_output_label(options.output_format), measure=options.measure,
         predict=options.predict,
         rounds=options.rounds, cache=options.cache, refresh=options.refresh,
+        reuse=options.reuse,
         guard=options.guard, guard_rounds=options.guard_rounds,
         guard_margin=options.guard_margin, keep_weight_formats=options.keep_weight_formats,
         contiguous_weights=options.weights == CONTIGUOUS, max_plans=options.max_plans,

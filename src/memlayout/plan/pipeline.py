@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from memlayout.errors import LayoutVerificationError, PlanError
+from memlayout.plan import reuse
 from memlayout.plan.candidates.blocked import measure_blocked
 from memlayout.plan.candidates.padding import padding_step
 from memlayout.plan.capture.reads import reads_note, refuse_declared_input
@@ -130,6 +131,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, options: PlanOptions | No
       (the faster first), verified the same way, with a warning and a note; ``False`` raises.
     - ``predict`` (with ``measure``): time only the layout nodes whose costs could change the
       cut, predict the others (``plan.prediction``; off by default).
+    - ``reuse`` (with ``measure``): a plan stored in the cost cache for this very model and
+      input signature is rebuilt and verified again, nothing captured or measured
+      (``memlayout.plan.reuse``; on by default); ``False``: planned again from cached costs.
     - ``same_draws``: dropout masks drawn as the original draws them under the same seed
       (``memlayout.plan.steer.draws``); off: drawn in the plan's layout, with a warning.
 
@@ -195,6 +199,12 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
     rng_state = _rng_state()
     clock = StepClock()
     try:
+        with clock("capture"):  # a plan stored for this very model needs no capture
+            key = (reuse.key_of(reuse.fingerprint(reference, inputs, reuse.options_text(options)))
+                   if store is not None else None)
+        made = reused(reference, store, key, example, options, state, clock, start)
+        if not isinstance(made, list):
+            return made
         with clock("capture"):
             captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
                                ranks=options.ranks, device=options.device)
@@ -227,6 +237,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
                                        ("blocked", blocked is not None)) if done}
         notes = reads_notes(captured)
         inplace = changed_inputs(captured, options)
+        quiet = not notes  # nothing warned: the plan is stored for reuse once verified
         with clock("verify"):
             try:
                 verification = verify(reference, memory.build, example, options, state,
@@ -240,7 +251,9 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
                 memory, padded, blocked = MemoryDecision(decision.build, None), (), None
                 notes.append(note)
                 warnings.warn(f"memlayout: {note}", stacklevel=3)
-        notes += draws_notes(verification)
+                quiet = False
+        notes += made + draws_notes(verification)
+        quiet = quiet and not verification.redrawn
         realized: list[str] = []
         if decision.kept == PLANNED:
             with clock("verify"):  # the plan's formats against the ones the model realizes
@@ -257,11 +270,41 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
                          verification=verification, padding=padded, blocked=blocked,
                          price=price, notes=notes, training=reference.training,
                          realized=realized)
+        if store is not None and key is not None and quiet and disagree is None:
+            reuse.remember(store, key, plan, memory.build, inplace,
+                           decision.key if decision.record is not None else None)
     finally:
         if store is not None:
             store.close()
         _set_rng_state(rng_state)
     return plan, memory.build
+
+
+def reused(reference: nn.Module, store: CostCache | None, key: str | None,
+           example: tuple[Any, ...], options: RunOptions, state: Any, clock: StepClock,
+           start: float) -> tuple[Plan, Build] | list[str]:
+    """The plan stored under ``key`` (``memlayout.plan.reuse``), rebuilt and verified again;
+    else the notes of the plan made instead (where the stored one no longer verified)."""
+    stored = (reuse.recall(store, key) if store is not None and key is not None
+              and options.reuse else None)
+    if stored is None:
+        return []
+    made = reuse.rebuilt(reference, stored, example, options, state, clock)
+    if isinstance(made, str):
+        return [reuse.stale_note(made)]
+    built, verification = made
+    for step in ("costs", "solve"):  # nothing measured or solved
+        with clock(step):
+            pass
+    total = time.perf_counter() - start
+    guard = stored.plan.guard  # its decision read from the cache, as the plan is
+    plan = dataclasses.replace(
+        stored.plan, verification=verification, measured=0, cached=0, planning_seconds=total,
+        price=clock.price(total, measured=0, cached=0, ran=set()),
+        guard=(dataclasses.replace(guard, source="cache")
+               if guard is not None and guard.source == "measured" else guard),
+        notes=[*stored.plan.notes, reuse.REUSED])
+    return plan, built
 
 
 def decided(reference: nn.Module, captured: Captured, inputs: tuple[Any, ...],

@@ -135,7 +135,8 @@ def test_costs_far_above_the_measured_model_are_measured_once_more(db) -> None:
     _inflate_cached_costs(db, 1000.0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        again = memlayout.optimize(model, _x(), cache=db, rounds=1, guard_rounds=2).plan
+        again = memlayout.optimize(model, _x(), cache=db, rounds=1, guard_rounds=2,
+                                   reuse=False).plan  # from the cached costs, not the plan
     assert again.measured == first.measured  # the suspect table was measured again
     assert guard.suspect(again.predicted["planned"], again.guard.planned_seconds) is None
     assert not any("suspect" in str(w.message) for w in seen)

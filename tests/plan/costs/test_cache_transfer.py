@@ -72,10 +72,11 @@ def test_planning_after_an_import_into_an_empty_cache_measures_nothing(tmp_path,
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 3))
     first_db, second_db = tmp_path / "one" / "costs.sqlite", tmp_path / "two" / "costs.sqlite"
 
-    def plan(db):
+    def plan(db, reuse=True):
         with warnings.catch_warnings():
             warnings.simplefilter("error", CacheWarning)
-            opt = memlayout.optimize(net.eval(), _x(), cache=db, rounds=1, guard_rounds=2)
+            opt = memlayout.optimize(net.eval(), _x(), cache=db, rounds=1, guard_rounds=2,
+                                     reuse=reuse)
         assert opt.plan.verification.ok
         return opt.plan
 
@@ -89,9 +90,12 @@ def test_planning_after_an_import_into_an_empty_cache_measures_nothing(tmp_path,
     assert f"exported {count} entries" in exported.output
     assert f"imported {count} entries" in " ".join(imported.output.split())
     assert _rows(second_db) == _rows(first_db)  # every column as measured
-    again = plan(second_db)
+    again = plan(second_db, reuse=False)  # from the imported costs
     assert again.measured == 0 and again.cached > 0 and again.guard.source == "cache"
     assert [n.format for n in again.nodes] == [n.format for n in first.nodes]
+    stored = plan(second_db)  # the imported plan itself, rebuilt and verified
+    assert stored.measured == 0 and stored.guard.source == "cache"
+    assert [n.format for n in stored.nodes] == [n.format for n in first.nodes]
 
 
 def test_the_header_says_whose_timings_and_what_wrote_them(table):

@@ -13,6 +13,7 @@ import torch
 import memlayout
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import Price
+from memlayout.plan.reuse import REUSED
 from tests.support.models import Branchy, Features
 
 
@@ -34,12 +35,18 @@ def _check(price: Price, plan: Plan) -> None:
 def test_a_warm_cache_measures_nothing_and_says_so(tmp_path) -> None:
     model, db = Branchy().eval(), tmp_path / "costs.sqlite"
     first = memlayout.optimize(model, _x(), cache=db, rounds=1, guard=False, padding=False)
-    again = memlayout.optimize(model, _x(), cache=db, rounds=1, guard=False, padding=False)
-    for opt in (first, again):
+    again = memlayout.optimize(model, _x(), cache=db, rounds=1, guard=False, padding=False,
+                               reuse=False)  # planned again from the cached costs
+    reused = memlayout.optimize(model, _x(), cache=db, rounds=1, guard=False, padding=False)
+    for opt in (first, again, reused):
         _check(opt.plan.price, opt.plan)
     assert first.plan.price.measured > 0
     assert again.plan.price.measured == 0
     assert again.plan.price.cached >= first.plan.price.measured  # identical ops timed once
+    # the stored plan rebuilt: nothing measured, read or solved; only verification runs again
+    assert REUSED in reused.plan.notes and (reused.plan.price.measured,
+                                             reused.plan.price.cached) == (0, 0)
+    assert reused.plan.price.verify > 0 and reused.plan.price.costs < again.plan.price.costs
     # the optional steps: memory on, padding off, no mkldnn report
     assert again.plan.price.memory is not None
     assert again.plan.price.padding is None and again.plan.price.blocked is None

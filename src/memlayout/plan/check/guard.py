@@ -275,6 +275,13 @@ def stored(store: Any, key: str) -> Race | None:
     return load(value) if value is not None else None
 
 
+def reusable(store: Any, key: str, margin: float) -> Race | None:
+    """The race stored under ``key`` where its decision stands (taken on a quiet machine, and
+    settled at ``margin``: not a close call, or one timed longer); ``None``: time it again."""
+    cached = stored(store, key)
+    return cached if cached is not None and not cached.busy and cached.settled(margin) else None
+
+
 def save(store: Any, key: str, race: Race) -> None:
     """Cache a measured race with the conditions and spread it was measured under. It is
     noisy when the machine was busy: the decision weighs per-round ratios of interleaved
@@ -359,17 +366,17 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
     def candidate(name: str) -> Build:
         return planned if name == PLANNED else uniform(UNIFORM[name])
 
-    def decided(kept: str, record: GuardRecord) -> GuardDecision:
-        label = UNIFORM.get(kept)  # an eager model won: its inputs arrive in its format
-        return GuardDecision(candidate(kept), record,
-                             label if own_inputs and label is not None else entry)
-
     margin = options.guard_margin
     key = cache_key(measured_on(options.device), options.dtype, signature(
         solution.graphs(), [options.signature_extra, names, skipped, "boundaries"]))
-    cached = stored(store, key)
-    if (cached is not None and not cached.busy  # a busy machine's: measure again
-            and cached.settled(margin)):
+
+    def decided(kept: str, record: GuardRecord) -> GuardDecision:
+        label = UNIFORM.get(kept)  # an eager model won: its inputs arrive in its format
+        return GuardDecision(candidate(kept), record,
+                             label if own_inputs and label is not None else entry, key)
+
+    cached = reusable(store, key, margin)
+    if cached is not None:
         kept = cached.kept(PLANNED, margin)
         return decided(kept, describe(cached, kept=kept, margin=margin, source="cache",
                                         skipped=skipped))
@@ -464,6 +471,8 @@ class GuardDecision:
     build: Build
     record: GuardRecord | None
     input_label: Label | None
+    #: the cost-cache key its race is stored under (``None``: nothing timed)
+    key: str | None = None
 
     @property
     def kept(self) -> str:
