@@ -20,6 +20,7 @@ from torch import nn
 from memlayout.errors import FSDPError, TrainError
 from memlayout.models import load_model
 from memlayout.plan.pipeline import optimize
+from memlayout.timing import KEEP_MARGIN
 from memlayout.train import TrainConfig, load_checkpoint, make_synthetic, train
 from memlayout.train.checkpoint import (
     LATEST,
@@ -137,7 +138,9 @@ def test_with_measured_costs_the_ranks_time_the_plan_together_and_train_what_the
                       " ".join(run.stdout.split()))
     assert len(said) >= 1, log[-3000:]  # in the plan summary (and a note when it gives way)
     ratio, kept = float(said[0][0]), said[0][1]
-    assert (ratio > 1.0) == (kept == "the plan is trained")
+    threshold = 1.0 + KEEP_MARGIN  # near ties keep the model as built
+    if abs(ratio - threshold) > 1e-3:  # the ratio is printed to 3 decimals
+        assert (ratio > threshold) == (kept == "the plan is trained")
     assert len(re.findall(r"Loss (\d+\.\d+)", run.stdout)) == 2
     for text in LAYOUT_WARNINGS:
         assert text not in log
