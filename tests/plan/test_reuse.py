@@ -144,6 +144,24 @@ def test_a_stored_plan_that_no_longer_verifies_is_dropped_and_the_model_planned_
         torch.testing.assert_close(again(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+def test_a_stored_plan_this_model_cannot_take_is_dropped_with_a_note(tmp_path, monkeypatch,
+                                                                      captures) -> None:
+    db, model, x = tmp_path / "c.sqlite", Branchy().eval(), _x()
+    memlayout.optimize(model, x, cache=db, **FAST)
+    real = reuse.Stored.from_value
+
+    def elsewhere(cls: type, value: Any) -> reuse.Stored:  # a module the model lacks
+        s = real(value)
+        return dataclasses.replace(s, steering=Steering(
+            s.steering.parameters, (*s.steering.boundaries, ("nowhere", Boundary()))))
+
+    monkeypatch.setattr(reuse.Stored, "from_value", classmethod(elsewhere))
+    again = memlayout.optimize(model, x, cache=db, **FAST)
+    assert len(captures) == 2 and again.plan.verification.ok
+    assert any(n.startswith("the plan stored for this model no longer verified (it does not "
+                            "steer: AttributeError") for n in again.plan.notes)
+
+
 def test_a_stored_record_reads_back_as_written(tmp_path) -> None:
     model = memlayout.optimize(Branchy().eval(), _x(), cache=tmp_path / "c.sqlite", **FAST)
     state = model.memlayout

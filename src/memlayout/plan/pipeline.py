@@ -202,7 +202,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
         with clock("capture"):  # a plan stored for this very model needs no capture
             key = (reuse.key_of(reuse.fingerprint(reference, inputs, reuse.options_text(options)))
                    if store is not None else None)
-        made = reused(reference, store, key, example, options, state, clock, start)
+        made = reuse.reused(reference, store, key, example, options, state, clock, start)
         if not isinstance(made, list):
             return made
         with clock("capture"):
@@ -278,33 +278,6 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
             store.close()
         _set_rng_state(rng_state)
     return plan, memory.build
-
-
-def reused(reference: nn.Module, store: CostCache | None, key: str | None,
-           example: tuple[Any, ...], options: RunOptions, state: Any, clock: StepClock,
-           start: float) -> tuple[Plan, Build] | list[str]:
-    """The plan stored under ``key`` (``memlayout.plan.reuse``), rebuilt and verified again;
-    else the notes of the plan made instead (where the stored one no longer verified)."""
-    stored = (reuse.recall(store, key) if store is not None and key is not None
-              and options.reuse else None)
-    if stored is None:
-        return []
-    made = reuse.rebuilt(reference, stored, example, options, state, clock)
-    if isinstance(made, str):
-        return [reuse.stale_note(made)]
-    built, verification = made
-    for step in ("costs", "solve"):  # nothing measured or solved
-        with clock(step):
-            pass
-    total = time.perf_counter() - start
-    guard = stored.plan.guard  # its decision read from the cache, as the plan is
-    plan = dataclasses.replace(
-        stored.plan, verification=verification, measured=0, cached=0, planning_seconds=total,
-        price=clock.price(total, measured=0, cached=0, ran=set()),
-        guard=(dataclasses.replace(guard, source="cache")
-               if guard is not None and guard.source == "measured" else guard),
-        notes=[*stored.plan.notes, reuse.REUSED])
-    return plan, built
 
 
 def decided(reference: nn.Module, captured: Captured, inputs: tuple[Any, ...],

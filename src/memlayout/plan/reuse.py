@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import marshal
+import time
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,14 @@ def own_code() -> str:
     return h.hexdigest()
 
 
+def _get(value: Any, name: str) -> Any:
+    """``value.name``, or ``None`` (an object whose ``__getattr__`` raises anything)."""
+    try:
+        return getattr(value, name, None)
+    except Exception:
+        return None
+
+
 def _is_plain(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return all(_is_plain(v) for v in value)
@@ -189,8 +198,8 @@ def _code(cls: type) -> str:
         if klass is object or klass.__module__.split(".")[0] == "torch":
             continue
         for name, attr in sorted(vars(klass).items()):
-            for fn in (attr, getattr(attr, "__func__", None), getattr(attr, "fget", None)):
-                code = getattr(fn, "__code__", None)
+            for fn in (attr, _get(attr, "__func__"), _get(attr, "fget")):
+                code = _get(fn, "__code__")
                 if code is not None:
                     h.update(name.encode())
                     h.update(marshal.dumps(code))
@@ -244,8 +253,11 @@ def rebuilt(reference: nn.Module, stored: Stored, example: tuple[Any, ...],
     on ``example`` as a new plan is; the verification's failure, as text, where it no longer
     verifies (the caller plans again)."""
     with clock("guard"):  # steering a copy, as the guard's build does
-        made = build(reference, stored.steering, options, outputs=stored.outputs,
-                     input_label=stored.input_label, label=stored.label)
+        try:
+            made = build(reference, stored.steering, options, outputs=stored.outputs,
+                         input_label=stored.input_label, label=stored.label)
+        except Exception as exc:  # a stored steering this model no longer takes
+            return f"it does not steer: {type(exc).__name__}: {exc}"
     with clock("verify"):
         try:
             verification = verify(reference, made, example, options, state, stored.inplace)
@@ -253,6 +265,33 @@ def rebuilt(reference: nn.Module, stored: Stored, example: tuple[Any, ...],
             return failure.cause or str(failure)
     restore_state(made.module, state)
     return made, verification
+
+
+def reused(reference: nn.Module, store: CostCache | None, key: str | None,
+           example: tuple[Any, ...], options: RunOptions, state: Any, clock: StepClock,
+           start: float) -> tuple[Plan, Build] | list[str]:
+    """The plan stored under ``key`` (``memlayout.plan.reuse``), rebuilt and verified again;
+    else the notes of the plan made instead (where the stored one no longer verified)."""
+    stored = (recall(store, key) if store is not None and key is not None
+              and options.reuse else None)
+    if stored is None:
+        return []
+    made = rebuilt(reference, stored, example, options, state, clock)
+    if isinstance(made, str):
+        return [stale_note(made)]
+    built, verification = made
+    for step in ("costs", "solve"):  # nothing measured or solved
+        with clock(step):
+            pass
+    total = time.perf_counter() - start
+    guard = stored.plan.guard  # its decision read from the cache, as the plan is
+    plan = dataclasses.replace(
+        stored.plan, verification=verification, measured=0, cached=0, planning_seconds=total,
+        price=clock.price(total, measured=0, cached=0, ran=set()),
+        guard=(dataclasses.replace(guard, source="cache")
+               if guard is not None and guard.source == "measured" else guard),
+        notes=[*stored.plan.notes, REUSED])
+    return plan, built
 
 
 #: what a reused plan says of itself
@@ -268,4 +307,4 @@ def stale_note(why: str) -> str:
 
 
 __all__ = ["REUSED", "Stored", "fingerprint", "key_of", "options_text", "rebuilt", "recall",
-           "remember", "stale_note"]
+           "remember", "reused", "stale_note"]
