@@ -7,13 +7,13 @@ class, train/eval mode, plain attributes and hook counts; the code of every clas
 that is not torch's own (each function's compiled code, so an edited ``forward`` is another
 model); every parameter's and buffer's name, shape, strides, dtype, device, ``requires_grad``
 and ties; the inputs' shape signature; the planning options; torch's version and memlayout's
-own code (:func:`own_code`). Values are not in it: a plan does not depend on them, and the verification that runs
-on every reuse compares the rebuilt model with the original on this call's weights. A stored
-plan that no longer verifies (code the fingerprint cannot see changed: a helper function the
-forward calls) is dropped, and the model is planned again from the start. A plan made on a
-busy machine is not read on a quiet one, as the costs it was made from are not
-(:func:`remember`), and it is recalled only while the guard's race it kept still stands
-(:func:`recall`).
+own code (:func:`own_code`). Values are not in it: a plan does not depend on them, and the
+verification that runs on every reuse compares the rebuilt model with the original on this
+call's weights. A stored plan that no longer verifies (code the fingerprint cannot see
+changed: a helper function the forward calls) is dropped, and the model is planned again from
+the start. A plan made on a busy machine is not read on a quiet one, as the costs it was made
+from are not (:func:`remember`), and it is recalled only while the guard's race it kept still
+stands (:func:`recall`).
 
 >>> import torch
 >>> from torch import nn
@@ -270,8 +270,8 @@ def rebuilt(reference: nn.Module, stored: Stored, example: tuple[Any, ...],
 def reused(reference: nn.Module, store: CostCache | None, key: str | None,
            example: tuple[Any, ...], options: RunOptions, state: Any, clock: StepClock,
            start: float) -> tuple[Plan, Build] | list[str]:
-    """The plan stored under ``key`` (``memlayout.plan.reuse``), rebuilt and verified again;
-    else the notes of the plan made instead (where the stored one no longer verified)."""
+    """The plan stored under ``key``, rebuilt and verified again (``options.reuse``); else
+    the notes of the plan made instead (where the stored one no longer verified)."""
     stored = (recall(store, key) if store is not None and key is not None
               and options.reuse else None)
     if stored is None:
