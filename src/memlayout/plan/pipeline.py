@@ -199,12 +199,9 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
     rng_state = _rng_state()
     clock = StepClock()
     try:
-        with clock("capture"):  # a plan stored for this very model needs no capture
-            key = (reuse.key_of(reuse.fingerprint(reference, inputs, reuse.options_text(options)))
-                   if store is not None else None)
-        made = reuse.reused(reference, store, key, example, options, state, clock, start)
-        if not isinstance(made, list):
-            return made
+        stored = reuse.reused(reference, inputs, store, example, options, state, clock, start)
+        if stored.made is not None:
+            return stored.made
         with clock("capture"):
             captured = capture(analysis_copy(reference), inputs, dtype=options.dtype,
                                ranks=options.ranks, device=options.device)
@@ -230,11 +227,7 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
                                  options, store, signature, outputs)
         with clock("blocked"):
             blocked = blocked_step(memory.build, inputs, options, store, signature)
-        # the optional steps that ran and found something to do (a fallback below drops
-        # their records, not the time they took)
-        ran = {step for step, done in (("padding", bool(padded)),
-                                       ("memory", memory.record is not None),
-                                       ("blocked", blocked is not None)) if done}
+        ran = optional_steps(padded, memory, blocked)
         notes = reads_notes(captured)
         inplace = changed_inputs(captured, options)
         quiet = not notes  # nothing warned: the plan is stored for reuse once verified
@@ -252,14 +245,10 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
                 notes.append(note)
                 warnings.warn(f"memlayout: {note}", stacklevel=3)
                 quiet = False
-        notes += made + draws_notes(verification)
+        notes += stored.notes + draws_notes(verification)
         quiet = quiet and not verification.redrawn
-        realized: list[str] = []
-        if decision.kept == PLANNED:
-            with clock("verify"):  # the plan's formats against the ones the model realizes
-                realized = realized_differences(memory.build.module, example, solution,
-                                                dtype=options.dtype, device=options.device)
-            restore_state(memory.build.module, state)
+        with clock("verify"):
+            realized = realized_step(memory.build, decision, example, solution, options, state)
         notes += later_notes(realized, solution, decision, disagree)
         restore_state(memory.build.module, state)  # as the caller's model is: nothing ran on it
         price = clock.price(time.perf_counter() - start, measured=solution.measured,
@@ -270,14 +259,35 @@ def plan_model(reference: nn.Module, inputs: tuple[Any, ...], options: RunOption
                          verification=verification, padding=padded, blocked=blocked,
                          price=price, notes=notes, training=reference.training,
                          realized=realized)
-        if store is not None and key is not None and quiet and disagree is None:
-            reuse.remember(store, key, plan, memory.build, inplace,
+        if store is not None and stored.key is not None and quiet and disagree is None:
+            reuse.remember(store, stored.key, plan, memory.build, inplace,
                            decision.key if decision.record is not None else None)
     finally:
         if store is not None:
             store.close()
         _set_rng_state(rng_state)
     return plan, memory.build
+
+
+def optional_steps(padded: tuple[PadChoice, ...], memory: MemoryDecision,
+                   blocked: BlockedReport | None) -> set[str]:
+    """The optional steps that ran and found something to do (a fallback after them drops
+    their records, not the time they took)."""
+    return {step for step, done in (("padding", bool(padded)),
+                                    ("memory", memory.record is not None),
+                                    ("blocked", blocked is not None)) if done}
+
+
+def realized_step(built: Build, decision: GuardDecision, example: tuple[Any, ...],
+                  solution: Solution, options: RunOptions, state: Any) -> list[str]:
+    """Where the kept plan's formats differ from the ones the steered model realizes (a
+    one-format model kept instead: nothing to compare); the model's state restored."""
+    if decision.kept != PLANNED:
+        return []
+    realized = realized_differences(built.module, example, solution, dtype=options.dtype,
+                                    device=options.device)
+    restore_state(built.module, state)
+    return realized
 
 
 def decided(reference: nn.Module, captured: Captured, inputs: tuple[Any, ...],

@@ -267,18 +267,32 @@ def rebuilt(reference: nn.Module, stored: Stored, example: tuple[Any, ...],
     return made, verification
 
 
-def reused(reference: nn.Module, store: CostCache | None, key: str | None,
+@dataclasses.dataclass(frozen=True)
+class Reused:
+    """What the cost cache held for a model: the key its plan is stored under (``None``: no
+    cache), the stored plan rebuilt and verified (``made``: the plan and its build; ``None``:
+    plan the model), and the notes of the plan made instead (the stored one did not verify)."""
+
+    key: str | None
+    made: tuple[Plan, Build] | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def reused(reference: nn.Module, inputs: tuple[Any, ...], store: CostCache | None,
            example: tuple[Any, ...], options: RunOptions, state: Any, clock: StepClock,
-           start: float) -> tuple[Plan, Build] | list[str]:
-    """The plan stored under ``key``, rebuilt and verified again (``options.reuse``); else
-    the notes of the plan made instead (where the stored one no longer verified)."""
-    stored = (recall(store, key) if store is not None and key is not None
-              and options.reuse else None)
+           start: float) -> Reused:
+    """The plan stored for ``reference`` called on ``inputs``, rebuilt and verified again
+    (with ``options.reuse``; the fingerprint timed as the capture it replaces)."""
+    if store is None:
+        return Reused(None)
+    with clock("capture"):
+        key = key_of(fingerprint(reference, inputs, options_text(options)))
+    stored = recall(store, key) if options.reuse else None
     if stored is None:
-        return []
+        return Reused(key)
     made = rebuilt(reference, stored, example, options, state, clock)
     if isinstance(made, str):
-        return [stale_note(made)]
+        return Reused(key, notes=[stale_note(made)])
     built, verification = made
     for step in ("costs", "solve"):  # nothing measured or solved
         with clock(step):
@@ -291,7 +305,7 @@ def reused(reference: nn.Module, store: CostCache | None, key: str | None,
         guard=(dataclasses.replace(guard, source="cache")
                if guard is not None and guard.source == "measured" else guard),
         notes=[*stored.plan.notes, REUSED])
-    return plan, built
+    return Reused(key, (plan, built))
 
 
 #: what a reused plan says of itself
@@ -306,5 +320,5 @@ def stale_note(why: str) -> str:
             "fingerprint does not read changed; planned again from the start")
 
 
-__all__ = ["REUSED", "Stored", "fingerprint", "key_of", "options_text", "rebuilt", "recall",
+__all__ = ["REUSED", "Reused", "Stored", "fingerprint", "key_of", "options_text", "rebuilt", "recall",
            "remember", "reused", "stale_note"]
