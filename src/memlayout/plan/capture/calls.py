@@ -38,7 +38,7 @@ class Leaf:
 
     shape: tuple[int, ...]
     dtype: str
-    digest: tuple[float, float]  # sum and sum of magnitudes (accumulated as in _ACCUMULATE)
+    digest: tuple[float, float]  # sum and sum of magnitudes (accumulated as leaf_of says)
 
     def matches(self, other: Leaf) -> bool:
         """The same tensor value, up to the rounding of computing it by another kernel and
@@ -71,7 +71,7 @@ def leaf_of(value: Any) -> Leaf | None:
     try:  # not a call of the model's: past any torch-function mode watching it
         with torch._C.DisableTorchFunction():
             digest = (float(t.sum(dtype=acc)), float(t.abs().sum(dtype=acc)))
-    except RuntimeError:  # a dtype without a float64 sum (quantized)
+    except RuntimeError:  # a dtype without a floating-point sum (quantized)
         return None
     return Leaf(tuple(t.shape), str(t.dtype).removeprefix("torch."), digest)
 
