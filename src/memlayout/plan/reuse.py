@@ -3,17 +3,17 @@ same model on the same inputs' signature rebuilds it from the cost cache and ver
 again, nothing captured, measured or guarded.
 
 "The same model" is a :func:`fingerprint` taken before anything runs: every module's path,
-class, train/eval mode, plain attributes and hook counts; the code of every class in the tree
-that is not torch's own (each function's compiled code, so an edited ``forward`` is another
-model); every parameter's and buffer's name, shape, strides, dtype, device, ``requires_grad``
-and ties; the inputs' shape signature; the planning options; torch's version and memlayout's
-own code (:func:`own_code`). Values are not in it: a plan does not depend on them, and the
-verification that runs on every reuse compares the rebuilt model with the original on this
-call's weights. A stored plan that no longer verifies (code the fingerprint cannot see
-changed: a helper function the forward calls) is dropped, and the model is planned again from
-the start. A plan made on a busy machine is not read on a quiet one, as the costs it was made
-from are not (:func:`remember`), and it is recalled only while the guard's race it kept still
-stands (:func:`recall`).
+class, train/eval mode, plain attributes (``semantics.plain_attributes``) and hook counts; the
+code of every class in the tree that is not torch's own (each function's compiled code, so an
+edited ``forward`` is another model); every parameter's and buffer's name, shape, strides,
+dtype, device, ``requires_grad`` and ties; the inputs' shape signature; the planning options;
+torch's version and memlayout's own code (:func:`own_code`). Values are not in it: a plan does
+not depend on them, and the verification that runs on every reuse compares the rebuilt model
+with the original on this call's weights. A stored plan that no longer verifies (code the
+fingerprint cannot see changed: a helper function the forward calls) is dropped, and the model
+is planned again from the start. A plan made on a busy machine is not read on a quiet one, as
+the costs it was made from are not (:func:`remember`), and it is recalled only while the
+guard's race it kept still stands (:func:`recall`).
 
 >>> import torch
 >>> from torch import nn
@@ -41,7 +41,7 @@ from torch import nn
 
 from memlayout.errors import LayoutVerificationError
 from memlayout.plan.check.guard import reusable
-from memlayout.plan.check.semantics import ModuleState, restore_state
+from memlayout.plan.check.semantics import ModuleState, plain_attributes, restore_state
 from memlayout.plan.check.verification import verify
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.graph import Label
@@ -60,8 +60,6 @@ FORM = 1
 #: the options that do not change the plan (where the cache is, whether a stored plan is
 #: taken, how progress is shown)
 _NOT_THE_PLAN = ("cache", "refresh", "reuse", "progress")
-#: attribute values a fingerprint reads (others, a tensor or a callable, are not plain data)
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +142,12 @@ def fingerprint(model: nn.Module, inputs: tuple[Any, ...], options: str) -> str:
 
     add(FORM, torch.__version__, own_code(), options, shape_signature(inputs))
     codes: dict[type, str] = {}
+    attributes = plain_attributes(model)
     for path, m in model.named_modules(remove_duplicate=False):
         cls = type(m)
         if cls not in codes:
             codes[cls] = _code(cls)
-        plain = sorted((k, v) for k, v in vars(m).items()
-                       if not k.startswith("_") and _is_plain(v))
+        plain = sorted(attributes[path].items())
         hooks = (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
                  len(m._state_dict_hooks), len(getattr(m, "_backward_pre_hooks", {})))
         add(path, cls.__module__, cls.__qualname__, codes[cls], m.training, plain, hooks)
@@ -182,12 +180,6 @@ def _get(value: Any, name: str) -> Any:
         return getattr(value, name, None)
     except Exception:
         return None
-
-
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return all(_is_plain(v) for v in value)
-    return isinstance(value, _PLAIN)
 
 
 def _code(cls: type) -> str:

@@ -40,12 +40,18 @@ def _is_plain(value: Any, depth: int = 3) -> bool:
     return all(_is_plain(v, depth - 1) for v in items)
 
 
+def plain_attributes(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """The plain attributes of every submodule (by path; ``training`` aside), as they are."""
+    return {path: {k: v for k, v in vars(m).items()
+                   if not k.startswith("_") and k != "training" and _is_plain(v)}
+            for path, m in module.named_modules(remove_duplicate=False)}
+
+
 def module_state(module: nn.Module) -> ModuleState:
     """A copy of ``module``'s state (see :class:`ModuleState`)."""
     buffers = {k: b.detach().clone() for k, b in module.named_buffers(remove_duplicate=False)}
-    attributes = {path: {k: copy.deepcopy(v) for k, v in vars(m).items()
-                         if not k.startswith("_") and k != "training" and _is_plain(v)}
-                  for path, m in module.named_modules(remove_duplicate=False)}
+    attributes = {path: copy.deepcopy(plain)
+                  for path, plain in plain_attributes(module).items()}
     return ModuleState(buffers, attributes)
 
 
