@@ -33,7 +33,7 @@ from torch import nn
 import memlayout
 from memlayout.machine import cpu_isa, cpu_model
 from memlayout.models import load_model
-from memlayout.timing import interleaved
+from memlayout.timing import interleaved, round_ratios
 
 #: what both plans leave out: the guard (it may replace either plan by a one-format model)
 #: and padding (a step after the plan)
@@ -92,7 +92,7 @@ def compare(spec: str, seeds: list[str], seed_size: int, rounds: int) -> None:
         t = [s * 1e3 for s in c[name].times]
         print(f"  {name:15s} {statistics.median(t):8.2f} ms/call ({min(t):.2f}-{max(t):.2f})")
     for name in ("measured (A/A)", "predicted"):
-        r = [a / b for a, b in zip(c[name].times, c["measured"].times, strict=True)]
+        r = round_ratios(c[name].times, c["measured"].times)
         print(f"  {name} / measured: median {statistics.median(r):.3f} "
               f"({min(r):.3f}-{max(r):.3f}) over {rounds} rounds", flush=True)
 

@@ -162,6 +162,28 @@ def test_a_stored_plan_this_model_cannot_take_is_dropped_with_a_note(tmp_path, m
                             "steer: AttributeError") for n in again.plan.notes)
 
 
+class ReadsItsLayout(nn.Module):
+    """A forward whose own code reads its activation's layout: its plans warn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y * 2 if y.is_contiguous() else y * 2.0
+
+
+def test_a_plan_that_warned_is_not_stored_so_its_warning_comes_back(tmp_path,
+                                                                     captures) -> None:
+    db, model, x = tmp_path / "c.sqlite", ReadsItsLayout().eval(), _x()
+    for _ in range(2):
+        with pytest.warns(UserWarning, match="reads layouts|layout read"):
+            opt = memlayout.optimize(model, x, cache=db, **FAST)
+        assert reuse.REUSED not in opt.plan.notes
+    assert len(captures) == 2  # planned, and warned, each time
+
+
 def test_a_stored_record_reads_back_as_written(tmp_path) -> None:
     model = memlayout.optimize(Branchy().eval(), _x(), cache=tmp_path / "c.sqlite", **FAST)
     state = model.memlayout
