@@ -257,6 +257,18 @@ def _close(a: Any, b: Any) -> bool:
         for t, u in zip(ts, us, strict=True))
 
 
+def _projected(outputs: Any) -> Any:
+    """A loss with a well-conditioned gradient: each output that trains, summed against
+    fixed random weights. (A mean square is not: a batch-normalized output's mean square
+    is about 1 whatever the weights, so its gradient is round-off.)"""
+    total: Any = 0
+    for t in iter_tensors(outputs):
+        if t.requires_grad:
+            g = torch.Generator().manual_seed(t.numel())
+            total = total + (t.float() * torch.randn(t.shape, generator=g)).mean()
+    return total
+
+
 def _equivalent(reference: nn.Module, opt: nn.Module, x: torch.Tensor) -> None:
     """Same mode, parameters (count, ties, requires_grad), state, two calls (outputs, the
     inputs after them, buffers), gradients (which parameters get one, and their values),
@@ -283,8 +295,7 @@ def _equivalent(reference: nn.Module, opt: nn.Module, x: torch.Tensor) -> None:
             assert torch.equal(xr, xo), "the caller's input differs after the call"
         for k, b in reference.named_buffers():
             assert _close(b, opt.state_dict()[k]), f"buffer {k}"
-        loss_ref = sum(t.float().square().mean() for t in iter_tensors(want) if t.requires_grad)
-        loss_opt = sum(t.float().square().mean() for t in iter_tensors(got) if t.requires_grad)
+        loss_ref, loss_opt = _projected(want), _projected(got)
         if not isinstance(loss_ref, torch.Tensor):
             return  # nothing trains
         loss_ref.backward()
