@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 
 import memlayout
 from memlayout.plan import pipeline, reuse
+from memlayout.plan.costs.cache import CacheWarning, CostCache
 from memlayout.plan.graph import Label
 from memlayout.plan.steer.boundary import Boundary, Leaf
 from memlayout.plan.steer.steering import Steering
@@ -194,3 +196,20 @@ def test_a_stored_record_reads_back_as_written(tmp_path) -> None:
     stored = reuse.Stored(model.plan, steering, cl, state.outputs[state.example], None,
                           ("mul_ on input x",), '["guard", "key"]')
     assert reuse.Stored.from_value(stored.to_value()) == stored
+
+
+def test_a_stored_record_that_does_not_read_back_is_a_miss_said_once(tmp_path,
+                                                                     captures) -> None:
+    db, model, x = tmp_path / "c.sqlite", Branchy().eval(), _x()
+    memlayout.optimize(model, x, cache=db, **FAST)
+    store = CostCache(db)
+    [(key, value)] = store.records(reuse.KIND)
+    value["input_label"] = 7  # a label no format has
+    store.put(key, value)
+    store.close()
+    with pytest.warns(CacheWarning) as said:
+        again = memlayout.optimize(model, x, cache=db, **FAST)
+    assert [re.search(r"unexpected shape .* \(plan\)", str(w.message)) is not None
+            for w in said] == [True]
+    assert len(captures) == 2 and again.plan.verification.ok
+    assert reuse.REUSED not in again.plan.notes

@@ -32,6 +32,7 @@ import hashlib
 import json
 import marshal
 import time
+import typing
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -48,15 +49,14 @@ from memlayout.plan.graph import Label
 from memlayout.plan.options import RunOptions
 from memlayout.plan.report.clock import StepClock
 from memlayout.plan.report.plan import Plan
-from memlayout.plan.report.records import Verification
-from memlayout.plan.steer.boundary import Boundary, Leaf, Returned
+from memlayout.plan.report.records import Verification, decode
 from memlayout.plan.steer.build import Build, build
 from memlayout.plan.steer.state import Formats, shape_signature
 from memlayout.plan.steer.steering import Steering, planned_state
 
 #: the first element of a stored plan's key in the cost cache (its form's version with it)
 KIND = "plan"
-FORM = 1
+FORM = 2
 #: the options that do not change the plan (where the cache is, whether a stored plan is
 #: taken, how progress is shown)
 _NOT_THE_PLAN = ("cache", "refresh", "reuse", "progress")
@@ -77,53 +77,15 @@ class Stored:
     inplace: tuple[str, ...]
     guard: str | None = None  # the guard's race's key in the cost cache (None: no race)
 
-    def to_value(self) -> dict[str, Any]:
-        """The record as plain JSON data."""
-        def leaves(xs: tuple[Leaf, ...]) -> list[list[int]]:
-            return [[x.position, int(x.label), x.rank] for x in xs]
-
-        return {
-            "plan": self.plan.to_json(),
-            "parameters": [[name, int(label)] for name, label in self.steering.parameters],
-            "boundaries": [[path, {"in": leaves(b.inputs), "out": leaves(b.outputs),
-                                   "w": _int(b.weight_label),
-                                   "pad": None if b.padding is None else list(b.padding)}]
-                           for path, b in self.steering.boundaries],
-            "input": _int(self.input_label),
-            "outputs": [[r.index, _int(r.label), r.rank] for r in self.outputs],
-            "label": _int(self.label),
-            "inplace": list(self.inplace),
-            "guard": self.guard,
-        }
+    def to_value(self) -> Any:
+        """The record as plain JSON data: its ``dataclasses.asdict`` form."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
-    def from_value(cls, value: dict[str, Any]) -> Stored:
-        """The record :meth:`to_value` wrote (``KeyError``/``TypeError``/``ValueError`` for
-        anything else)."""
-        def leaves(xs: list[list[int]]) -> tuple[Leaf, ...]:
-            return tuple(Leaf(int(p), Label(int(label)), int(rank)) for p, label, rank in xs)
-
-        boundaries = tuple(
-            (str(path), Boundary(leaves(b["in"]), leaves(b["out"]), _label(b["w"]),
-                                 None if b["pad"] is None else (int(b["pad"][0]),
-                                                                int(b["pad"][1]))))
-            for path, b in value["boundaries"])
-        steering = Steering(tuple((str(n), Label(int(label))) for n, label in value["parameters"]),
-                            boundaries)
-        outputs = tuple(Returned(int(i), _label(label), int(rank))
-                        for i, label, rank in value["outputs"])
-        guard = value["guard"]
-        return cls(Plan.from_json(value["plan"]), steering, _label(value["input"]), outputs,
-                   _label(value["label"]), tuple(str(x) for x in value["inplace"]),
-                   None if guard is None else str(guard))
-
-
-def _int(label: Label | None) -> int | None:
-    return None if label is None else int(label)
-
-
-def _label(value: Any) -> Label | None:
-    return None if value is None else Label(int(value))
+    def from_value(cls, value: Any) -> Stored:
+        """The record :meth:`to_value` wrote (``PlanError`` naming the field for anything
+        else)."""
+        return typing.cast(Stored, decode(cls, value, cls.__name__))
 
 
 def options_text(options: RunOptions) -> str:

@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from memlayout.errors import PlanError
 from memlayout.machine import Conditions
 from memlayout.plan.check.speed import ModelComparison
+from memlayout.plan.graph import Label
 from memlayout.plan.report.describe import drop_lines, guard_summary, memory_summary
 from memlayout.plan.report.plan import Plan
 from memlayout.plan.report.records import (
@@ -24,7 +26,9 @@ from memlayout.plan.report.records import (
     PadChoice,
     RatioRange,
     Verification,
+    decode,
 )
+from memlayout.plan.steer.boundary import Leaf, Returned
 from memlayout.timing import interleaved
 
 BUSY = Conditions(5.0, 2, 2, "", "2026-01-01T00:00:00+00:00")
@@ -67,6 +71,20 @@ def test_every_record_survives_the_json_round_trip_with_its_types() -> None:
     assert isinstance(again.guard.conditions, Conditions) and again.guard.conditions.busy
     assert isinstance(again.padding[0], PadChoice) and isinstance(again.blocked.chains[0], BlockedChain)
     assert again.guard.skipped == ("all_channels_last",)  # tuples come back as tuples
+
+
+def test_named_tuples_and_enums_come_back_as_their_types_or_are_named() -> None:
+    written = (Leaf(2, Label.CHANNELS_LAST, 4), Returned(0, None, 4))
+    data = json.loads(json.dumps(written))  # as the cost cache holds it: lists and ints
+    again = decode(tuple[Leaf, Returned], data)
+    assert again == written
+    assert type(again[0]) is Leaf and type(again[0].label) is Label and again[1].label is None
+    with pytest.raises(PlanError, match=r"\[0\]\.label: expected Label, got 7"):
+        decode(tuple[Leaf, Returned], [[2, 7, 4], [0, None, 4]], "s")
+    with pytest.raises(PlanError, match=r"label: expected Label, got True"):
+        decode(Leaf, [2, True, 4], "leaf")
+    with pytest.raises(PlanError, match=r"leaf: expected Leaf, got \[2, 1\]"):
+        decode(Leaf, [2, 1], "leaf")
 
 
 def test_a_plan_json_of_another_schema_is_refused() -> None:

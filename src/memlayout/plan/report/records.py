@@ -10,6 +10,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from dataclasses import dataclass, field
@@ -40,8 +41,8 @@ class Record:
 
 
 def decode(tp: Any, value: Any, where: str = "") -> Any:
-    """``value`` (parsed JSON) as the type ``tp`` says: dataclasses, tuples, dicts and lists
-    rebuilt field by field; unknown keys ignored (a field appended later with a default loads
+    """``value`` (parsed JSON) as the type ``tp`` says: dataclasses, named tuples, enums
+    (by value), tuples, dicts and lists rebuilt field by field; unknown keys ignored (a field appended later with a default loads
     from a plan written without it). A value that does not fit raises ``PlanError`` naming
     the field (``where``), what it expected and what it got; an absent record (``None`` at
     the top) is ``None``.
@@ -75,6 +76,20 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
             except PlanError as exc:
                 errors.append(exc)
         raise errors[0] if len(args) == 1 else _mismatch(where, tp, value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return tp(value)
+        except ValueError:
+            raise _mismatch(where, tp, value) from None
+    if isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields"):  # NamedTuple
+        names = tp._fields
+        if not isinstance(value, list) or len(value) != len(names):
+            raise _mismatch(where, tp, value)
+        hints = typing.get_type_hints(tp)
+        return tp(*(_decode(hints[n], x, f"{where}.{n}")
+                    for n, x in zip(names, value, strict=True)))
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, dict):
             raise _mismatch(where, tp, value)
