@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -87,13 +88,13 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
         names = tp._fields
         if not isinstance(value, list) or len(value) != len(names):
             raise _mismatch(where, tp, value)
-        hints = typing.get_type_hints(tp)
+        hints = _hints(tp)
         return tp(*(_decode(hints[n], x, f"{where}.{n}")
                     for n, x in zip(names, value, strict=True)))
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, dict):
             raise _mismatch(where, tp, value)
-        hints = typing.get_type_hints(tp)
+        hints = _hints(tp)
         missing = [f.name for f in dataclasses.fields(tp) if f.name not in value and f.init
                    and f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING]
@@ -128,6 +129,12 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
             return value
         raise _mismatch(where, tp, value)
     return value
+
+
+@functools.cache
+def _hints(tp: type) -> dict[str, Any]:
+    """A record type's field types, resolved once (a stored plan holds thousands of records)."""
+    return typing.get_type_hints(tp)
 
 
 def type_name(tp: Any) -> str:
