@@ -17,9 +17,10 @@ planned; BackendWarnings; whether both ranks ran one plan per graph (digests gat
 which rank timed the costs; DDP's "Grad strides do not match bucket view strides" warnings
 and the gradients not in their parameters' strides; the largest relative difference of the
 parameters after the steps, memlayout against Inductor and Inductor against eager (the
-tolerance of the job itself).
+tolerance of the job itself); and each way's distance from the same job run eagerly in float64,
+which rounding alone cannot blur as it blurs the float32 ways' differences from each other.
 
-The ways run memlayout, Inductor, eager, in that order: torch warns of grad strides once per
+The ways run memlayout, Inductor, eager, eager in float64, in that order: torch warns of grad strides once per
 process, so the way that would warn first is memlayout's. memlayout's cost cache is a fresh
 folder, and each way compiles into a fresh Inductor cache (``fresh_cache``: its folder and
 its in-memory caches).
@@ -54,8 +55,9 @@ from memlayout.train.compiling import CompiledPlans, compile_blocks, compiled_pl
 from memlayout.train.ddp import DistInfo, grad_layout_mismatches, init_distributed
 from memlayout.train.fsdp import wrap_fsdp
 
-#: (way, what ``torch.compile`` is given; ``None``: not compiled), in the order they run
-WAYS = (("memlayout", "memlayout"), ("inductor", "inductor"), ("eager", None))
+#: (way, what ``torch.compile`` is given; ``None``: not compiled), in the order they run;
+#: ``float64`` is eager in double precision: the reference each way's rounding is measured from
+WAYS = (("memlayout", "memlayout"), ("inductor", "inductor"), ("eager", None), ("float64", None))
 #: what torch says when a gradient and its DDP bucket disagree in layout (reducer.cpp)
 GRAD_STRIDES = "Grad strides do not match bucket view strides"
 
@@ -101,19 +103,22 @@ class GraphSummary:
     unplanned: tuple[str, ...]  # "graph: why not"
 
 
-def step_input(example: Any, job: Job, fmt: Format, data: torch.Generator) -> tuple[Any, ...]:
+def step_input(example: Any, job: Job, fmt: Format, data: torch.Generator,
+               dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
     """The model's positional inputs for one step: its example's first image-like tensor
-    drawn anew at ``(batch, C, ..., size, size)`` in ``fmt``, the rest as given (a timestep)."""
+    drawn anew at ``(batch, C, ..., size, size)`` in ``fmt``, the rest as given (a timestep),
+    floating tensors in ``dtype``."""
     args = example if isinstance(example, (tuple, list)) else (example,)
     out: list[Any] = []
     drawn = False
     for a in args:
         if not drawn and isinstance(a, torch.Tensor) and a.dim() in (4, 5):
             shape = (job.batch, *a.shape[1:-2], job.size, job.size)
-            out.append(to_format(torch.randn(shape, generator=data), fmt))
+            out.append(to_format(torch.randn(shape, generator=data).to(dtype), fmt))
             drawn = True
         else:
-            out.append(a)
+            out.append(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                       else a)
     if not drawn:
         raise SystemExit(f"{job.model}: no image-like (rank 4 or 5) input to draw")
     return tuple(out)
@@ -126,7 +131,7 @@ def loss_of(output: Any, targets: torch.Generator) -> torch.Tensor:
     if out.dim() == 2:
         return nn.functional.cross_entropy(
             out, torch.randint(0, out.shape[1], (out.shape[0],), generator=targets))
-    return nn.functional.mse_loss(out, torch.randn(out.shape, generator=targets))
+    return nn.functional.mse_loss(out, torch.randn(out.shape, generator=targets).to(out.dtype))
 
 
 def run_way(way: str, backend: str | None, job: Job, info: DistInfo,
@@ -136,7 +141,8 @@ def run_way(way: str, backend: str | None, job: Job, info: DistInfo,
     torch._dynamo.reset()
     memlayout.backend_report(clear=True)
     loaded = load_model(job.model, batch=job.batch, image_size=job.size, seed=0)
-    model = loaded.module.train()
+    dtype = torch.float64 if way == "float64" else torch.float32
+    model = loaded.module.to(dtype).train()
     if job.strategy == "ddp":
         wrapped = DistributedDataParallel(model)
         run = torch.compile(wrapped, backend=backend) if backend else wrapped
@@ -157,7 +163,7 @@ def run_way(way: str, backend: str | None, job: Job, info: DistInfo,
         warnings.simplefilter("always")
         try:
             for _ in range(job.steps):
-                args = step_input(loaded.example_input, job, loaded.fmt, data)
+                args = step_input(loaded.example_input, job, loaded.fmt, data, dtype)
                 start = time.perf_counter()
                 loss_of(run(*args, **loaded.example_kwargs), targets).backward()
                 if job.strategy == "ddp":
@@ -168,7 +174,7 @@ def run_way(way: str, backend: str | None, job: Job, info: DistInfo,
         except Exception as exc:  # both ranks fail alike (one graph, one plan): the next way runs
             error = f"{type(exc).__name__}: {first_line([str(exc)])}"
     messages = [(w.category, str(w.message)) for w in caught]
-    parameters = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    parameters = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double()
                   for n, p in model.named_parameters()}
     return WayResult(
         way, tuple(seconds),
@@ -224,7 +230,7 @@ def render(job: Job, ranks: list[list[WayResult]], graphs: list[GraphSummary],
     lines = [f"distributed {job.strategy}: {job.model}, {len(graphs)} ranks (gloo, "
              f"{torch.get_num_threads()} thread each), batch {job.batch} per rank at {size} "
              f"channels-last, {job.steps} SGD steps; torch {torch.__version__}"]
-    for way in ("eager", "inductor", "memlayout"):
+    for way in ("eager", "inductor", "memlayout", "float64"):
         r = zero[way]
         if r.error:
             lines.append(f"  {way:10s} FAILED after {len(r.seconds)} steps: {r.error}")
@@ -250,7 +256,7 @@ def render(job: Job, ranks: list[list[WayResult]], graphs: list[GraphSummary],
     strides = {way: sum(r.grad_stride_warnings for rank in ranks for r in rank
                         if r.way == way) for way, _ in WAYS}
     lines.append("grad-stride warnings (both ranks; torch warns once per process, ways ran "
-                 "memlayout, inductor, eager): "
+                 "memlayout, inductor, eager, float64): "
                  + ", ".join(f"{w} {n}" for w, n in strides.items()))
     if job.strategy == "ddp":
         off = {way: sorted({m for rank in ranks for r in rank if r.way == way
@@ -272,6 +278,13 @@ def render(job: Job, ranks: list[list[WayResult]], graphs: list[GraphSummary],
                        norm_relative_difference(inductor_p, eager_p))
     lines.append(f"  as one vector (||a-b|| / ||b||): memlayout vs inductor {ours:.2e}; inductor "
                  f"vs eager {tolerance:.2e}: {verdict(ours, tolerance)}")
+    exact = zero["float64"].parameters
+    if exact:  # each way's rounding from the same job in float64: well conditioned
+        off = {w: norm_relative_difference(zero[w].parameters, exact)
+               for w in ("eager", "inductor", "memlayout")}
+        lines.append("  from the same job in float64 (||a-b|| / ||b||): " + ", ".join(
+            f"{w} {d:.2e}" for w, d in off.items()) + f"; memlayout against the larger of the "
+            f"others: {verdict(off['memlayout'], max(off['eager'], off['inductor']))}")
     lines.append(f"caches: {caches}")
     return "\n".join(lines)
 
