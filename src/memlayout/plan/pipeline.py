@@ -52,6 +52,7 @@ from memlayout.plan.check.realized import realized_differences
 from memlayout.plan.check.semantics import module_state, restore_state
 from memlayout.plan.check.verification import changed_inputs, fall_back, verify
 from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.faults import fault_notes
 from memlayout.plan.costs.regions import measure_regions
 from memlayout.plan.costs.table import measured_on
 from memlayout.plan.graph import Label
@@ -551,7 +552,7 @@ def make_plan(captured: Captured, solution: Solution, decision: GuardDecision,
     output = options.output_label
     built = memory.build
     nodes = list(built.nodes)
-    notes = [*conv1d_notes(nodes), *notes]  # rank 3: planned, or why not
+    notes = [*conv1d_notes(nodes), *fault_notes(s.table for s in solution.regions), *notes]
     if options.contiguous_weights and decision.kept != "planned":
         notes.append(f"weights='contiguous': every parameter contiguous; the guard kept "
                      f"{decision.kept}, whose nodes read their weights as they are")

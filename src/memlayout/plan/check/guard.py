@@ -356,7 +356,8 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
         return GuardDecision(planned, None, entry)
     if own_inputs:
         inputs = inputs_in(inputs, entry, options.ranks)
-    names = [name for name in UNIFORM if name not in skipped]
+    names = [name for name in UNIFORM if name not in skipped
+             and not (UNIFORM[name] is Label.CHANNELS_LAST and faulty(solution))]
     if _outputs_mixed(captured, options):
         names, skipped = [], []  # outputs in both formats: a one-format model cannot keep them
     if not names:
@@ -393,6 +394,12 @@ def guarded_build(reference: nn.Module, captured: Captured, solution: Solution,
     kept = race.kept(PLANNED, margin)
     return decided(kept, describe(race, kept=kept, margin=margin, source="measured",
                                     skipped=skipped, seconds=time.perf_counter() - start))
+
+
+def faulty(solution: Solution) -> bool:
+    """Some node of the plan must not run channels-last (``memlayout.plan.costs.faults``):
+    the model run channels-last end to end, as eager would, is not a candidate."""
+    return any(s.table.faults for s in solution.regions)
 
 
 def uniform_already(solution: Solution, root: str) -> list[str]:
@@ -435,6 +442,8 @@ def is_uniform(solution: Solution, label: Label, root: str = "") -> bool:
     on entry or of its results on the way out (``root``: the model's call)."""
     if len(solution.regions) != 1 or solution.regions[0].region.path != "":
         return False
+    if label is Label.CHANNELS_LAST and faulty(solution):
+        return False  # eager channels-last would run a kernel's known fault
     s = solution.regions[0]
     # a node pinned because it runs in one format only is in ``label`` as eager would run it;
     # one that layout-reading code sees (``KEEP_KEY``) must be in ``label`` itself

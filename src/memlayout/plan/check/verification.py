@@ -258,7 +258,8 @@ def fall_back(reference: nn.Module, captured: Captured, solution: Solution,
     (as the guard measured them; unmeasured: NHWC, then NCHW), the first that verifies, with
     the note that says so. Raises ``failure`` when none does."""
     timed = decision.record.candidates if decision.record is not None else {}
-    names = sorted((n for n in guard.UNIFORM if n != decision.kept),
+    names = sorted((n for n in guard.UNIFORM if n != decision.kept and not (
+        guard.UNIFORM[n] is Label.CHANNELS_LAST and guard.faulty(solution))),
                    key=lambda n: (-timed[n].median if n in timed else 0.0, -guard.UNIFORM[n]))
     own_inputs = options.auto_input and decision.input_label is not None
     arrive = {n: guard.UNIFORM[n] if own_inputs else options.input_label for n in names}

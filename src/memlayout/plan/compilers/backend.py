@@ -143,6 +143,7 @@ from memlayout.plan.compilers.backend_plan import (
     agrees_with_inductor,
     cached_rule,
     inductor_rule,
+    inductor_runs_a_fault,
     plan_graph,
 )
 from memlayout.plan.compilers.backend_report import RECORDS, GraphRecord
@@ -493,8 +494,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                          compile_seconds=time.perf_counter() - start - plan_seconds))
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     # the guard decided this graph before (the cost cache): build only what will run
-    # a plan that agrees with Inductor's rule by its costs: Inductor's own is not raced
-    ways = [w for w in WAYS if not (agrees and w == Runner.INDUCTOR_OWN)]
+    # a plan that agrees with Inductor's rule by its costs: Inductor's own is not raced; nor
+    # where it runs a kernel's known fault channels-last (memlayout.plan.costs.faults)
+    ways = [w for w in WAYS if not ((agrees or inductor_runs_a_fault(planned))
+                                    and w == Runner.INDUCTOR_OWN)]
     known = known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
                             device=device, ways=ways)
     kept = known.kept(Runner.PLAN_COMPILED, KEEP_MARGIN) if known is not None else None

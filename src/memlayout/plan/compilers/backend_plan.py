@@ -223,6 +223,21 @@ AGREES = ("the plan not run: its convolutions' formats save less than the keep m
           "timed against it")
 
 
+def inductor_runs_a_fault(planned: Planned) -> bool:
+    """Whether Inductor's own layouts would run a convolution channels-last that must never
+    run so (``memlayout.plan.costs.faults``): not a way the guard may time or keep.
+
+    >>> def conv(fault, inductor):
+    ...     return ConvolutionChoice("c", "conv2d", (1, 3, 8, 8), "contiguous", inductor,
+    ...                              None, True, fault)
+    >>> [inductor_runs_a_fault(Planned(None, None, 0, (conv(f, i),)))
+    ...  for f, i in (("a fault", "channels_last"), ("a fault", None),
+    ...               ("a fault", "contiguous"), ("", "channels_last"))]
+    [True, True, False, False]
+    """
+    return any(c.fault and c.inductor != Label.CONTIGUOUS.text for c in planned.convolutions)
+
+
 def agrees_with_inductor(planned: Planned, margin: float = KEEP_MARGIN) -> bool:
     """Whether the plan's convolutions (one at least, each with a format Inductor's rule
     states) would save less than ``margin`` of their time in the formats the rule gives them:

@@ -45,7 +45,8 @@ class ConvolutionChoice:
     op and input shape, the format it runs in under the plan and under Inductor's rule
     (``None``: no definite format, or no answer from this torch), its measured seconds in
     (contiguous, channels-last) (``None``: not measured, or fails in that format) and whether
-    they were timed (``False``: the analytical model, ``measure=False``)."""
+    they were timed (``False``: the analytical model, ``measure=False``); ``fault``: why it
+    never runs channels-last (``memlayout.plan.costs.faults``)."""
 
     where: str
     op: str
@@ -54,6 +55,7 @@ class ConvolutionChoice:
     inductor: str | None
     seconds: tuple[float | None, float | None] | None
     timed: bool
+    fault: str = ""
 
     @property
     def differs(self) -> bool:
@@ -74,7 +76,7 @@ class ConvolutionChoice:
             kind = "measured" if self.timed else "estimated"
             parts = [f"{_ms(self.seconds_in(fmt))} {fmt}" for fmt in FORMATS]
             text += f"; {kind} " + ", ".join(parts)
-        return text
+        return text + (f"; never channels-last: {self.fault}" if self.fault else "")
 
 
 def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, Label],
@@ -97,7 +99,8 @@ def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[st
         cost = table.nodes.get(n.name)
         out.append(ConvolutionChoice(
             module_path(n), op_name(n), tuple(shape), label_text(planned, meta.label), label_text(inductor),
-            cost.seconds if cost is not None else None, bool(cost and cost.timed)))
+            cost.seconds if cost is not None else None, bool(cost and cost.timed),
+            table.faults.get(n.name, "")))
     return tuple(out)
 
 

@@ -31,6 +31,7 @@ cut, and measures them in another pass that keeps what the earlier one found (``
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from memlayout.machine import Conditions, busier, noisy
 from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
 from memlayout.plan.costs.analytical import analytical_conversion, analytical_seconds
 from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.faults import channels_last_fault
 from memlayout.plan.costs.predict import CostModel, analytic_pair, op_kind, pair_id
 from memlayout.plan.costs.table import (
     ConversionCost,
@@ -115,7 +117,8 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     device = device_of(inputs, gm) if device is None else device
     nodes_context = node_context(device, dtype, train=train, weights=weights)
     layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
-    table = CostTable()
+    table = CostTable(faults={n.name: why for n in layout_nodes if (
+        why := channels_last_fault(gm, n, train=train, device=device)) is not None})
     todo_nodes: dict[str, list[str]] = {}
     todo_predicted: set[str] = set()
     predicting = model is not None and measure
@@ -160,6 +163,10 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
             name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes,
                                  c.timed, c.noisy)
             for name, c in table.conversions.items()}
+    for name in table.faults:  # a cached or predicted channels-last cost is not a way to run
+        if (cost := table.nodes.get(name)) is not None:
+            table.nodes[name] = dataclasses.replace(cost, seconds=(cost.seconds[0], None),
+                                                    out=(cost.out[0], None))
     return table
 
 
@@ -402,6 +409,9 @@ class _Measurer(fx.Interpreter):
         timed = self.measure and not is_agnostic(gm, n)
         contiguous = self.weights == CONTIGUOUS and module_has_layout_params(gm, n)
         records, calls, first = self._formats(n)
+        if n.name in self.table.faults:  # never run channels-last (memlayout.plan.costs.faults)
+            calls.pop("1", None)
+            records[1] = {"s": None, "out": None, "error": "fault"}
         per_call = f"1:{PER_CALL}"
         if (contiguous and timed and "1" in calls
                 and can_convert_per_call(gm.get_submodule(n.target))):

@@ -79,6 +79,8 @@ class CostTable:
     #: nodes whose seconds are predicted (``memlayout.plan.costs.predict``), not measured:
     #: how far their ``c1 - c0`` may be off (seconds)
     predicted: dict[str, float] = field(default_factory=dict)
+    #: nodes never run channels-last, and why (``memlayout.plan.costs.faults``)
+    faults: dict[str, str] = field(default_factory=dict)
 
     @property
     def timed_costs(self) -> int:
