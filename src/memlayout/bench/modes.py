@@ -74,6 +74,7 @@ from memlayout.plan.compare import compare as compare_outputs
 from memlayout.plan.compilers.backend_report import BackendReport
 from memlayout.plan.compilers.backend_report import backend_report as report_backend
 from memlayout.plan.compilers.compiled import compile as plan_and_compile
+from memlayout.plan.costs.faults import module_faults
 from memlayout.plan.inputs import example_inputs_of
 from memlayout.plan.pipeline import optimize
 from memlayout.plan.runners import Runner
@@ -203,6 +204,10 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
                               f"{bf16.describe()}, and Inductor's bf16 "
                               "build on such a CPU runs for many minutes to time what no CPU "
                               "with bf16 instructions would do")
+    faults = module_faults(module, device=torch.device(device)) if task == "train" else {}
+    if mode in ("nhwc", CONTROL) and faults:
+        raise ModeUnavailable(f"{mode} is not run in training: it would run {', '.join(faults)} "
+                              f"channels-last, and {next(iter(faults.values()))}")
     start = time.perf_counter()
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")

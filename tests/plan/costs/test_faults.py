@@ -13,6 +13,8 @@ import torch
 from torch import fx, nn
 
 import memlayout
+from memlayout.bench.config import ModeUnavailable
+from memlayout.bench.modes import prepare_mode
 from memlayout.plan.capture.regions import propagate
 from memlayout.plan.capture.trace import is_convolution
 from memlayout.plan.compilers.backend_plan import Planned, inductor_runs_a_fault
@@ -173,3 +175,12 @@ def test_the_backend_keeps_the_fault_contiguous_and_races_no_inductor_that_runs_
     # where Inductor's rule puts it channels-last, Inductor's own is no way to race
     ruled = [dataclasses.replace(c, inductor="channels_last") for c in graph.convolutions]
     assert inductor_runs_a_fault(Planned(None, None, 0, tuple(ruled)))  # type: ignore[arg-type]
+
+
+def test_the_benchmark_does_not_train_such_a_model_channels_last_and_says_why() -> None:
+    x = torch.randn(2, 3, 16, 16)
+    with pytest.raises(ModeUnavailable, match=r"nhwc is not run in training: it would run "
+                                              r"reduce channels-last, and oneDNN's"):
+        prepare_mode("nhwc", Stem(), x, dtype="fp32", task="train")
+    inference = prepare_mode("nhwc", Stem(), x, dtype="fp32", task="infer")  # forward: no fault
+    assert inference is not None

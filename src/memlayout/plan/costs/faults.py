@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from memlayout.plan.capture.trace import is_convolution
 from memlayout.plan.costs.table import CostTable
@@ -94,3 +94,19 @@ def fault_notes(tables: Iterable[CostTable]) -> list[str]:
         notes.append(f"kept contiguous, never run channels-last: {shown}. {why}; the model "
                      "run channels-last end to end is not a candidate either")
     return notes
+
+
+def module_faults(model: nn.Module, *, device: torch.device) -> dict[str, str]:
+    """The convolution modules of ``model`` that training must not run channels-last, and why:
+    what the rule above says of each module's call, read from the module itself (for a model
+    run as a whole in one format, as eager channels-last is).
+
+    >>> module_faults(nn.Sequential(nn.Conv2d(3, 8, 1, stride=2), nn.Conv2d(8, 8, 1)),
+    ...               device=torch.device("cpu")) == {"0": ONEDNN_STRIDED_1X1}
+    True
+    """
+    if device.type != "cpu":
+        return {}
+    return {path: ONEDNN_STRIDED_1X1 for path, m in model.named_modules()
+            if isinstance(m, nn.Conv2d) and not m.transposed and m.groups == 1
+            and m.in_channels < _BLOCK and m.kernel_size == (1, 1) and max(m.stride) > 1}
