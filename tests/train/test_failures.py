@@ -77,6 +77,15 @@ def test_a_bad_checkpoint_location_is_refused_before_training(work, tmp_path, ca
     assert events == []  # not one step was trained
 
 
+def test_training_channels_last_into_a_kernel_fault_is_refused_before_a_step(work):
+    events: list[object] = []
+    model = f"{work / 'tiny_models.py'}:strided_stem"
+    with pytest.raises(TrainError, match=r"--layout nhwc would train 0 channels-last, and "
+                                         r"oneDNN's .* --layout planned"):
+        train(config(work, model=model, layout="nhwc", max_steps=2), on_event=events.append)
+    assert events == []
+
+
 def test_the_cli_names_a_bad_checkpoint_location_in_one_line(work, tmp_path):
     path, _ = _location_cases(tmp_path)["a file"]
     res = CliRunner().invoke(app, ["train", f"{work / 'tiny_models.py'}:plain", "--data",

@@ -27,6 +27,7 @@ from memlayout.devices import seam
 from memlayout.dtypes import autocast, parse_dtype
 from memlayout.errors import TrainError
 from memlayout.models import ModelSpec, load_model
+from memlayout.plan.costs.faults import module_faults
 from memlayout.tensors import convert_batch, convert_module
 from memlayout.train import checkpointing
 from memlayout.train.compiling import CompiledPlans, compile_model, compiled_plans, graphs_so_far
@@ -244,6 +245,11 @@ def _model(trainer: Trainer, spec: ModelSpec) -> nn.Module:
     """The model in the run's layout, in train mode, wrapped for its ranks (DDP or FSDP)."""
     config, info, device = trainer.config, trainer.dist, trainer.device
     model = spec.module.to(device)
+    faults = module_faults(model, device=torch.device(device)) if config.layout == "nhwc" else {}
+    if faults:
+        raise TrainError(f"--layout nhwc would train {', '.join(faults)} channels-last, and "
+                         f"{next(iter(faults.values()))}. Train with --layout planned (it keeps "
+                         "them contiguous) or --layout nchw")
     if config.layout == "nhwc" and not config.sharded:
         # (under FSDP the weights stay contiguous: a convolution given a channels-last
         # input and a contiguous weight runs channels-last all the same)
