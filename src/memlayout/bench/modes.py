@@ -186,6 +186,15 @@ def _step_fn(model: nn.Module, args: tuple[Any, ...], dtype: str, task: str,
     return train
 
 
+def _refuse_faults(mode: str, module: nn.Module, device: str) -> None:
+    """``ModeUnavailable`` where training ``module`` channels-last would run a kernel's known
+    fault (``memlayout.plan.costs.faults``)."""
+    faults = module_faults(module, device=torch.device(device))
+    if faults:
+        raise ModeUnavailable(f"{mode} is not run in training: it would run {', '.join(faults)} "
+                              f"channels-last, and {next(iter(faults.values()))}")
+
+
 def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any, ...], *,
                  dtype: str, task: str, fmt: Format = Format.CHANNELS_LAST, device: str = "cpu",
                  compile_backend: str = "inductor", plan_measure: bool = True) -> PreparedMode:
@@ -204,10 +213,8 @@ def prepare_mode(mode: str, module: nn.Module, inputs: torch.Tensor | tuple[Any,
                               f"{bf16.describe()}, and Inductor's bf16 "
                               "build on such a CPU runs for many minutes to time what no CPU "
                               "with bf16 instructions would do")
-    faults = module_faults(module, device=torch.device(device)) if task == "train" else {}
-    if mode in ("nhwc", CONTROL) and faults:
-        raise ModeUnavailable(f"{mode} is not run in training: it would run {', '.join(faults)} "
-                              f"channels-last, and {next(iter(faults.values()))}")
+    if mode in ("nhwc", CONTROL) and task == "train":
+        _refuse_faults(mode, module, device)
     start = time.perf_counter()
     model = copy.deepcopy(module).to(device)
     model.train(task == "train")
