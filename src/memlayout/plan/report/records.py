@@ -43,10 +43,10 @@ class Record:
 
 def decode(tp: Any, value: Any, where: str = "") -> Any:
     """``value`` (parsed JSON) as the type ``tp`` says: dataclasses, named tuples, enums
-    (by value), tuples, dicts and lists rebuilt field by field; unknown keys ignored (a field appended later with a default loads
-    from a plan written without it). A value that does not fit raises ``PlanError`` naming
-    the field (``where``), what it expected and what it got; an absent record (``None`` at
-    the top) is ``None``.
+    (by value), tuples, dicts and lists rebuilt field by field; unknown keys ignored (a field
+    appended later with a default loads from a plan written without it). A value that does
+    not fit raises ``PlanError`` naming the field (``where``), what it expected and what it
+    got; an absent record (``None`` at the top) is ``None``.
 
     >>> decode(tuple[int, ...], [1, 2]), decode(dict[str, Conditions], {})
     ((1, 2), {})
