@@ -354,10 +354,13 @@ def interleaved(
 
 #: the rounds a sequential race runs at least before it may stop early
 SEQUENTIAL_ROUNDS = 3
+#: rounds of one mode this close together (relative to their median) estimate its time as
+#: well as more of them would (:func:`steady`)
+STEADY = 0.1
 
 
-def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS - 1
-              ) -> Callable[[Mapping[str, Sequence[float]]], bool]:
+def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS - 1, *,
+              tie: float | None = None) -> Callable[[Mapping[str, Sequence[float]]], bool]:
     """A ``stop`` for :func:`interleaved` of ``rounds`` rounds: the race is decided once more
     than half its rounds (and ``SEQUENTIAL_ROUNDS`` at least) have run and every candidate's
     per-round ratios against ``reference`` lie on one side of the threshold ``1 + margin``,
@@ -365,8 +368,10 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
     are as clearly apart from each other: the rounds left cannot move any of those medians
     across, so :meth:`Race.kept` keeps what the full race would. A candidate whose every round
     lies within ``margin`` of the reference (:func:`tied`) is decided too: whichever is kept,
-    the difference no longer matters. A candidate that stopped running (it raised) is left
-    out; with none left running, the race goes on.
+    the difference no longer matters; ``tie`` sets that margin apart from the threshold's (a
+    comparison of two ways with no keep margin, such as an op's two formats, still ends in a
+    tie). A candidate that stopped running (it raised) is left out; with none left running,
+    the race goes on.
 
     >>> stop = separated("a", 0.02)
     >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.5, 0.52, 0.49]})  # b twice as fast every round
@@ -381,8 +386,14 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
     False
     >>> stop({"a": [1.0, 1.0, 1.0], "b": [0.99, 1.005, 1.01]})  # a tie within the margin
     True
+    >>> either = separated("a", 0.0, 5, tie=0.02)  # no side favoured, ties within 2 %
+    >>> either({"a": [1.0] * 3, "b": [1.1, 1.08, 1.2]}), either({"a": [1.0] * 3, "b": [1.0] * 3})
+    (True, True)
+    >>> either({"a": [1.0] * 3, "b": [1.01, 1.05, 0.97]})  # neither apart nor tied: time on
+    False
     """
     threshold = 1.0 + margin
+    tie = margin if tie is None else tie
     least = _least(rounds)
 
     def apart(ratios: Sequence[float], line: float) -> bool:
@@ -392,7 +403,7 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
         own = times.get(reference, ())
         running = {n: t for n, t in times.items() if n != reference and len(t) == len(own)}
         if not running or not all(apart(round_ratios(own, t), threshold)
-                                  or (len(t) >= least and tied(round_ratios(own, t), margin))
+                                  or (len(t) >= least and tied(round_ratios(own, t), tie))
                                   for t in running.values()):
             return False
         faster = sorted((t for t in running.values()
@@ -442,6 +453,28 @@ def behind(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS - 
                 and max(ratios) < threshold]
 
     return retire
+
+
+def steady(rounds: int, limit: float = STEADY
+           ) -> Callable[[Mapping[str, Sequence[float]]], bool]:
+    """A ``stop`` for :func:`interleaved` of ``rounds`` rounds that estimate each mode's own
+    time (its fastest round), not a choice between them: stop once as many rounds as
+    :func:`separated` asks for have run and every mode's rounds lie within ``limit`` of each
+    other, relative to their median (the rounds left could lower a fastest round by less).
+
+    >>> stop = steady(5)
+    >>> stop({"a": [1.0, 1.02, 1.01], "b": [2.0, 2.1, 2.05]}), stop({"a": [1.0, 1.0]})
+    (True, False)
+    >>> stop({"a": [1.0, 1.02, 1.01], "b": [2.0, 2.9, 2.05]})  # one round 40 % slower
+    False
+    """
+    least = _least(rounds)
+
+    def stop(times: Mapping[str, Sequence[float]]) -> bool:
+        return all(len(t) >= least and (max(t) - min(t)) <= limit * statistics.median(t)
+                   for t in times.values())
+
+    return stop
 
 
 def _least(rounds: int) -> int:

@@ -9,7 +9,11 @@ activations: same kernel either way), how long it takes, through ``memlayout.tim
 value in a definite format gets the time of converting it either way.
 
 Each op's time is the fastest of its interleaved rounds: on a shared machine the noise only ever
-adds time, so the minimum is the least disturbed estimate of the op itself. A measurement whose
+adds time, so the minimum is the least disturbed estimate of the op itself. The rounds are a
+sequential test, ``rounds`` at most: an op's formats stop once every round puts them on the same
+side (or every round within ``timing.KEEP_MARGIN`` of each other: a tie, whichever the cut
+takes), after ``timing.SEQUENTIAL_ROUNDS`` at least; a conversion once its rounds agree within
+``timing.STEADY``. What more rounds would refine is not what moves the cut. A measurement whose
 rounds spread more than ``machine.SPREAD_LIMIT`` is taken again (at most ``RETRIES`` times);
 one still spread that far, or taken while the machine was busy (load above the cores), is
 *noisy*: ``NodeCost.noisy`` / ``ConversionCost.noisy`` say so, and the plan counts them.
@@ -34,7 +38,7 @@ import copy
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +84,14 @@ from memlayout.plan.weights import (
     can_convert_per_call,
 )
 from memlayout.tensors import device_of, iter_tensors
-from memlayout.timing import Comparison, interleaved, repeats_for
+from memlayout.timing import (
+    KEEP_MARGIN,
+    Comparison,
+    interleaved,
+    repeats_for,
+    separated,
+    steady,
+)
 
 #: how many times a measurement whose rounds spread beyond ``machine.SPREAD_LIMIT`` is taken
 #: again before it is kept as noisy (a burst of another job passes; a steady load does not)
@@ -439,7 +450,10 @@ class _Measurer(fx.Interpreter):
             # sized from calls once warm: a GPU's first includes cuDNN's autotuning
             repeat = repeats_for(min(self.device.settle(fn, first[label], clock=self.clock)
                                      for label, fn in calls.items()))
-            result, quality = self._timed(calls, repeat=repeat)
+            # the rounds stop once the formats are apart or tied: more would not move the cut
+            result, quality = self._timed(calls, repeat=repeat, stop=(
+                separated("0", 0.0, self.rounds, tie=KEEP_MARGIN)
+                if "0" in calls and len(calls) > 1 else steady(self.rounds)))
             for label, timing in result.modes.items():
                 if label != per_call:
                     records[int(label)]["s"] = timing.min if timing.ok else None
@@ -490,7 +504,7 @@ class _Measurer(fx.Interpreter):
         probe = interleaved(calls, rounds=1, warmup=1, sync=self.sync, clock=self.clock)
         quick = min(t.median for t in probe.modes.values())
         repeat = repeats_for(quick)
-        result, quality = self._timed(calls, repeat=repeat)
+        result, quality = self._timed(calls, repeat=repeat, stop=steady(self.rounds))
         records = [{"s": result["to_1"].min}, {"s": result["to_0"].min}]
         self.table.measured += 1
         self.table.conversions[n.name] = _conversion_cost(n.name, meta, records,
@@ -498,15 +512,18 @@ class _Measurer(fx.Interpreter):
         for key, record in zip(self.todo_values[n.name], records, strict=True):
             self._remember(key, record, quality)
 
-    def _timed(self, calls: dict[str, Callable[[], Any]], *,
-               repeat: int) -> tuple[Comparison, _Quality]:
-        """``calls`` timed interleaved; taken again (at most ``RETRIES`` times) while the
-        rounds of a call spread beyond ``machine.SPREAD_LIMIT``. Returns the last comparison
-        and its quality: the widest spread, and the busier conditions of before and after."""
+    def _timed(self, calls: dict[str, Callable[[], Any]], *, repeat: int,
+               stop: Callable[[Mapping[str, Sequence[float]]], bool]
+               ) -> tuple[Comparison, _Quality]:
+        """``calls`` timed interleaved for at most ``self.rounds`` rounds, fewer where ``stop``
+        says the rest could not change what they are for; taken again (at most ``RETRIES``
+        times) while the rounds of a call spread beyond ``machine.SPREAD_LIMIT``. Returns the
+        last comparison and its quality: the widest spread, and the busier conditions of
+        before and after."""
         before = self.conditions()
         for _ in range(1 + RETRIES):
             result = interleaved(calls, rounds=self.rounds, warmup=0, repeat=repeat,
-                                 sync=self.sync, clock=self.clock)
+                                 sync=self.sync, clock=self.clock, stop=stop)
             spread = max((t.spread for t in result.modes.values() if t.ok), default=0.0)
             if not noisy(spread):
                 break
