@@ -310,6 +310,25 @@ class CostCache:
             return None  # a busy machine's number, read on a quiet one: measure it again
         return found
 
+    def recorded(self, key: str) -> Entry | None:
+        """The entry under ``key`` for this machine's fingerprint as it is stored, ``refresh``
+        or not: a record of what happened (``memlayout.plan.costs.attempts``), not a number
+        to measure again; ``None`` when missing or unreadable."""
+        if self._db is None or not self._reads:
+            return None
+        try:
+            row = self._db.execute(
+                f"SELECT {', '.join(COLUMNS)} FROM entries WHERE key = ? AND fingerprint = ?",
+                (key, self.fingerprint)).fetchone()
+            return None if row is None else _entry(row)
+        except (sqlite3.Error, ValueError) as exc:
+            self._off(exc, "reading", reads=True)
+            return None
+
+    def delete(self, key: str) -> None:
+        """Delete this machine's entry under ``key``, if any."""
+        self._delete("key = ? AND fingerprint = ?", [key, self.fingerprint])
+
     def get(self, key: str, check: Callable[[Any], bool] | None = None) -> Any:
         """The record under ``key`` (see :meth:`entry`), or ``None``."""
         found = self.entry(key, check)

@@ -91,7 +91,7 @@ def fault_notes(tables: Iterable[CostTable]) -> list[str]:
     notes = []
     for why, names in by_why.items():
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        notes.append(f"kept contiguous, never run channels-last: {shown}. {why}; the model "
+        notes.append(f"kept contiguous, never run channels-last: {shown} ({why}); the model "
                      "run channels-last end to end is not a candidate either")
     return notes
 

@@ -25,6 +25,10 @@ was taken on a busy machine, when this one is quiet now. ``measure=False`` runs 
 uses an analytical cost model (``memlayout.plan.costs.analytical``) instead of timing; the records
 and which nodes are layout nodes are in ``memlayout.plan.costs.table``.
 
+A node torch's kernels run wrongly channels-last (``memlayout.plan.costs.faults``), or one whose
+channels-last run took an earlier planning process down (``memlayout.plan.costs.attempts``:
+each node's measurement is recorded in the cache while it runs), is never run channels-last.
+
 With a fitted cost model (``memlayout.plan.costs.predict``), a node the cache does not hold is
 *predicted* instead (run once per format for its output's format, its seconds from the model,
 its uncertainty in ``CostTable.predicted``), unless it is named in ``timed``; the solver's
@@ -51,6 +55,7 @@ from memlayout.layout import strides_for
 from memlayout.machine import Conditions, busier, noisy
 from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
 from memlayout.plan.costs.analytical import analytical_conversion, analytical_seconds
+from memlayout.plan.costs.attempts import attempting, crashed
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.faults import channels_last_fault
 from memlayout.plan.costs.predict import CostModel, analytic_pair, op_kind, pair_id
@@ -128,14 +133,16 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     device = device_of(inputs, gm) if device is None else device
     nodes_context = node_context(device, dtype, train=train, weights=weights)
     layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
+    node_keys = {n.name: [json.dumps(["node", *nodes_context, _describe(gm, n, label), label])
+                          for label in LABELS] for n in layout_nodes}
     table = CostTable(faults={n.name: why for n in layout_nodes if (
-        why := channels_last_fault(gm, n, train=train, device=device)) is not None})
+        why := channels_last_fault(gm, n, train=train, device=device)
+        or crashed(cache, node_keys[n.name][1])) is not None})
     todo_nodes: dict[str, list[str]] = {}
-    todo_predicted: set[str] = set()
+    todo_predicted: dict[str, list[str]] = {}
     predicting = model is not None and measure
     for n in layout_nodes:
-        keys = [json.dumps(["node", *nodes_context, _describe(gm, n, label), label])
-                for label in LABELS]
+        keys = node_keys[n.name]
         old = previous.nodes.get(n.name) if previous is not None else None
         if old is not None and n.name not in timed and n.name not in previous.predicted:
             table.nodes[n.name] = old  # measured in an earlier pass
@@ -152,7 +159,7 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                 table.nodes[n.name], table.predicted[n.name] = _predicted_cost(
                     gm, n, old.seconds, old.out, old.weights, model, train=train)
             else:
-                todo_predicted.add(n.name)
+                todo_predicted[n.name] = keys
         else:
             todo_nodes[n.name] = keys
     if previous is not None:  # its conversions are kept as they are
@@ -292,9 +299,10 @@ class _Measurer(fx.Interpreter):
                  weights: str = CONVERTED,
                  clock: Callable[[], float] = time.perf_counter,
                  conditions: Callable[[], Conditions] = Conditions.now,
-                 model: CostModel | None = None, predicted: set[str] | None = None) -> None:
+                 model: CostModel | None = None,
+                 predicted: dict[str, list[str]] | None = None) -> None:
         super().__init__(gm)
-        self.model, self.predicted = model, predicted or set()
+        self.model, self.predicted = model, predicted or {}
         self.clock, self.conditions = clock, conditions
         self.ranks = graph_ranks(gm)
         self.train = train
@@ -320,11 +328,13 @@ class _Measurer(fx.Interpreter):
                     self.module, n, [self.memo[k] for k in keys], self.measure,
                     noisy=any(k in self.memo_noisy for k in keys))
             else:
-                self._measure_node(n)
+                with attempting(self.cache, keys[1]):  # a crash here is remembered
+                    self._measure_node(n)
             self._step(n.name)
         if n.name in self.predicted:
             assert self.model is not None
-            records, _, _ = self._formats(n)
+            with attempting(self.cache, self.predicted[n.name][1]):
+                records, _, _ = self._formats(n)
             seconds = tuple(r["s"] for r in records)
             out = tuple(None if r["out"] is None else Label(r["out"]) for r in records)
             self.table.nodes[n.name], self.table.predicted[n.name] = _predicted_cost(
@@ -400,6 +410,9 @@ class _Measurer(fx.Interpreter):
         calls: dict[str, Callable[[], Any]] = {}
         first: dict[str, float] = {}
         for label in LABELS:
+            if label == Label.CHANNELS_LAST and n.name in self.table.faults:
+                records.append({"s": None, "out": None, "error": "fault"})
+                continue  # never run so (memlayout.plan.costs.faults, .attempts)
             try:
                 fn = self._call(n, label)
                 self.sync()
@@ -420,9 +433,6 @@ class _Measurer(fx.Interpreter):
         timed = self.measure and not is_agnostic(gm, n)
         contiguous = self.weights == CONTIGUOUS and module_has_layout_params(gm, n)
         records, calls, first = self._formats(n)
-        if n.name in self.table.faults:  # never run channels-last (memlayout.plan.costs.faults)
-            calls.pop("1", None)
-            records[1] = {"s": None, "out": None, "error": "fault"}
         per_call = f"1:{PER_CALL}"
         if (contiguous and timed and "1" in calls
                 and can_convert_per_call(gm.get_submodule(n.target))):
