@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +33,7 @@ from memlayout.plan.compilers.backend_graphs import (
     real_inputs,
     refuse_module_state,
 )
-from memlayout.plan.compilers.backend_report import (
-    ConvolutionChoice,
-    convolution_choices,
-)
+from memlayout.plan.compilers.backend_report import ConvolutionChoice, convolution_nodes
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import measure_costs
@@ -99,7 +96,14 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
         table = decided[0]
     form = formulate(work, table, input_label=None, output_label=Request.KEEP)
     labels = solve_labels(form.integer) if decided is None else dict(decided[1])
-    convolutions = convolution_choices(work, table, labels, rule)
+    choices = convolution_nodes(work, table, labels, rule)
+    if decided is None and options.measure and (again := to_confirm(choices, table)):
+        table = measured_again(work, inputs, table, again, options=options, store=store,
+                               dtype=dtype, train=train, device=device)
+        form = formulate(work, table, input_label=None, output_label=Request.KEEP)
+        labels = solve_labels(form.integer)
+        choices = convolution_nodes(work, table, labels, rule)
+    convolutions = tuple(choice for _, choice in choices)
     _, made = rewrite(nn.Module(), work, form, labels)
     weights = converted_weights(work, inputs, [value for value, _, _ in made])
     if train:
@@ -107,6 +111,32 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     if is_dynamic(gm):
         traced_conversions(work)
     return Planned(work, table, len(made), convolutions, weights, tuple(sorted(labels.items())))
+
+
+def to_confirm(choices: list[tuple[str, ConvolutionChoice]], table: CostTable,
+               margin: float = KEEP_MARGIN) -> frozenset[str]:
+    """The convolutions to measure again before a plan is taken to differ from Inductor's
+    rule (and so to be compiled and raced against Inductor's own): those it puts in another
+    format and this pass timed, where by their costs the plan saves more than ``margin``
+    (:func:`agrees_with_inductor`). The cut picked them by their costs, noise included: a
+    format that read faster by chance is among them more often than not. Measured again,
+    independently, their costs decide; what the cache holds was decided on before."""
+    if convolutions_agree([choice for _, choice in choices], margin):
+        return frozenset()
+    return frozenset(name for name, choice in choices if choice.differs and name in table.fresh)
+
+
+def measured_again(work: fx.GraphModule, inputs: list[Any], table: CostTable,
+                   names: frozenset[str], *, options: Backend, store: CostCache | None,
+                   dtype: torch.dtype | None, train: bool, device: torch.device) -> CostTable:
+    """``table`` with the nodes ``names`` measured again, their new costs replacing the
+    first ones (in ``store`` too); the counts of both passes."""
+    with store.remeasuring() if store is not None else contextlib.nullcontext():
+        again = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype, cache=store,
+                              rounds=options.rounds, train=train, device=device,
+                              previous=table, timed=names)
+    return dataclasses.replace(again, measured=table.measured + again.measured,
+                               cached=table.cached, fresh=table.fresh | again.fresh)
 
 
 def traced_conversions(gm: fx.GraphModule) -> None:
@@ -260,7 +290,12 @@ def agrees_with_inductor(planned: Planned, margin: float = KEEP_MARGIN) -> bool:
     >>> agrees_with_inductor(plan()), agrees_with_inductor(plan(conv(cl, None)))
     (False, False)
     """
-    convolutions = planned.convolutions
+    return convolutions_agree(planned.convolutions, margin)
+
+
+def convolutions_agree(convolutions: Sequence[ConvolutionChoice],
+                       margin: float = KEEP_MARGIN) -> bool:
+    """:func:`agrees_with_inductor` of a plan's convolution choices."""
     if not convolutions or any(c.inductor is None or c.planned is None for c in convolutions):
         return False
     total, gain = 0.0, 0.0

@@ -79,10 +79,10 @@ class ConvolutionChoice:
         return text + (f"; never channels-last: {self.fault}" if self.fault else "")
 
 
-def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, Label],
-                        rule: bool | None) -> tuple[ConvolutionChoice, ...]:
-    """Each convolution's choice: planned label, Inductor's (channels-last for a 2-d one when
-    its rule is on, else the strides as traced) and measured seconds."""
+def convolution_nodes(gm: fx.GraphModule, table: CostTable, labels: Mapping[str, Label],
+                      rule: bool | None) -> list[tuple[str, ConvolutionChoice]]:
+    """Each convolution's node name and choice: planned label, Inductor's (channels-last for a
+    2-d one when its rule is on, else the strides as traced) and measured seconds."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or op_name(n) not in CONVOLUTIONS or not n.args:
@@ -97,11 +97,11 @@ def convolution_choices(gm: fx.GraphModule, table: CostTable, labels: Mapping[st
         inductor = (None if rule is None
                     else Label.CHANNELS_LAST if rule and len(shape) == 4 else traced)
         cost = table.nodes.get(n.name)
-        out.append(ConvolutionChoice(
+        out.append((n.name, ConvolutionChoice(
             module_path(n), op_name(n), tuple(shape), label_text(planned, meta.label), label_text(inductor),
             cost.seconds if cost is not None else None, bool(cost and cost.timed),
-            table.faults.get(n.name, "")))
-    return tuple(out)
+            table.faults.get(n.name, ""))))
+    return out
 
 
 def label_text(label: Label | None, traced: Any = None) -> str | None:

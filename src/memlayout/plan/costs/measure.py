@@ -327,6 +327,8 @@ class _Measurer(fx.Interpreter):
                 self.table.nodes[n.name] = _node_cost(
                     self.module, n, [self.memo[k] for k in keys], self.measure,
                     noisy=any(k in self.memo_noisy for k in keys))
+                if self.table.nodes[n.name].timed:
+                    self.table.fresh.add(n.name)
             else:
                 with attempting(self.cache, keys[1]):  # a crash here is remembered
                     self._measure_node(n)
@@ -478,6 +480,7 @@ class _Measurer(fx.Interpreter):
                 if record["s"] is not None:
                     record.update(a=analytic[label], k=kind, id=pair)
             self.table.measured += 1
+            self.table.fresh.add(n.name)
         elif not self.measure and calls:
             for label in [c for c in calls if c != per_call]:
                 # a backward does about twice the work of the forward

@@ -81,6 +81,8 @@ class CostTable:
     predicted: dict[str, float] = field(default_factory=dict)
     #: nodes never run channels-last, and why (``memlayout.plan.costs.faults``)
     faults: dict[str, str] = field(default_factory=dict)
+    #: nodes timed in this call (not read from the cache, nor kept from an earlier pass)
+    fresh: set[str] = field(default_factory=set)
 
     @property
     def timed_costs(self) -> int:

@@ -1,0 +1,111 @@
+"""Before a graph's plan is taken to differ from Inductor's rule (and so is compiled and
+raced against Inductor's own, a second compile), the convolutions that make it differ are
+measured again: they were picked by costs that may have read faster by chance. Timings come
+from a clock that moves only when an op runs, by what each measuring pass says of each
+format, so the expected plan follows from what goes in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+
+from memlayout.plan.capture.trace import is_convolution
+from memlayout.plan.compilers import backend_plan
+from memlayout.plan.compilers.backend import Backend
+from memlayout.plan.costs import measure
+from memlayout.plan.costs.cache import CostCache
+
+CPU = torch.device("cpu")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(8, 8, 3, 3) / 8)
+        self.b = nn.Parameter(torch.randn(8, 8, 3, 3) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(F.relu(F.conv2d(x, self.a, padding=1)), self.b, padding=1)
+
+
+def _dynamo_graph() -> tuple[torch.fx.GraphModule, list[Any]]:
+    """The graph and example inputs Dynamo hands a backend for ``Net``."""
+    seen: list = []
+
+    def grab(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    net, x = Net().eval(), torch.randn(2, 8, 12, 12)
+    with torch.no_grad():
+        torch.compile(net, backend=grab)(x)
+    torch._dynamo.reset()
+    return seen[0]
+
+
+def _plan(monkeypatch, passes: list[dict[str, float]], store=None):
+    """``plan_graph`` of Net's graph with Inductor's rule channels-last, where measuring pass
+    ``i`` times a convolution at ``passes[i][label]`` seconds; the names each pass was asked
+    to measure again (``None``: all it found uncached)."""
+    now = [0.0]
+    asked: list[Any] = []
+    real_measure, real_call = measure.measure_costs, measure._Measurer._call
+
+    def call(self, n, how, *, grad=False):
+        fn = real_call(self, n, how, grad=grad)
+        label = (how if isinstance(how, str) else str(int(how)))[0]
+        if not is_convolution(self.module, n):
+            return fn
+        seconds = passes[min(len(asked), len(passes)) - 1][label]
+
+        def timed():
+            now[0] += seconds
+            return fn()
+        return timed
+
+    def measuring(*args, **kwargs):
+        asked.append(kwargs.get("timed") or None)
+        return real_measure(*args, clock=lambda: now[0], **kwargs)
+
+    monkeypatch.setattr(measure._Measurer, "_call", call)
+    monkeypatch.setattr(backend_plan, "measure_costs", measuring)
+    gm, inputs = _dynamo_graph()
+    planned = backend_plan.plan_graph(gm, inputs, Backend(cache=False), train=False,
+                                      dtype=None, device=CPU, rule=True, store=store)
+    return planned, asked
+
+
+NCHW_FASTER = {"0": 0.001, "1": 0.003}
+NHWC_FASTER = {"0": 0.003, "1": 0.001}
+
+
+def test_a_difference_that_does_not_measure_again_is_no_difference(monkeypatch) -> None:
+    planned, asked = _plan(monkeypatch, [NCHW_FASTER, NHWC_FASTER])
+    assert len(asked) == 2 and asked[0] is None
+    assert len(set(asked[1])) == 2  # the two convolutions, nothing else, measured again
+    assert backend_plan.agrees_with_inductor(planned)
+    assert all(c.planned == "channels_last" for c in planned.convolutions)
+
+
+def test_a_difference_that_measures_again_stands(monkeypatch) -> None:
+    planned, asked = _plan(monkeypatch, [NCHW_FASTER, NCHW_FASTER])
+    assert len(asked) == 2
+    assert not backend_plan.agrees_with_inductor(planned)
+    assert all(c.planned == "contiguous" for c in planned.convolutions)
+
+
+@pytest.mark.parametrize("second", [NCHW_FASTER, NHWC_FASTER])
+def test_the_cache_keeps_the_second_measurement_and_is_not_questioned(monkeypatch, tmp_path,
+                                                                      second) -> None:
+    store = CostCache(tmp_path / "costs.sqlite")
+    first, _ = _plan(monkeypatch, [NCHW_FASTER, second], store=store)
+    again, asked = _plan(monkeypatch, [NCHW_FASTER], store=store)  # only cached costs now
+    assert asked == [None] and again.table.measured == 0  # nothing timed, nothing confirmed
+    assert [c.planned for c in again.convolutions] == [c.planned for c in first.convolutions]
+    store.close()
