@@ -33,8 +33,21 @@ class Net(nn.Module):
         return F.conv2d(F.relu(F.conv2d(x, self.a, padding=1)), self.b, padding=1)
 
 
-def _dynamo_graph() -> tuple[torch.fx.GraphModule, list[Any]]:
-    """The graph and example inputs Dynamo hands a backend for ``Net``."""
+class Excited(Net):
+    """``Net`` with a squeeze-and-excitation gate: a convolution of one pixel per channel,
+    an input in both formats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(8, 8, 1, 1) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * torch.sigmoid(F.conv2d(F.adaptive_avg_pool2d(y, 1), self.gate))
+
+
+def _dynamo_graph(net: nn.Module) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """The graph and example inputs Dynamo hands a backend for ``net``."""
     seen: list = []
 
     def grab(gm, example_inputs):
@@ -42,15 +55,15 @@ def _dynamo_graph() -> tuple[torch.fx.GraphModule, list[Any]]:
         return gm.forward
 
     torch._dynamo.reset()
-    net, x = Net().eval(), torch.randn(2, 8, 12, 12)
+    net, x = net.eval(), torch.randn(2, 8, 12, 12)
     with torch.no_grad():
         torch.compile(net, backend=grab)(x)
     torch._dynamo.reset()
     return seen[0]
 
 
-def _plan(monkeypatch, passes: list[dict[str, float]], store=None):
-    """``plan_graph`` of Net's graph with Inductor's rule channels-last, where measuring pass
+def _plan(monkeypatch, passes: list[dict[str, float]], store=None, net: nn.Module | None = None):
+    """``plan_graph`` of ``net``'s graph (default: ``Net``) with Inductor's rule channels-last, where measuring pass
     ``i`` times a convolution at ``passes[i][label]`` seconds; the names each pass was asked
     to measure again (``None``: all it found uncached)."""
     now = [0.0]
@@ -75,7 +88,7 @@ def _plan(monkeypatch, passes: list[dict[str, float]], store=None):
 
     monkeypatch.setattr(measure._Measurer, "_call", call)
     monkeypatch.setattr(backend_plan, "measure_costs", measuring)
-    gm, inputs = _dynamo_graph()
+    gm, inputs = _dynamo_graph(net or Net())
     planned = backend_plan.plan_graph(gm, inputs, Backend(cache=False), train=False,
                                       dtype=None, device=CPU, rule=True, store=store)
     return planned, asked
@@ -109,3 +122,13 @@ def test_the_cache_keeps_the_second_measurement_and_is_not_questioned(monkeypatc
     assert asked == [None] and again.table.measured == 0  # nothing timed, nothing confirmed
     assert [c.planned for c in again.convolutions] == [c.planned for c in first.convolutions]
     store.close()
+
+
+def test_a_convolution_of_one_pixel_agrees_with_any_format(monkeypatch) -> None:
+    """A squeeze-and-excitation gate's input is in both formats: whatever the plan and
+    Inductor's rule call it, no copy is made, so it is no difference that costs a compile."""
+    planned, asked = _plan(monkeypatch, [NHWC_FASTER], net=Excited())
+    gate = [c for c in planned.convolutions if c.shape[2:] == (1, 1)]
+    assert gate and gate[0].planned == "either" and gate[0].inductor == "channels_last"
+    assert not gate[0].differs and len(asked) == 1
+    assert backend_plan.agrees_with_inductor(planned)

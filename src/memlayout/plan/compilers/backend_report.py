@@ -59,8 +59,17 @@ class ConvolutionChoice:
 
     @property
     def differs(self) -> bool:
-        """The plan and Inductor's rule put this convolution in different formats."""
-        return None not in (self.planned, self.inductor) and self.planned != self.inductor
+        """The plan and Inductor's rule put this convolution in different formats. An input
+        in both (``either``: one pixel, as a squeeze-and-excitation block's, or one channel)
+        differs from neither: no copy is ever made of it.
+
+        >>> def conv(planned, inductor):
+        ...     return ConvolutionChoice("c", "conv2d", (8, 32, 1, 1), planned, inductor, None, True)
+        >>> [conv(p, "channels_last").differs for p in ("contiguous", "either", "channels_last")]
+        [True, False, False]
+        """
+        return (None not in (self.planned, self.inductor) and self.planned != self.inductor
+                and Label.EITHER.text not in (self.planned, self.inductor))
 
     def seconds_in(self, fmt: str | None) -> float | None:
         """The measured seconds in format ``fmt`` (a name of ``FORMATS``; ``None`` where not
