@@ -1,7 +1,8 @@
 """Planning one Dynamo graph for the ``torch.compile`` backend (``backend.py``): the graph
 propagated on real inputs, its costs measured (or another rank's taken), the minimum cut
-solved and a rewritten copy made; and Inductor's own whole-graph layout rule, for the
-report."""
+solved (solved again after measuring once more the convolutions that make it differ from
+Inductor's rule: :func:`to_confirm`) and a rewritten copy made; and Inductor's own
+whole-graph layout rule, for the report."""
 
 from __future__ import annotations
 
