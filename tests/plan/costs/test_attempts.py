@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 import memlayout
+from memlayout.plan.costs import attempts
 from memlayout.plan.costs.attempts import HUNG_AFTER, attempt_key, crashed
 from memlayout.plan.costs.cache import CostCache
 
@@ -84,10 +86,12 @@ def test_an_op_that_crashed_a_planning_process_is_never_run_channels_last_again(
         torch.testing.assert_close(planned(x), model(x))
 
 
-def _record(tmp_path, pid: int, host: str, taken_at: str) -> tuple[CostCache, str]:
+def _record(tmp_path, pid: int, host: str, taken_at: str,
+            start: str | None = None) -> tuple[CostCache, str]:
     store = CostCache(tmp_path / "costs.sqlite")
     key = json.dumps(["node", "conv"])
-    store.put(attempt_key(key), {"pid": pid, "host": host}, is_noisy=False)
+    start = attempts._start_time(pid) if start is None else start
+    store.put(attempt_key(key), {"pid": pid, "start": start, "host": host}, is_noisy=False)
     with store._db:  # noqa: SLF001 - the record's start, as an older process wrote it
         store._db.execute("UPDATE entries SET taken_at = ? WHERE key = ?",
                           (taken_at, attempt_key(key)))
@@ -112,3 +116,17 @@ def test_a_process_still_running_the_op_is_left_alone_until_it_has_hung(tmp_path
     assert "took the planning process" in crashed(store, key, now=soon)  # gone now
     other, key = _record(tmp_path / "other", running.pid, "another-host", start.isoformat())
     assert crashed(other, key, now=later) is None  # no way to tell from here
+
+
+@pytest.mark.faults
+@pytest.mark.skipif(attempts._start_time(os.getpid()) is None, reason="no /proc here")
+def test_a_record_of_this_process_id_from_an_earlier_process_is_a_crash(tmp_path) -> None:
+    """In a container the planning process often has the same id every run: a record with
+    this id but another start time was left by a process that is gone."""
+    import socket
+
+    start = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    store, key = _record(tmp_path, os.getpid(), socket.gethostname(), start, start="1")
+    assert "took the planning process" in crashed(store, key)
+    ours, key = _record(tmp_path / "ours", os.getpid(), socket.gethostname(), start)
+    assert crashed(ours, key) is None  # this very process, measuring it now

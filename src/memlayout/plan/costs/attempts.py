@@ -3,7 +3,8 @@
 it never does so twice.
 
 Before a layout node is run for its measurement, its channels-last cache key is recorded in
-the cost cache as an *attempt* (``["attempt", key]``: this process's id and host), committed;
+the cost cache as an *attempt* (``["attempt", key]``: this process's id, its start time where
+the system tells it, and the host), committed;
 when the measurement returns, or raises, the record is deleted. A record left behind by a
 process of this host that is gone is an op that crashed it (or hung until it was killed); one
 whose process still runs after ``HUNG_AFTER`` seconds is an op that hangs it. Either way the
@@ -30,6 +31,7 @@ import json
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 from memlayout.plan.costs.cache import CostCache, Entry
 
@@ -50,7 +52,8 @@ def attempting(cache: CostCache | None, key: str) -> Iterator[None]:
         yield
         return
     record = attempt_key(key)
-    cache.put(record, {"pid": os.getpid(), "host": socket.gethostname()}, is_noisy=False)
+    cache.put(record, {"pid": os.getpid(), "start": _start_time(os.getpid()),
+                       "host": socket.gethostname()}, is_noisy=False)
     try:
         yield
     finally:
@@ -65,18 +68,35 @@ def crashed(cache: CostCache | None, key: str, *,
     entry = cache.recorded(attempt_key(key)) if cache is not None else None
     if entry is None or not isinstance(entry.value, dict):
         return None
-    pid, host = entry.value.get("pid"), entry.value.get("host")
-    if not isinstance(pid, int) or host != socket.gethostname() or pid == os.getpid():
-        return None  # another host's process, or this one: nothing to tell
+    pid, host, start = (entry.value.get(k) for k in ("pid", "host", "start"))
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return None  # another host's process: nothing to tell from here
     since = _seconds_since(entry, now)
-    if _running(pid):
-        if since is None or since < HUNG_AFTER:
-            return None  # another process measuring it now
+    if _alive(pid, start if isinstance(start, str) else None):
+        if pid == os.getpid() or since is None or since < HUNG_AFTER:
+            return None  # a process measuring it now
         return (f"it has run channels-last in process {pid} since {entry.taken_at} without "
                 "returning (a hang in torch's kernel that no rule of memlayout knows)")
     return (f"it took the planning process {pid} down when run channels-last "
             f"({entry.taken_at}): a crash or hang in torch's kernel that no rule of "
             "memlayout knows; `memlayout cache clear` forgets it")
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    """Whether the process that wrote a record still runs: the process of that id, started
+    when the record says (a container's process often has the same id every run)."""
+    return _running(pid) if start is None else _start_time(pid) == start
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux's ``/proc``), or
+    ``None`` where the system does not say or there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command's name, which may hold spaces
+    return fields[19] if len(fields) > 19 else None
 
 
 def _running(pid: int) -> bool:
