@@ -471,8 +471,8 @@ def steady(rounds: int, limit: float = STEADY
     least = _least(rounds)
 
     def stop(times: Mapping[str, Sequence[float]]) -> bool:
-        return all(len(t) >= least and (max(t) - min(t)) <= limit * statistics.median(t)
-                   for t in times.values())
+        return all(len(t) >= least and ModeTiming(name, tuple(t)).spread <= limit
+                   for name, t in times.items())
 
     return stop
 

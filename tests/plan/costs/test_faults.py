@@ -26,7 +26,7 @@ from memlayout.plan.graph import Label
 CPU = torch.device("cpu")
 
 #: (in channels, kernel, stride, groups, whether the fault applies): the bug's conditions
-#: (oneDNN issue 6035): a weight gradient, nhwc, 1x1, a stride above 1, fewer input channels
+#: (oneDNN's channels-last weight gradient): a weight gradient, nhwc, 1x1, a stride above 1, fewer input channels
 #: than the channel block (16 covers every x86 ISA)
 CASES = [
     (3, 1, 2, 1, True),

@@ -33,7 +33,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from memlayout.plan.costs.cache import CostCache, Entry
+from memlayout.plan.costs.cache import CostCache
 
 #: an attempt whose process still runs this long after it began has hung it: one op's
 #: measurement takes seconds
@@ -71,7 +71,7 @@ def crashed(cache: CostCache | None, key: str, *,
     pid, host, start = (entry.value.get(k) for k in ("pid", "host", "start"))
     if not isinstance(pid, int) or host != socket.gethostname():
         return None  # another host's process: nothing to tell from here
-    since = _seconds_since(entry, now)
+    since = entry.age(now)
     if _alive(pid, start if isinstance(start, str) else None):
         if pid == os.getpid() or since is None or since < HUNG_AFTER:
             return None  # a process measuring it now
@@ -107,12 +107,3 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
-
-
-def _seconds_since(entry: Entry, now: datetime.datetime | None) -> float | None:
-    try:
-        taken = datetime.datetime.fromisoformat(entry.taken_at)
-    except ValueError:
-        return None
-    now = now or datetime.datetime.now(datetime.timezone.utc)
-    return (now - taken).total_seconds()

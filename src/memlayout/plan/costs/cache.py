@@ -76,6 +76,7 @@ from memlayout.plan.costs.transfer import (
     now_utc,
     read_cost_table,
     table_text,
+    utc_time,
 )
 
 
@@ -119,6 +120,15 @@ class Entry:
     def taken_busy(self) -> bool:
         """Taken while the load average was above the core count."""
         return overloaded(self.load_average, self.cpu_count)
+
+    def age(self, now: datetime.datetime | None = None) -> float | None:
+        """Seconds from when it was taken to ``now`` (default: this moment); ``None`` where
+        its time does not read as one."""
+        try:
+            taken = utc_time(self.taken_at)
+        except ValueError:
+            return None
+        return ((now or datetime.datetime.now(datetime.timezone.utc)) - taken).total_seconds()
 
 
 @dataclass(frozen=True)
@@ -284,16 +294,9 @@ class CostCache:
         """The entry under ``key`` for this machine's fingerprint, or ``None``: missing,
         refreshed, not valid (``check(value)`` false or not JSON), or taken on a busy machine
         while this one is quiet now (measure it again)."""
-        if not self.usable or (self.refresh and key not in self._written):
+        if self.refresh and key not in self._written:
             return None
-        assert self._db is not None
-        try:
-            row = self._db.execute(
-                f"SELECT {', '.join(COLUMNS)} FROM entries WHERE key = ? AND fingerprint = ?",
-                (key, self.fingerprint)).fetchone()
-        except sqlite3.Error as exc:
-            self._off(exc, "reading", reads=True)
-            return None
+        row = self._row(key)
         if row is None:
             return None
         try:
@@ -313,17 +316,27 @@ class CostCache:
     def recorded(self, key: str) -> Entry | None:
         """The entry under ``key`` for this machine's fingerprint as it is stored, ``refresh``
         or not: a record of what happened (``memlayout.plan.costs.attempts``), not a number
-        to measure again; ``None`` when missing or unreadable."""
-        if self._db is None or not self._reads:
+        to measure again; ``None`` when missing or not readable."""
+        row = self._row(key)
+        try:
+            return None if row is None else _entry(row)
+        except ValueError:  # not JSON: no record to go by
             return None
+
+    def _row(self, key: str) -> tuple[Any, ...] | None:
+        """The stored row under ``key`` for this machine's fingerprint (``None``: none, or the
+        cache cannot be read)."""
+        if not self.usable:
+            return None
+        assert self._db is not None
         try:
             row = self._db.execute(
                 f"SELECT {', '.join(COLUMNS)} FROM entries WHERE key = ? AND fingerprint = ?",
                 (key, self.fingerprint)).fetchone()
-            return None if row is None else _entry(row)
-        except (sqlite3.Error, ValueError) as exc:
+        except sqlite3.Error as exc:
             self._off(exc, "reading", reads=True)
             return None
+        return None if row is None else tuple(row)
 
     def delete(self, key: str) -> None:
         """Delete this machine's entry under ``key``, if any."""

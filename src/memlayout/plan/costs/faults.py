@@ -30,7 +30,7 @@ from memlayout.plan.graph import META_KEY
 ONEDNN_STRIDED_1X1 = (
     "oneDNN's channels-last weight gradient of a strided 1x1 convolution with fewer than "
     "16 input channels writes past its workspace on x86 CPUs: the step hangs, crashes the "
-    "process or returns wrong gradients (oneDNN issue 6035)")
+    "process or returns wrong gradients")
 #: oneDNN's input-channel block: 8 with AVX2, 16 with AVX-512; the fault needs fewer input
 #: channels than the block, and 16 covers every x86 CPU whichever kernel it picks
 _BLOCK = 16

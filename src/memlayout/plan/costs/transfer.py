@@ -198,7 +198,7 @@ def _table_entry(line: str, machine: str) -> Entry:
         raise ValueError(f"an entry has exactly the fields {', '.join(_TABLE_FIELDS)}")
     key = _typed(record, "key", str)
     taken_at = _typed(record, "taken_at", str)
-    _utc(taken_at)  # a time, or a ValueError
+    utc_time(taken_at)  # a time, or a ValueError
     return Entry(key, kind_of(key), record["value"], machine,
                  _typed(record, "load_average", float, optional=True),
                  _typed(record, "cpu_count", int, optional=True),
@@ -206,7 +206,7 @@ def _table_entry(line: str, machine: str) -> Entry:
                  _typed(record, "noisy", bool), taken_at)
 
 
-def _utc(stamp: str) -> datetime.datetime:
+def utc_time(stamp: str) -> datetime.datetime:
     """An ISO 8601 time as an aware UTC datetime (one without a zone is taken as UTC)."""
     moment = datetime.datetime.fromisoformat(stamp)
     if moment.tzinfo is None:
@@ -218,6 +218,6 @@ def newer(imported: str, local: str) -> bool:
     """The imported entry was taken after the local one (a local time that does not parse
     loses: the imported one was checked when read)."""
     try:
-        return _utc(imported) > _utc(local)
+        return utc_time(imported) > utc_time(local)
     except ValueError:
         return True
