@@ -171,8 +171,9 @@ class Race:
     the :class:`Ratio` of the reference's time over its own (> 1: the candidate is faster),
     the rounds and calls per sample (``repeat``), the candidates that failed (``errors``),
     whether a close call was timed for more rounds (``extended``), the machine's conditions
-    (the busier of before and after), and the reference's median seconds per call with the
-    relative spread of its rounds. It is stored as JSON: ``dataclasses.asdict`` out,
+    (the busier of before and after), the reference's median seconds per call with the
+    relative spread of its rounds, and the candidates whose close call counts on either side
+    of the threshold (``protect``, :meth:`is_close`; ``None``: every one). It is stored as JSON: ``dataclasses.asdict`` out,
     ``memlayout.plan.report.records.decode`` back.
 
     >>> r = Race("planned", {"nhwc": Ratio("planned", "nhwc", 1.2, (1.1, 1.3, 1.2))}, rounds=3)
@@ -189,6 +190,7 @@ class Race:
     conditions: Conditions | None = None
     reference_seconds: float | None = None
     spread: float | None = None
+    protect: tuple[str, ...] | None = None
 
     def median(self, name: str) -> float:
         """``name``'s median per-round ratio (the reference counts 1.0)."""
@@ -232,9 +234,9 @@ class Race:
         :meth:`kept` weighs against the reference) is within ``CLOSE`` of the threshold
         ``1 + margin``, or its rounds spread so that their quartiles lie on both sides of it.
 
-        >>> def race(**rounds):
+        >>> def race(protect=None, **rounds):
         ...     return Race("planned", {n: Ratio("planned", n, 1.0, r) for n, r in rounds.items()},
-        ...                 rounds=len(next(iter(rounds.values()))))
+        ...                 rounds=len(next(iter(rounds.values()))), protect=protect)
         >>> race(nhwc=(1.01, 0.99, 1.02)).is_close(0.0), race(nhwc=(1.2, 1.1, 1.3)).is_close(0.0)
         (True, False)
         >>> race(nchw=(1.054, 1.282, 0.876, 0.931, 0.89)).is_close(0.0)
@@ -246,19 +248,27 @@ class Race:
 
         >>> race(nhwc=(1.01, 0.99, 1.015)).is_close(0.02), race(nhwc=(1.01, 0.99, 1.015)).is_close(0.0)
         (False, True)
+
+        With ``protect``, a close call counts where the reference could lose by it: the best
+        candidate's when the rounds so far would keep it (its median beyond the threshold),
+        and a close call of any candidate in ``protect`` (the one a decision must never be
+        slower than) on either side. One the reference wins against another candidate keeps
+        the reference, whose standing against ``protect`` is settled on its own; it costs at
+        most the chance that the other is a few per cent faster:
+
+        >>> below, above = (1.0, 1.03, 0.98), (1.05, 1.02, 1.04)
+        >>> race(("own",), eager=below).is_close(0.02), race(("own",), eager=above).is_close(0.02)
+        (False, True)
+        >>> race(("own",), eager=below, own=(0.99, 1.03, 0.97)).is_close(0.02)
+        True
         """
-        threshold = 1.0 + margin
         if not self.ratios:
             return False
-        best = max(self.ratios.values(), key=lambda r: r.median).per_round
-        if tied(best, margin):  # every round within the margin: the choice no longer matters
-            return False
-        if abs(statistics.median(best) - threshold) < CLOSE:
-            return True
-        if len(best) < 2:
-            return False
-        q1, _, q3 = statistics.quantiles(best, n=4)
-        return q1 <= threshold <= q3
+        name, best = max(self.ratios.items(), key=lambda item: item[1].median)
+        if self.protect is None or best.median > 1.0 + margin or name in self.protect:
+            return _close(best.per_round, margin)
+        return any(_close(r.per_round, margin) for n, r in self.ratios.items()
+                   if n in self.protect)
 
     def settled(self, margin: float) -> bool:
         """A (stored) race whose decision stands: not a close call, or one timed longer."""
@@ -412,6 +422,20 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
         return len(faster) < 2 or apart(round_ratios(faster[1], faster[0]), 1.0)
 
     return stop
+
+
+def _close(ratios: Sequence[float], margin: float) -> bool:
+    """Per-round ratios too near the threshold ``1 + margin`` to decide on (``Race.is_close``):
+    their median within ``CLOSE`` of it, or their quartiles on both sides, and not a tie."""
+    threshold = 1.0 + margin
+    if tied(ratios, margin):  # every round within the margin: the choice no longer matters
+        return False
+    if abs(statistics.median(ratios) - threshold) < CLOSE:
+        return True
+    if len(ratios) < 2:
+        return False
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return q1 <= threshold <= q3
 
 
 def tied(ratios: Sequence[float], margin: float) -> bool:

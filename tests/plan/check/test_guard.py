@@ -4,6 +4,9 @@ decision follows from what goes in, not from this machine's speed."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -316,3 +319,26 @@ def test_a_candidate_out_of_the_running_leaves_the_race_and_its_rounds_stay_pair
         assert race.ratios[name].per_round == pytest.approx(
             [seconds["planned"] / seconds[name]] * len(race.ratios[name].per_round))
     assert race.kept("planned") == "close"
+
+
+@pytest.mark.parametrize(("name", "cycle", "protect", "extended"), [
+    ("eager", (0.97, 1.03, 1.0), ("inductor",), False),  # close, the reference's side
+    ("eager", (0.95, 0.97, 0.96), ("inductor",), True),  # close, the rounds would keep it
+    ("inductor", (0.97, 1.03, 1.0), ("inductor",), True),  # close to what must not be lost
+    ("eager", (0.97, 1.03, 1.0), None, True),  # no protect: every close call (the planner's)
+])
+def test_a_close_call_is_timed_longer_only_where_the_reference_could_lose_by_it(
+        monkeypatch, name, cycle, protect, extended) -> None:
+    # one candidate's calls take the seconds of ``cycle`` in turn, the reference's 1 s: per
+    # round ratios around 1.0 (below the threshold 1.02, not a tie) or around 1.04 (above it)
+    _clock(monkeypatch, lambda n, i: 1.0 if n == "planned" else cycle[i % len(cycle)])
+    steps = {n: (lambda: None) for n in ("planned", name)}
+    race = guard.time_steps(steps, device=torch.device("cpu"), rounds=5, margin=KEEP_MARGIN,
+                            protect=protect)
+    ratios = race.ratios[name].per_round
+    assert race.extended == extended and race.rounds == (10 if extended else 5)
+    assert abs(race.median(name) - (1 + KEEP_MARGIN)) < 0.03  # a close call on these rounds
+    assert not all(1 / (1 + KEEP_MARGIN) <= r <= 1 + KEEP_MARGIN for r in ratios)  # no tie
+    assert race.protect == protect and race.settled(KEEP_MARGIN)  # its decision stands
+    back = guard.load(json.loads(json.dumps(dataclasses.asdict(race))))
+    assert back.protect == protect and back.is_close(KEEP_MARGIN) == race.is_close(KEEP_MARGIN)

@@ -30,6 +30,7 @@ from memlayout.plan.compilers import backend_check, backend_inner, backend_plan
 from memlayout.plan.compilers.compiled import inductor_layout_decision
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.runners import Runner
+from memlayout.timing import KEEP_MARGIN
 from tests.support.machine import fake_guard_clock
 
 
@@ -489,6 +490,38 @@ def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_o
         assert asked == [{}] and not verified  # Inductor's own, once: the plan not built
 
 
+@pytest.mark.parametrize(("cycle", "extended"), [((0.97, 1.03, 1.0), False),
+                                                 ((0.95, 0.97, 0.96), True)])
+def test_a_close_call_with_the_eager_plan_is_timed_longer_only_where_it_would_be_kept(
+        monkeypatch, tmp_path, cycle, extended):
+    """A training graph that agrees with Inductor's rule: the guard races the compiled plan
+    against the plan run eagerly only. The eager plan's steps take the seconds of ``cycle`` in
+    turn, the compiled plan's 1 s: per-round ratios around 1.0 (a close call the compiled plan
+    keeps: decided on the guard's rounds) or around 1.04 (a close call the eager plan would
+    win: timed for as many rounds again before it is kept)."""
+    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: False)
+    model, x = _plain().train(), torch.randn(2, 3, 12, 12)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=True)
+    _scale_channels_last(cache, 50.0)
+    _spied_inner(monkeypatch)
+    calls: dict[str, int] = {}
+
+    def seconds(name, i):
+        calls[name] = i + 1
+        return cycle[i % len(cycle)] if name == Runner.PLAN_EAGER else 1.0
+    fake_guard_clock(monkeypatch, seconds)
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+    (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(model, x)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(grads, want_grads)
+    (graph,) = memlayout.backend_report().graphs
+    rounds = 2 * 5 if extended else 5  # the backend's 5 rounds, twice for a close call
+    assert calls == {Runner.PLAN_COMPILED: 1 + rounds, Runner.PLAN_EAGER: 1 + rounds}  # + warm-up
+    assert graph.ran == (Runner.PLAN_EAGER if extended else Runner.PLAN_COMPILED)
+    assert abs(dict(graph.timed)[Runner.PLAN_EAGER] - (1 + KEEP_MARGIN)) < 0.03
+
+
 def _no_timing(*args, **kwargs):
     raise AssertionError("timed although the decision is in the cache")
 
@@ -694,7 +727,6 @@ def test_the_report_says_where_inductors_own_layouts_were_timed_slower_with_no_d
         ConvolutionChoice,
         GraphRecord,
     )
-    from memlayout.timing import KEEP_MARGIN
 
     conv = ConvolutionChoice("Mixed_6b.branch_pool.conv", "conv2d", (8, 768, 17, 17),
                              "channels_last", "channels_last", (1e-3, 1e-3), True)

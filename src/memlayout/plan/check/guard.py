@@ -163,13 +163,14 @@ def time_candidates(models: Mapping[str, nn.Module], inputs: tuple[Any, ...],
 
 def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, rounds: int,
                on_step: Callable[[int, str], None] | None = None,
-               margin: float | None = None, reference: str = PLANNED) -> Race:
+               margin: float | None = None, reference: str = PLANNED,
+               protect: tuple[str, ...] | None = None) -> Race:
     """Time ``fns[reference]`` and the other steps interleaved, each a whole call as it will
     run; with ``margin`` (the decision being ``race.kept(reference, margin)``), the rounds end
     early once the candidates are apart beyond the noise or tied (``memlayout.timing.separated``),
     a candidate out of the running leaves them (``memlayout.timing.behind``), and a close call
-    (``Race.is_close``) is timed for ``rounds`` rounds more. The :class:`Race`
-    :func:`time_candidates` describes."""
+    (``Race.is_close``; with ``protect``, one the reference could lose by) is timed for
+    ``rounds`` rounds more. The :class:`Race` :func:`time_candidates` describes."""
     before = Conditions.now()
     sync = seam(device).synchronize
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
@@ -216,7 +217,7 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
         return Race(reference, ratios, rounds=len(own.times), repeat=repeat, errors=errors,
                     extended=extended, conditions=conditions,
                     reference_seconds=own.median if own.times else None,
-                    spread=own.spread if own.times else None)
+                    spread=own.spread if own.times else None, protect=protect)
 
     first = race()
     if margin is None or first.errors or not first.is_close(margin):

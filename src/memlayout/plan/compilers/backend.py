@@ -31,8 +31,10 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    parameter's strides, as in training),
    against the planned graph run eagerly and against the graph compiled by Inductor with
    its own layouts (what ``torch.compile`` alone runs); another runs only where it is
-   faster by more than ``memlayout.timing.KEEP_MARGIN``, and a close call is timed twice as
-   long (``memlayout.plan.check.guard``). So a measured plan that loses as a whole graph never
+   faster by more than ``memlayout.timing.KEEP_MARGIN``, and a close call the compiled plan
+   could lose by (to Inductor's own either way, to the eager plan where that one would be
+   kept) is timed twice as long (``memlayout.plan.check.guard``); one the compiled plan wins
+   against the eager plan keeps it untimed further. So a measured plan that loses as a whole graph never
    costs the user Inductor's speed. The decision is cached with the costs, and a graph
    decided before builds only the way that runs (the plan is neither compiled nor verified
    where Inductor's own was kept; where the eager plan was, that is what is verified).
@@ -262,8 +264,6 @@ def memlayout_backend(gm: fx.GraphModule, example_inputs: list[Any],
     ``Backend()``. A function, not the instance: older torch's registry (2.11) sets an
     attribute (``_tags``) on what an entry point names, which a frozen instance refuses."""
     return Backend()(gm, example_inputs, **kwargs)
-
-
 
 
 @dataclass(frozen=True)
@@ -547,26 +547,6 @@ def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
                                      max_error=check.error, fallback=problem,
                                      compile_seconds=compile_seconds))
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------- the cost cache

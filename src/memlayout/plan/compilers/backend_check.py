@@ -205,8 +205,9 @@ def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
                 device: torch.device, compiled_as: str) -> Race:
     """Time the ways to run one graph interleaved (``candidates``: name -> a function making
     it; ``Runner.PLAN_COMPILED``: the compiled plan, the race's reference, the one kept unless another is faster by more than
-    ``margin``), or read the record from ``store`` (``cached_guard``); a close call is timed
-    for twice the rounds (``memlayout.plan.check.guard``). A candidate is made only when it
+    ``margin``), or read the record from ``store`` (``cached_guard``); a close call the
+    compiled plan could lose by is timed for twice the rounds (``memlayout.plan.check.guard``,
+    ``Race.is_close`` with Inductor's own protected). A candidate is made only when it
     is timed. ``race.kept(Runner.PLAN_COMPILED, margin)`` names the fastest."""
     names = list(candidates)
     where = dict(train=train, dtype=dtype, device=device, compiled_as=compiled_as)
@@ -216,8 +217,10 @@ def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
             return cached
     steps = {name: _timed_step(make(), inputs, train, dtype, device)
              for name, make in candidates.items()}
+    # a close call is timed longer where the compiled plan could lose by it: to the plan run
+    # eagerly where that one would be kept, to what torch.compile alone runs either way
     race = guard.time_steps(steps, device=device, rounds=rounds, margin=margin,
-                            reference=Runner.PLAN_COMPILED)
+                            reference=Runner.PLAN_COMPILED, protect=(Runner.INDUCTOR_OWN,))
     if store is not None and not race.errors:
         guard.save(store, _guard_key(names, planned, inputs, **where), race)
     return race
