@@ -18,7 +18,8 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    (running statistics) and, in training, the gradient of every input that requires grad,
    within the dtype's tolerance (``memlayout.plan.compare``); where only rounding
    differs the rewrite is re-checked in float64 (the graph's own casts to float32 made
-   float64 casts: ``memlayout.plan.compare.widen``). A graph that draws random numbers (dropout
+   float64 casts: ``memlayout.plan.compare.widen``), once per rewrite: its passing verdict
+   is kept in the cost cache and holds for every way the plan runs. A graph that draws random numbers (dropout
    in training) is checked as the planned graph against the original, both eager with their
    dropouts off (a mask depends on the layout it is drawn in, and Inductor's random stream is
    not eager's). A mismatch drops the plan: the graph is compiled by Inductor with its own

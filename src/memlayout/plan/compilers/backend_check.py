@@ -38,10 +38,14 @@ _RANDOM = frozenset({"dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "
 
 def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable[..., Any],
                  inputs: list[Any], *, train: bool, dtype: torch.dtype | None,
-                 device: torch.device, compiled: bool = True) -> GraphCheck:
+                 device: torch.device, compiled: bool = True,
+                 store: CostCache | None = None) -> GraphCheck:
     """``fn`` (the planned graph, ``compiled`` or not) against ``reference`` run eagerly,
     once (see the module docstring); ``planned``: the rewritten graph, for the float64
-    re-check and for a graph that draws random numbers."""
+    re-check and for a graph that draws random numbers. The float64 re-check says whether the
+    rewrite is exact, whichever way it runs: ``store`` keeps its passing verdict, so the same
+    rewrite of the same graph is not run in float64 again (the plan verified compiled, then
+    run eagerly once the guard kept that)."""
     names = [n.name for n in reference.graph.nodes if n.op == "placeholder"]
     if draws_random(reference):
         return _random_check(reference, planned, inputs, names, train=train, dtype=dtype,
@@ -53,6 +57,17 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
     ok, worst, what, _ = agree(want, got, dtype)
     if ok:
         return GraphCheck(True, how, worst)
+    key = json.dumps(["backend-rewrite-float64", measured_on(device), torch.__version__,
+                      "train" if train else "infer", graph_signature(reference, inputs),
+                      graph_signature(planned, inputs)])
+
+    def rounding(error64: float, said: str = "") -> GraphCheck:
+        return GraphCheck(True, f"{how}; beyond {dtype_name(dtype)} tolerance only by rounding "
+                          f"(the rewrite in float64: {error64:.2g}{said})", worst)
+
+    before = store.get(key, _valid_verdict) if store is not None else None
+    if before is not None:
+        return rounding(before["error"], ", checked before")
     wide = list(float64(inputs))
     try:
         want64 = _step(float64(reference), wide, names, train=train, dtype=None, device=device)
@@ -60,10 +75,11 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
     except Exception:  # a graph that cannot run in float64: no re-check
         return GraphCheck(False, f"{how}, first in the {what}", worst)
     exact, error64, _, _ = agree(want64, got64, torch.float32)
-    if exact:
-        return GraphCheck(True, f"{how}; beyond {dtype_name(dtype)} tolerance only by rounding "
-                      f"(the rewrite in float64: {error64:.2g})", worst)
-    return GraphCheck(False, f"{how}, first in the {what}", worst)
+    if not exact:
+        return GraphCheck(False, f"{how}, first in the {what}", worst)
+    if store is not None:
+        store.put(key, {"how": "the rewrite in float64", "error": error64}, is_noisy=False)
+    return rounding(error64)
 
 
 def verify_once(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable[..., Any],
@@ -81,7 +97,7 @@ def verify_once(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable
         return GraphCheck(True, f"{before['how']} (verified before: this graph, plan and torch)",
                           before["error"])
     check = verify_graph(reference, planned, fn, inputs, train=train, dtype=dtype,
-                         device=device, compiled=compiled)
+                         device=device, compiled=compiled, store=store)
     if check.ok and store is not None:
         store.put(key, {"how": check.how, "error": check.error}, is_noisy=False)
     return check
