@@ -85,3 +85,29 @@ def test_an_ops_rounds_stop_once_its_formats_are_apart_or_tied(monkeypatch):
         monkeypatch, lambda label, i: 0.01 if label == "0" else (0.0104 if i % 2 else 0.0097))
     assert mixed and all(r == 5 for r in mixed)
     assert all(s == pytest.approx((0.01, 0.0097)) for s in seconds.values())
+
+
+def test_an_ops_training_step_is_handed_a_gradient_in_its_outputs_strides_drawing_nothing():
+    """The cost step's training call of one op: the output gradient its backward receives
+    has the output's strides (channels-last here, as the consumer's backward hands it back),
+    and no random number is drawn for it (the generator's state is as before: a random
+    gradient of a large activation took longer to draw than many an op's step)."""
+    seen: list[torch.Tensor] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(grad)
+            return grad * 2
+
+    x = torch.randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    state = torch.get_rng_state()
+    step = costs._train_step(lambda: Probe.apply(x), [x])
+    outs = [step(), step()]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert [g.stride() for g in seen] == [o.stride() for o in outs]
+    assert outs[0].is_contiguous(memory_format=torch.channels_last) and x.grad is None
