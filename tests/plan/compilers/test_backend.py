@@ -667,21 +667,24 @@ def test_a_rounding_difference_is_rechecked_in_float64_through_a_graphs_float32_
     assert ("dropout off" in graph.verification) is dropout
 
 
-def test_a_rewrite_exact_in_float64_is_not_run_in_float64_again(monkeypatch, tmp_path):
+@pytest.mark.parametrize("dropout", [False, True])
+def test_a_rewrite_exact_in_float64_is_not_run_in_float64_again(monkeypatch, tmp_path, dropout):
     """The float64 re-check says whether the rewrite is exact, whichever way the plan runs:
     the plan verified compiled (Inductor replaced by the graph as it is), then the same
     rewrite verified again run eagerly (as once the guard keeps the eager plan), with one
     cost cache. The second verification still compares the float32 step and finds it beyond
     tolerance, and takes the rewrite's float64 verdict from the cache instead of running both
     graphs in float64 again; a rewrite that is not exact is never kept (a wrong one is
-    dropped each time: ``test_a_plan_that_computes_other_values_gives_way_with_a_warning``)."""
+    dropped each time: ``test_a_plan_that_computes_other_values_gives_way_with_a_warning``).
+    A graph with dropout is checked eagerly, dropout off, whichever way it runs: its whole
+    verdict holds for the second way, and nothing is run again."""
     _rewrite_then(monkeypatch, lambda graph, value: graph.call_function(
         torch.sub, (graph.call_function(torch.add, (value, 2.0 ** 22)), 2.0 ** 22)))
     _spied_inner(monkeypatch)
     widened = []
     monkeypatch.setattr(backend_check, "float64",
                         lambda value, real=backend_check.float64: widened.append(1) or real(value))
-    model, x = Upcast(False).train(), torch.randn(2, 3, 8, 8)
+    model, x = Upcast(dropout).train(), torch.randn(2, 3, 8, 8)
     cache = str(tmp_path / "costs.sqlite")
     for inner in ("inductor", "eager"):
         widened.clear()
@@ -690,8 +693,10 @@ def test_a_rewrite_exact_in_float64_is_not_run_in_float64_again(monkeypatch, tmp
         compiled(x).square().mean().backward()
         (graph,) = memlayout.backend_report(clear=True).graphs
         assert graph.planned and not graph.fallback and graph.max_error > 1e-3
-        assert "only by rounding" in graph.verification
-        assert ("checked before" in graph.verification) == (inner == "eager")
+        assert ("dropout off" in graph.verification) is dropout
+        assert "float64" in graph.verification and "rounding" in graph.verification
+        said = "verified before" if dropout else "checked before"
+        assert (said in graph.verification) == (inner == "eager")
         assert bool(widened) == (inner == "inductor")  # float64 copies made the first time only
         torch._dynamo.reset()
 

@@ -89,7 +89,11 @@ def verify_once(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable
     """``verify_graph``, once per graph and plan: a plan that passed before (``store`` holds
     its verdict for this graph, this rewrite, the same input shapes, strides and dtypes, this
     ``way`` of running it and this torch on this machine) is not run again; its check says
-    so. A failed check is never kept: the next compile checks again."""
+    so. A graph that draws random numbers is checked eagerly whatever the way (its dropouts
+    off), so its verdict holds for every way. A failed check is never kept: the next compile
+    checks again."""
+    if draws_random(reference):
+        way = "eager, dropout off"
     key = _verdict_key(reference, planned, inputs, way=way, train=train, dtype=dtype,
                        device=device)
     before = store.get(key, _valid_verdict) if store is not None else None
