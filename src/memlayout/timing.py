@@ -270,6 +270,24 @@ class Race:
         return any(_close(r.per_round, margin) for n, r in self.ratios.items()
                    if n in self.protect)
 
+    def contested(self, margin: float) -> tuple[str, ...]:
+        """The candidates whose own rounds are a close call that counts (as in
+        :meth:`is_close`: with ``protect``, one in ``protect`` or one the rounds so far would
+        keep over the reference): what the rounds of a close call are for, with the
+        reference. A candidate whose rounds are not a close call lies clearly below the
+        threshold while the best is close (its median is no higher), so more rounds of it
+        cannot make it the one kept.
+
+        >>> r = Race("planned", {"own": Ratio("planned", "own", 1.0, (0.99, 1.03, 0.97)),
+        ...                      "eager": Ratio("planned", "eager", 1.0, (0.9, 1.01, 0.95))},
+        ...          rounds=3, protect=("own",))
+        >>> r.is_close(0.02), r.contested(0.02)
+        (True, ('own',))
+        """
+        return tuple(n for n, r in self.ratios.items() if _close(r.per_round, margin)
+                     and (self.protect is None or n in self.protect
+                          or r.median > 1.0 + margin))
+
     def settled(self, margin: float) -> bool:
         """A (stored) race whose decision stands: not a close call, or one timed longer."""
         return self.extended or not self.is_close(margin)

@@ -342,3 +342,19 @@ def test_a_close_call_is_timed_longer_only_where_the_reference_could_lose_by_it(
     assert race.protect == protect and race.settled(KEEP_MARGIN)  # its decision stands
     back = guard.load(json.loads(json.dumps(dataclasses.asdict(race))))
     assert back.protect == protect and back.is_close(KEEP_MARGIN) == race.is_close(KEEP_MARGIN)
+
+
+@pytest.mark.parametrize("protect", [("own",), None])
+def test_a_close_calls_extra_rounds_time_only_the_candidates_it_is_close_with(
+        monkeypatch, protect) -> None:
+    # "own" is a close call (per-round ratios around 1.0, the threshold 1.02); "eager" lies
+    # clearly below the threshold (median 0.93, quartiles below it) with one round above it,
+    # so it is not retired: the extra rounds time the reference and "own" only
+    cycles = {"own": (0.97, 1.03, 1.0), "eager": tuple(1 / r for r in (0.9, 0.93, 1.05, 0.9, 0.95))}
+    _clock(monkeypatch, lambda n, i: 1.0 if n == "planned" else cycles[n][i % len(cycles[n])])
+    race = guard.time_steps({n: (lambda: None) for n in ("planned", "own", "eager")},
+                            device=torch.device("cpu"), rounds=5, margin=KEEP_MARGIN,
+                            protect=protect)
+    assert race.extended and race.rounds == 10
+    assert len(race.ratios["own"].per_round) == 10 and len(race.ratios["eager"].per_round) == 5
+    assert race.kept("planned") == "planned" and race.settled(KEEP_MARGIN)

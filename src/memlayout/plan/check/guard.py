@@ -170,7 +170,8 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     early once the candidates are apart beyond the noise or tied (``memlayout.timing.separated``),
     a candidate out of the running leaves them (``memlayout.timing.behind``), and a close call
     (``Race.is_close``; with ``protect``, one the reference could lose by) is timed for
-    ``rounds`` rounds more. The :class:`Race` :func:`time_candidates` describes."""
+    ``rounds`` rounds more, the reference against the candidates it is a close call with
+    (``Race.contested``). The :class:`Race` :func:`time_candidates` describes."""
     before = Conditions.now()
     sync = seam(device).synchronize
     # A warm-up and one probe round size the samples: a small model is called repeatedly so a
@@ -222,8 +223,12 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     first = race()
     if margin is None or first.errors or not first.is_close(margin):
         return first
-    running = {n: f for n, f in live.items()  # not the ones retired as out of the running
-               if len(runs[-1][n].times) == len(runs[-1][reference].times)}
+    # the reference and the candidates whose close call it is, not the ones retired as out
+    # of the running nor those clearly behind (Race.contested)
+    contested = first.contested(margin)
+    running = {n: f for n, f in live.items()
+               if (n == reference or n in contested)
+               and len(runs[-1][n].times) == len(runs[-1][reference].times)}
     runs.append(interleaved(running, rounds=rounds, warmup=0, repeat=repeat,
                             baseline=reference, sync=sync, on_step=on_step))
     return race(extended=True)
