@@ -522,6 +522,42 @@ def test_a_close_call_with_the_eager_plan_is_timed_longer_only_where_it_would_be
     assert abs(dict(graph.timed)[Runner.PLAN_EAGER] - (1 + KEEP_MARGIN)) < 0.03
 
 
+def test_a_training_plan_nothing_runs_before_dynamo_compiles_its_backward_lazily(
+        monkeypatch, tmp_path):
+    """The first compile of a training graph verifies and times the compiled plan inside the
+    backend's call, so its backward is compiled with the forward. A later compile that reads
+    the guard's decision (the compiled plan, the fastest on the fake clock) and the verdict
+    from the cache runs nothing before Dynamo does: its backward is compiled at the first
+    backward, as ``torch.compile`` compiles it. The gradients are the model's either way."""
+    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: False)
+    model, x = _plain().train(), torch.randn(2, 3, 12, 12)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=True)
+    asked: list[bool] = []
+
+    def inner(gm, example_inputs, options, dtype, device, patches=backend_inner.PLAN_STANDS,
+              backward_now=True):
+        asked.append(backward_now)
+        return gm.forward
+    monkeypatch.setattr(backend_inner, "inner_compile", inner)
+    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_COMPILED else 1.0)
+    for run in ("measured", "cached"):
+        ours, theirs = copy.deepcopy(model), copy.deepcopy(model)  # no gradient yet
+        compiled = torch.compile(ours, backend=memlayout.backend(cache=cache))
+        (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(theirs, x)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(grads, want_grads)
+        (graph,) = memlayout.backend_report(clear=True).graphs
+        assert graph.ran == Runner.PLAN_COMPILED
+        assert ("verified before" in graph.verification) == (run == "cached")
+        # the plan's compile first (the first run's guard may compile Inductor's own too,
+        # to time it: with its backward, as it runs there)
+        assert asked[0] == (run == "measured") and (run == "measured" or len(asked) == 1)
+        asked.clear()
+        torch._dynamo.reset()
+        monkeypatch.setattr(guard, "interleaved", _no_timing)
+
+
 def _no_timing(*args, **kwargs):
     raise AssertionError("timed although the decision is in the cache")
 

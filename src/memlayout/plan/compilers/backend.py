@@ -511,7 +511,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     built, check, record["verify_seconds"] = built_and_checked(
         gm, planned.graph, eager_graph, example_inputs, inputs, options, store, train=train,
         dtype=dtype, device=device, compiled=options.inner != "eager"
-        and kept != Runner.PLAN_EAGER)
+        and kept != Runner.PLAN_EAGER, timed=kept is None and options.guard and options.measure)
     if built is None or not check.ok:
         return _dropped(given, example_inputs, options, dtype, device, check, record,
                         time.perf_counter() - start - plan_seconds)

@@ -92,23 +92,35 @@ def verify_once(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable
     so. A graph that draws random numbers is checked eagerly whatever the way (its dropouts
     off), so its verdict holds for every way. A failed check is never kept: the next compile
     checks again."""
-    if draws_random(reference):
-        way = "eager, dropout off"
-    key = _verdict_key(reference, planned, inputs, way=way, train=train, dtype=dtype,
-                       device=device)
-    before = store.get(key, _valid_verdict) if store is not None else None
+    before = verified_before(reference, planned, inputs, store=store, way=way, train=train,
+                             dtype=dtype, device=device)
     if before is not None:
         return GraphCheck(True, f"{before['how']} (verified before: this graph, plan and torch)",
                           before["error"])
     check = verify_graph(reference, planned, fn, inputs, train=train, dtype=dtype,
                          device=device, compiled=compiled, store=store)
     if check.ok and store is not None:
-        store.put(key, {"how": check.how, "error": check.error}, is_noisy=False)
+        store.put(_verdict_key(reference, planned, inputs, way=way, train=train, dtype=dtype,
+                               device=device),
+                  {"how": check.how, "error": check.error}, is_noisy=False)
     return check
+
+
+def verified_before(reference: fx.GraphModule, planned: fx.GraphModule, inputs: list[Any], *,
+                    store: CostCache | None, way: str, train: bool, dtype: torch.dtype | None,
+                    device: torch.device) -> dict[str, Any] | None:
+    """The passing verdict ``store`` keeps for this graph and plan run this ``way``
+    (:func:`verify_once`), if it keeps one."""
+    if store is None:
+        return None
+    return store.get(_verdict_key(reference, planned, inputs, way=way, train=train,
+                                  dtype=dtype, device=device), _valid_verdict)
 
 
 def _verdict_key(reference: fx.GraphModule, planned: fx.GraphModule, inputs: list[Any], *,
                  way: str, train: bool, dtype: torch.dtype | None, device: torch.device) -> str:
+    if draws_random(reference):  # checked eagerly, dropout off, whatever the way
+        way = "eager, dropout off"
     return json.dumps(["backend-verified", measured_on(device), torch.__version__, str(dtype),
                        "train" if train else "infer", way, graph_signature(reference, inputs),
                        graph_signature(planned, inputs)])

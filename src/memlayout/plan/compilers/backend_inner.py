@@ -20,6 +20,7 @@ from memlayout.plan.compilers.backend_check import (
     GraphCheck,
     cached_guard,
     guard_graph,
+    verified_before,
     verify_once,
 )
 from memlayout.plan.compilers.backend_graphs import (
@@ -237,21 +238,28 @@ def inductor_option(name: str) -> bool:
 def built_and_checked(gm: fx.GraphModule, graph: fx.GraphModule, eager_graph: fx.GraphModule,
                        example_inputs: list[Any], inputs: list[Any], options: Backend,
                        store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
-                       device: torch.device, compiled: bool
+                       device: torch.device, compiled: bool, timed: bool = True
                        ) -> tuple[Callable[..., Any] | None, GraphCheck, float]:
     """The planned ``graph`` built (``compiled`` by the inner compiler, else run eagerly) and
     verified once against ``gm``: the function, the check and the seconds verifying took. A
-    plan that does not compile or run is a failed check (Inductor's own runs instead)."""
+    plan that does not compile or run is a failed check (Inductor's own runs instead).
+    ``timed``: the guard times the compiled plan after this. A training plan that is neither
+    timed nor verified here (its verdict kept from before) first runs where Dynamo runs it:
+    its backward is compiled lazily then, as ``torch.compile`` does (compiled with the
+    forward it took about a tenth longer, resnet18's training graph on a CPU)."""
     fn: Callable[..., Any] | None = None
     verifying = 0.0
+    way = options.compiled_as if compiled else Runner.PLAN_EAGER
     try:
-        fn = (inner_compile(graph, example_inputs, options, dtype, device)
+        backward_now = timed or verified_before(gm, eager_graph, inputs, store=store, way=way,
+                                                train=train, dtype=dtype, device=device) is None
+        fn = (inner_compile(graph, example_inputs, options, dtype, device,
+                            backward_now=backward_now)
               if compiled else eager_run(eager_graph, options, device))
         began = time.perf_counter()
         try:
             check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train,
-                                dtype=dtype, device=device, compiled=compiled,
-                                way=options.compiled_as if compiled else Runner.PLAN_EAGER)
+                                dtype=dtype, device=device, compiled=compiled, way=way)
         finally:
             verifying = time.perf_counter() - began
     except DYNAMO_SIGNALS:
