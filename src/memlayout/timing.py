@@ -173,8 +173,8 @@ class Race:
     whether a close call was timed for more rounds (``extended``), the machine's conditions
     (the busier of before and after), the reference's median seconds per call with the
     relative spread of its rounds, and the candidates whose close call counts on either side
-    of the threshold (``protect``, :meth:`is_close`; ``None``: every one). It is stored as JSON: ``dataclasses.asdict`` out,
-    ``memlayout.plan.report.records.decode`` back.
+    of the threshold (``protect``, :meth:`is_close`; ``None``: every one). It is stored as
+    JSON: ``dataclasses.asdict`` out, ``memlayout.plan.report.records.decode`` back.
 
     >>> r = Race("planned", {"nhwc": Ratio("planned", "nhwc", 1.2, (1.1, 1.3, 1.2))}, rounds=3)
     >>> r.median("nhwc"), r.median("planned"), r.kept("planned", 0.02), r.kept("planned", 0.25)

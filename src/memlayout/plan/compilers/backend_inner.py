@@ -246,7 +246,7 @@ def built_and_checked(gm: fx.GraphModule, graph: fx.GraphModule, eager_graph: fx
     ``timed``: the guard times the compiled plan after this. A training plan that is neither
     timed nor verified here (its verdict kept from before) first runs where Dynamo runs it:
     its backward is compiled lazily then, as ``torch.compile`` does (compiled with the
-    forward it took about a tenth longer, resnet18's training graph on a CPU)."""
+    forward, a backward takes measurably longer to compile: ``docs/benchmarks.md``)."""
     fn: Callable[..., Any] | None = None
     verifying = 0.0
     way = options.compiled_as if compiled else Runner.PLAN_EAGER
