@@ -36,6 +36,11 @@ _RANDOM = frozenset({"dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "
                      "normal", "normal_", "uniform_", "exponential_", "rrelu", "rrelu_"})
 
 
+#: the ``way`` under which the float64 re-check's verdict is kept: the rewrite's own, which
+#: holds for every way the plan runs
+REWRITE_EXACT = "the rewrite in float64"
+
+
 def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable[..., Any],
                  inputs: list[Any], *, train: bool, dtype: torch.dtype | None,
                  device: torch.device, compiled: bool = True,
@@ -57,15 +62,14 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
     ok, worst, what, _ = agree(want, got, dtype)
     if ok:
         return GraphCheck(True, how, worst)
-    key = json.dumps(["backend-rewrite-float64", measured_on(device), torch.__version__,
-                      "train" if train else "infer", graph_signature(reference, inputs),
-                      graph_signature(planned, inputs)])
+    # the rewrite's own verdict, whatever way it runs and in whatever dtype
+    exact_rewrite = dict(way=REWRITE_EXACT, train=train, dtype=None, device=device)
 
     def rounding(error64: float, said: str = "") -> GraphCheck:
         return GraphCheck(True, f"{how}; beyond {dtype_name(dtype)} tolerance only by rounding "
                           f"(the rewrite in float64: {error64:.2g}{said})", worst)
 
-    before = store.get(key, _valid_verdict) if store is not None else None
+    before = verified_before(reference, planned, inputs, store=store, **exact_rewrite)
     if before is not None:
         return rounding(before["error"], ", checked before")
     wide = list(float64(inputs))
@@ -77,8 +81,8 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
     exact, error64, _, _ = agree(want64, got64, torch.float32)
     if not exact:
         return GraphCheck(False, f"{how}, first in the {what}", worst)
-    if store is not None:
-        store.put(key, {"how": "the rewrite in float64", "error": error64}, is_noisy=False)
+    _keep_verdict(store, reference, planned, inputs, GraphCheck(True, REWRITE_EXACT, error64),
+                  **exact_rewrite)
     return rounding(error64)
 
 
@@ -99,11 +103,19 @@ def verify_once(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callable
                           before["error"])
     check = verify_graph(reference, planned, fn, inputs, train=train, dtype=dtype,
                          device=device, compiled=compiled, store=store)
-    if check.ok and store is not None:
-        store.put(_verdict_key(reference, planned, inputs, way=way, train=train, dtype=dtype,
-                               device=device),
-                  {"how": check.how, "error": check.error}, is_noisy=False)
+    if check.ok:
+        _keep_verdict(store, reference, planned, inputs, check, way=way, train=train,
+                      dtype=dtype, device=device)
     return check
+
+
+def _keep_verdict(store: CostCache | None, reference: fx.GraphModule, planned: fx.GraphModule,
+                  inputs: list[Any], check: GraphCheck, **where: Any) -> None:
+    """A passing ``check`` kept in ``store`` for :func:`verified_before` (``where``: its way,
+    training, dtype and device)."""
+    if store is not None:
+        store.put(_verdict_key(reference, planned, inputs, **where),
+                  {"how": check.how, "error": check.error}, is_noisy=False)
 
 
 def verified_before(reference: fx.GraphModule, planned: fx.GraphModule, inputs: list[Any], *,
