@@ -6,7 +6,11 @@ memlayout backend it also prints the report's price line (planning, compiling, v
 guarding, and Inductor's own compile of the same graphs).
 
     python benchmarks/backend/first_call.py memlayout resnet18 fp32 [--task train]
-        [--batch 8] [--size 224] [--fresh] [--costs DIR] [--caches DIR]
+        [--batch 8] [--size 224] [--fresh] [--costs DIR] [--caches DIR] [--again]
+
+``--again`` then compiles the model a second time in the same process, after
+``torch._dynamo.reset()``, and times that first call too: every cache warm, in memory and on
+disk (a notebook's second compile, a recompile after a reset).
 
 ``benchmarks/backend/first_calls.py`` runs the comparison: each case alternately through
 ``inductor`` and ``memlayout``, fresh and with the cost cache warm.
@@ -31,6 +35,8 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="new, empty caches")
     ap.add_argument("--costs", help="memlayout's cost cache folder (default: fresh or the user's)")
     ap.add_argument("--caches", default=tempfile.gettempdir(), help="where fresh caches go")
+    ap.add_argument("--again", action="store_true",
+                    help="then compile again in this process after torch._dynamo.reset()")
     args = ap.parse_args()
     if args.fresh:  # before torch reads them
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-",
@@ -59,22 +65,32 @@ def main() -> None:
         model = torchvision.models.get_model(args.model)
         x = torch.randn(args.batch, 3, args.size, args.size)
     model.train(args.task == "train")
-    backend = memlayout.backend() if args.backend == "memlayout" else "inductor"
-    compiled = torch.compile(model, backend=backend)
     dtype = None if args.dtype == "fp32" else parse_dtype(args.dtype)
-    start = time.perf_counter()
-    with autocast(torch.device("cpu"), dtype), torch.set_grad_enabled(args.task == "train"):
-        out = compiled(*(x if isinstance(x, tuple) else (x,)), **kwargs)
-    if args.task == "train":
-        out.float().square().mean().backward()
-    seconds = time.perf_counter() - start
-    print(f"{args.backend} {args.model} {args.task} {args.dtype}: first call {seconds:.2f} s")
-    if args.backend == "memlayout":
-        report = memlayout.backend_report()
-        print(report.price())
-        print("graphs: " + "; ".join(
-            f"{g.graph} {g.ran}, {len(g.differing)} of {len(g.convolutions)} convolutions "
-            "planned otherwise than Inductor's rule" for g in report.graphs))
+
+    def first_call(what: str) -> None:
+        backend = memlayout.backend() if args.backend == "memlayout" else "inductor"
+        compiled = torch.compile(model, backend=backend)
+        start = time.perf_counter()
+        with autocast(torch.device("cpu"), dtype), torch.set_grad_enabled(args.task == "train"):
+            out = compiled(*(x if isinstance(x, tuple) else (x,)), **kwargs)
+        if args.task == "train":
+            out.float().square().mean().backward()
+        seconds = time.perf_counter() - start
+        print(f"{args.backend} {args.model} {args.task} {args.dtype}: {what} {seconds:.2f} s")
+        if args.backend == "memlayout":
+            report = memlayout.backend_report()
+            print(report.price())
+            print("graphs: " + "; ".join(
+                f"{g.graph} {g.ran}, {len(g.differing)} of {len(g.convolutions)} convolutions "
+                "planned otherwise than Inductor's rule" for g in report.graphs))
+
+    first_call("first call")
+    if args.again:
+        torch._dynamo.reset()
+        if args.backend == "memlayout":
+            memlayout.backend_report(clear=True)
+        model.zero_grad(set_to_none=True)
+        first_call("first call again, after torch._dynamo.reset()")
     sys.stdout.flush()
 
 

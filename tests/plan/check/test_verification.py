@@ -78,3 +78,33 @@ def test_verification_calls_each_model_twice() -> None:
                           train=False, state=module_state(reference))
     assert record.ok
     assert calls == {id(reference): 2, id(planned): 2}
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_plan_exact_in_float64_but_coarse_in_its_dtype_is_not_rounding(train) -> None:
+    """A planned model whose body rounds its output to whole numbers in float32
+    (``(out + 2**23) - 2**23``: exact in float64, so the float64 copies agree) is half a unit
+    from the float64 result, where the original's own float32 run is within 1e-6 of it: a
+    kernel that computes something else in the run dtype, not rounding. Verification fails,
+    inference and training; the same planned model with the original's float32 run as coarse
+    (the original rounds to halves itself) passes on the float64 re-check."""
+    from memlayout.plan.check.training import verify_training
+
+    def rounding(step: float):
+        return lambda module, args, out: (out + step) - step
+
+    reference = Images().train(train)
+    planned = copy.deepcopy(reference)
+    planned.body.register_forward_hook(rounding(2.0 ** 23))
+    device = torch.device("cpu")
+
+    def verify(ref: nn.Module) -> None:
+        if train:
+            verify_training(ref, planned, _images(), dtype=None, device=device)
+        else:
+            verify_model(ref, planned, _images(), dtype=None, device=device, train=False,
+                         state=module_state(ref))
+    with pytest.raises(LayoutVerificationError, match="farther"):
+        verify(reference)
+    reference.body.register_forward_hook(rounding(2.0 ** 22))  # its own run rounds to halves
+    verify(reference)

@@ -21,6 +21,7 @@ from memlayout.plan.compare import (
     detached,
     float64,
     float64_casts,
+    rounding_only,
     tolerance,
 )
 from memlayout.plan.report.records import DTYPE_TOLERANCE, FLOAT64_RECHECK, Verification
@@ -220,7 +221,9 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
     changes no value in exact arithmetic, so the planned model in float64 equals the original
     to ~1e-13 and the low-precision difference is rounding: channels-last kernels accumulate
     in another order, and a training step through BatchNorm can amplify that past any fixed
-    tolerance, while a wrong plan differs in float64 by the size of the values. On a mismatch
+    tolerance, while a wrong plan differs in float64 by the size of the values; and the
+    planned step is no farther from the float64 one than rounding takes the original's
+    (``compare.rounding_only``: a kernel wrong in the run dtype alone). On a mismatch
     raises ``LayoutVerificationError`` naming the first tensor that differs."""
     device = device_of(inputs, reference) if device is None else device
     try:
@@ -240,6 +243,7 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
     rtol = tolerance(dtype)[0]
     exact: float | None = None
     unchecked = ""  # why the float64 re-check could not run
+    farther = False  # equal in float64, yet farther from it than the original's own rounding
     if not ok:
         ref64, planned64, inputs64 = float64(reference), float64(planned), float64(inputs)
         try:
@@ -252,6 +256,9 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
         else:
             ok, exact, what64, _ = agree(want64, got64, torch.float32)
             what = what if ok else what64
+            if ok and not rounding_only(agree(want64, want, dtype)[1],
+                                        agree(want64, got, dtype)[1], dtype):
+                ok, farther = False, True
     if ok and not bad_strides:
         return Verification(True, DTYPE_TOLERANCE if exact is None else FLOAT64_RECHECK, worst,
                             rtol, count, train=True, float64_error=exact)
@@ -261,7 +268,9 @@ def verify_training(reference: nn.Module, planned: nn.Module, inputs: tuple[Any,
             "strides than their parameters (an optimizer or DDP's gradient buckets would see "
             "them); the plan was not applied; please report this with the model",
             cause="gradients in other strides than their parameters")
-    in_float64 = (f"and in float64 (relative error {exact:.3g}, first in the {what})"
+    in_float64 = ("though equal in float64: farther from it than rounding takes the "
+                  "original's own step (a kernel wrong in this dtype)" if farther
+                  else f"and in float64 (relative error {exact:.3g}, first in the {what})"
                   if exact is not None else
                   f"first in the {what}; the float64 re-check could not run the models "
                   f"(RuntimeError: {unchecked})")

@@ -115,7 +115,8 @@ def _one_call(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
     rtol = tolerance(dtype)[0]
     if ok:
         return Verification(True, DTYPE_TOLERANCE, err, rtol, count)
-    exact = float64_agreement(reference, planned, inputs, device=device)
+    exact = float64_agreement(reference, planned, inputs, device=device,
+                              runs=(expected, got, dtype))
     if exact is not None:  # rounding of the run dtype, equal in float64
         return Verification(True, FLOAT64_RECHECK, err, rtol, count, float64_error=exact)
     where = first_divergent_module(reference, planned, inputs, dtype=dtype, device=device)
@@ -123,7 +124,8 @@ def _one_call(reference: nn.Module, planned: nn.Module, inputs: tuple[Any, ...],
              "; no module's output differs alone: the difference is in the model's own code")
     raise LayoutVerificationError(
         f"the planned model's outputs differ from the original's by {err:.3g} (relative; "
-        f"tolerance {rtol:g} for {dtype or 'float32'}, and in float64 too){named}",
+        f"tolerance {rtol:g} for {dtype or 'float32'}; not rounding alone: they differ in float64 "
+        f"too, or farther from it than the original's own run){named}",
         cause="outputs differ", node=where)
 
 
@@ -236,7 +238,8 @@ def verify_other_format(reference: nn.Module, planned: nn.Module, inputs: tuple[
                    calls=1).outputs[0]
         ok, err, _ = compare(want, got, options.dtype)
         if not ok:  # rounding of the run dtype alone, when float64 copies agree
-            ok = float64_agreement(reference, planned, other, device=options.device) is not None
+            ok = float64_agreement(reference, planned, other, device=options.device,
+                                   runs=(want, got, options.dtype)) is not None
     finally:
         restore_state(reference, state)
         restore_state(planned, state)

@@ -113,6 +113,7 @@ from torch import fx
 from memlayout.devices import seam
 from memlayout.dtypes import dtype_name, parse_dtype
 from memlayout.errors import PlanError, first_line
+from memlayout.plan.check.training import Step
 from memlayout.plan.compilers import backend_inner
 from memlayout.plan.compilers.backend_check import (
     GraphCheck,
@@ -130,6 +131,7 @@ from memlayout.plan.compilers.backend_graphs import (
 from memlayout.plan.compilers.backend_inner import (
     DYNAMO_SIGNALS,
     WAYS,
+    Checked,
     as_given,
     built_and_checked,
     ddp_split,
@@ -468,19 +470,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                              rule=rule, store=store)
     except DYNAMO_SIGNALS:
         raise
-    except NotPlanned as exc:
-        fn, ran = unplanned(given, example_inputs, options, dtype, device)
-        return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran, reason=str(exc),
-                                         inductor_rule=rule,
-                                         plan_seconds=time.perf_counter() - start))
     except Exception as exc:  # the planner must never stop a compile: Inductor's own instead
-        warnings.warn(f"memlayout backend: graph {head['graph']} could not be planned "
-                      f"({type(exc).__name__}: {first_line(exc)}); it is compiled with "
-                      "Inductor's own layouts", BackendWarning, stacklevel=2)
         fn, ran = unplanned(given, example_inputs, options, dtype, device)
-        return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran,
-                                         reason=f"planning failed: {type(exc).__name__}",
-                                         inductor_rule=rule,
+        return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran, inductor_rule=rule,
+                                         reason=_not_planned(exc, head["graph"]),
                                          plan_seconds=time.perf_counter() - start))
     plan_seconds = time.perf_counter() - start
     agrees = agrees_with_inductor(planned)
@@ -508,10 +501,12 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
             **record, ran=Runner.INDUCTOR_OWN, timed=guard_ratios(known),
             verification="the plan not run (Inductor's own layouts kept, as timed before)",
             compile_seconds=time.perf_counter() - start - plan_seconds))
+    steps: dict[str, Step] = {}  # the graph's own steps, run once for every way verified
     built, check, record["verify_seconds"] = built_and_checked(
         gm, planned.graph, eager_graph, example_inputs, inputs, options, store, train=train,
         dtype=dtype, device=device, compiled=options.inner != "eager"
-        and kept != Runner.PLAN_EAGER, timed=kept is None and options.guard and options.measure)
+        and kept != Runner.PLAN_EAGER, timed=kept is None and options.guard and options.measure,
+        reference_steps=steps)
     if built is None or not check.ok:
         return _dropped(given, example_inputs, options, dtype, device, check, record,
                         time.perf_counter() - start - plan_seconds)
@@ -522,10 +517,12 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         timed = guard_ratios(known)
     elif ran == Runner.PLAN_COMPILED and options.guard and options.measure:
         guarding, spent = time.perf_counter(), {}
-        fn, ran, timed = fastest_way(fn, given, eager_graph, example_inputs, inputs, options,
-                                     store, train=train, dtype=dtype, device=device,
-                                     spent=spent, ways=ways)
-        record["guard_seconds"] = time.perf_counter() - guarding
+        fn, ran, timed, check = fastest_way(fn, given, eager_graph, example_inputs, inputs,
+                                            options, store, Checked(gm, check, steps),
+                                            train=train, dtype=dtype,
+                                            device=device, spent=spent, ways=ways)
+        record["verify_seconds"] += spent.get("verify", 0.0)
+        record["guard_seconds"] = time.perf_counter() - guarding - spent.get("verify", 0.0)
         record["own_compile_seconds"] = spent.get(Runner.INDUCTOR_OWN)
     runs = ran in (Runner.PLAN_COMPILED, Runner.PLAN_EAGER)
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
@@ -533,6 +530,17 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                      compile_seconds=time.perf_counter() - start - plan_seconds),
                      planned if runs else None,
                      graph_signature(eager_graph, inputs) if runs else "")
+
+
+def _not_planned(exc: Exception, graph: str) -> str:
+    """Why ``graph`` runs unplanned: the planner's own reason (``NotPlanned``), or its failure,
+    which is warned of too."""
+    if isinstance(exc, NotPlanned):
+        return str(exc)
+    warnings.warn(f"memlayout backend: graph {graph} could not be planned "
+                  f"({type(exc).__name__}: {first_line(exc)}); it is compiled with "
+                  "Inductor's own layouts", BackendWarning, stacklevel=3)
+    return f"planning failed: {type(exc).__name__}"
 
 
 def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,

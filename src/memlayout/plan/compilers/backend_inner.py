@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,9 +17,11 @@ from torch import fx
 
 from memlayout.dtypes import autocast
 from memlayout.errors import first_line
+from memlayout.plan.check.training import Step
 from memlayout.plan.compilers.backend_check import (
     GraphCheck,
     cached_guard,
+    forget_guard,
     guard_graph,
     verified_before,
     verify_once,
@@ -65,12 +68,12 @@ def guard_ratios(race: Race) -> tuple[tuple[str, float], ...]:
 
 
 def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
-             example_inputs: list[Any], inputs: list[Any], options: Backend,
-             store: CostCache | None, *,
-             train: bool, dtype: torch.dtype | None,
-             device: torch.device, spent: dict[str, float] | None = None,
-             ways: Sequence[Runner] = WAYS
-             ) -> tuple[Callable[..., Any], Runner, tuple[tuple[str, float], ...]]:
+                example_inputs: list[Any], inputs: list[Any], options: Backend,
+                store: CostCache | None, checked: Checked, *,
+                train: bool, dtype: torch.dtype | None,
+                device: torch.device, spent: dict[str, float] | None = None,
+                ways: Sequence[Runner] = WAYS
+                ) -> tuple[Callable[..., Any], Runner, tuple[tuple[str, float], ...], GraphCheck]:
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
     the plan compiled (``fn``, kept unless another is faster by more than ``KEEP_MARGIN``),
     the plan run eagerly, and ``gm`` compiled by Inductor with its own layouts: what
@@ -80,19 +83,22 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     can cost more than the convolutions save, unless ``ways`` leaves it out (a training graph
     whose plan saves less than the margin over Inductor's rule by its costs: then only the
     plan compiled and eager are raced; an inference graph that agrees runs Inductor's own
-    untimed: ``backend_plan.agrees_with_inductor``).
-    Returns the function, what runs it and each other way's median ratio (the compiled
-    plan's time over its); ``spent[Runner.INDUCTOR_OWN]``: the seconds Inductor's own compile took
-    (what ``torch.compile`` alone spends on the graph)."""
+    untimed: ``backend_plan.agrees_with_inductor``). The eager plan, where it is kept, is
+    verified as ``checked`` says the compiled plan was (:func:`eager_kept`); where it fails,
+    the compiled plan runs and the race is forgotten, so that no later compile reads it.
+    Returns the function, what runs it, each other way's median ratio (the compiled plan's
+    time over its) and the check of what runs; ``spent[Runner.INDUCTOR_OWN]``: the seconds
+    Inductor's own compile took (what ``torch.compile`` alone spends on the graph),
+    ``spent["verify"]`` those verifying the eager plan took."""
     made: dict[str, Callable[..., Any]] = {}
+    spent = {} if spent is None else spent
 
     def own() -> Callable[..., Any]:
         if Runner.INDUCTOR_OWN not in made:
             start = time.perf_counter()
             made[Runner.INDUCTOR_OWN] = unplanned(gm, example_inputs, options, dtype, device,
                                                    backward_now=True)[0]  # timed here
-            if spent is not None:
-                spent[Runner.INDUCTOR_OWN] = time.perf_counter() - start
+            spent[Runner.INDUCTOR_OWN] = time.perf_counter() - start
         return made[Runner.INDUCTOR_OWN]
 
     makers: dict[str, Callable[[], Callable[..., Any]]] = {
@@ -100,16 +106,21 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
         Runner.PLAN_EAGER: lambda: eager_run(eager_graph, options, device),
         Runner.INDUCTOR_OWN: own}
     makers = {way: make for way, make in makers.items() if way in ways}
+    where = dict(train=train, dtype=dtype, device=device, compiled_as=options.compiled_as)
     race = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
-                       margin=KEEP_MARGIN, train=train, dtype=dtype, device=device,
-                       compiled_as=options.compiled_as)
+                       margin=KEEP_MARGIN, **where)
     timed = guard_ratios(race)
     kept = race.kept(Runner.PLAN_COMPILED, KEEP_MARGIN)
     if kept == Runner.PLAN_EAGER:
-        return eager_run(eager_graph, options, device), Runner.PLAN_EAGER, timed
+        eager, ran, check, spent["verify"] = eager_kept(
+            eager_run(eager_graph, options, device), fn, checked, eager_graph, inputs, store,
+            train=train, dtype=dtype, device=device)
+        if ran != Runner.PLAN_EAGER:
+            forget_guard(store, list(makers), eager_graph, inputs, **where)
+        return eager, ran, timed, check
     if kept == Runner.INDUCTOR_OWN:
-        return own(), Runner.INDUCTOR_OWN, timed
-    return fn, Runner.PLAN_COMPILED, timed
+        return own(), Runner.INDUCTOR_OWN, timed, checked.check
+    return fn, Runner.PLAN_COMPILED, timed, checked.check
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
@@ -238,7 +249,8 @@ def inductor_option(name: str) -> bool:
 def built_and_checked(gm: fx.GraphModule, graph: fx.GraphModule, eager_graph: fx.GraphModule,
                        example_inputs: list[Any], inputs: list[Any], options: Backend,
                        store: CostCache | None, *, train: bool, dtype: torch.dtype | None,
-                       device: torch.device, compiled: bool, timed: bool = True
+                       device: torch.device, compiled: bool, timed: bool = True,
+                       reference_steps: dict[str, Step] | None = None
                        ) -> tuple[Callable[..., Any] | None, GraphCheck, float]:
     """The planned ``graph`` built (``compiled`` by the inner compiler, else run eagerly) and
     verified once against ``gm``: the function, the check and the seconds verifying took. A
@@ -246,7 +258,8 @@ def built_and_checked(gm: fx.GraphModule, graph: fx.GraphModule, eager_graph: fx
     ``timed``: the guard times the compiled plan after this. A training plan that is neither
     timed nor verified here (its verdict kept from before) first runs where Dynamo runs it:
     its backward is compiled lazily then, as ``torch.compile`` does (compiled with the
-    forward, a backward takes measurably longer to compile: ``docs/benchmarks.md``)."""
+    forward, a backward takes measurably longer to compile: ``docs/benchmarks.md``).
+    ``reference_steps``: ``gm``'s own step, kept for the next way verified in this compile."""
     fn: Callable[..., Any] | None = None
     verifying = 0.0
     way = options.compiled_as if compiled else Runner.PLAN_EAGER
@@ -259,7 +272,8 @@ def built_and_checked(gm: fx.GraphModule, graph: fx.GraphModule, eager_graph: fx
         began = time.perf_counter()
         try:
             check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train,
-                                dtype=dtype, device=device, compiled=compiled, way=way)
+                                dtype=dtype, device=device, compiled=compiled, way=way,
+                                reference_steps=reference_steps)
         finally:
             verifying = time.perf_counter() - began
     except DYNAMO_SIGNALS:
@@ -268,3 +282,42 @@ def built_and_checked(gm: fx.GraphModule, graph: fx.GraphModule, eager_graph: fx
         check = GraphCheck(False, f"compiling the plan failed ({type(exc).__name__}: "
                            f"{first_line(exc)})", None)
     return fn, check, verifying
+
+
+@dataclass
+class Checked:
+    """How the compiled plan of ``gm`` was verified (``check``), and ``gm``'s own steps on
+    the inputs (``steps``: one compile's, for the next way verified against it)."""
+
+    gm: fx.GraphModule
+    check: GraphCheck
+    steps: dict[str, Step] = field(default_factory=dict)
+
+
+def eager_kept(eager_fn: Callable[..., Any], compiled_fn: Callable[..., Any], checked: Checked,
+               eager_graph: fx.GraphModule, inputs: list[Any], store: CostCache | None, *,
+               train: bool, dtype: torch.dtype | None, device: torch.device
+               ) -> tuple[Callable[..., Any], Runner, GraphCheck, float]:
+    """The plan run eagerly (``eager_fn``), which the guard kept over the compiled plan,
+    verified against the graph as the compiled plan was (``checked``): other kernels run it
+    (those of the eager formats), and what runs is what is verified. Once per graph and
+    plan, as ``built_and_checked``: a compile that reads the guard's decision from the cost
+    cache reads this verdict too. Where it fails, the compiled plan (``compiled_fn``) runs,
+    and its check says why. Returns the function, its runner, the check and the seconds
+    verifying took."""
+    began = time.perf_counter()
+    try:
+        check = verify_once(checked.gm, eager_graph, eager_fn, inputs, store=store, train=train,
+                            dtype=dtype, device=device, compiled=False, way=Runner.PLAN_EAGER,
+                            reference_steps=checked.steps)
+    except DYNAMO_SIGNALS:
+        raise
+    except Exception as exc:
+        check = GraphCheck(False, f"running the plan eagerly failed ({type(exc).__name__}: "
+                           f"{first_line(exc)})", None)
+    seconds = time.perf_counter() - began
+    if check.ok:
+        return eager_fn, Runner.PLAN_EAGER, check, seconds
+    return compiled_fn, Runner.PLAN_COMPILED, GraphCheck(
+        True, f"{checked.check.how}; the plan run eagerly was faster but failed its check "
+        f"({check.how}): the compiled plan runs", checked.check.error), seconds
