@@ -563,8 +563,11 @@ def test_a_training_plan_nothing_runs_before_dynamo_compiles_its_backward_lazily
     """The first compile of a training graph verifies and times the compiled plan inside the
     backend's call, so its backward is compiled with the forward. A later compile that reads
     the guard's decision (the compiled plan, the fastest on the fake clock) and the verdict
-    from the cache runs nothing before Dynamo does: its backward is compiled at the first
-    backward, as ``torch.compile`` compiles it. The gradients are the model's either way."""
+    from the cache runs nothing before Dynamo does: with an Inductor cache of its own, its
+    backward is compiled at the first backward, as ``torch.compile`` compiles it; with the
+    Inductor cache the first compile wrote, with the forward again, as the first compile did
+    (AOTAutograd's cache key holds the setting: lazily, it would miss that cache and compile
+    both again). The gradients are the model's every way."""
     monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: False)
     model, x = _plain().train(), torch.randn(2, 3, 12, 12)
     cache = str(tmp_path / "costs.sqlite")
@@ -577,7 +580,9 @@ def test_a_training_plan_nothing_runs_before_dynamo_compiles_its_backward_lazily
         return gm.forward
     monkeypatch.setattr(backend_inner, "inner_compile", inner)
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_COMPILED else 1.0)
-    for run in ("measured", "cached"):
+    first, other = str(tmp_path / "inductor"), str(tmp_path / "inductor-elsewhere")
+    for run, inductor_cache in (("measured", first), ("cached", other), ("cached", first)):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
         ours, theirs = copy.deepcopy(model), copy.deepcopy(model)  # no gradient yet
         compiled = torch.compile(ours, backend=memlayout.backend(cache=cache))
         (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(theirs, x)
@@ -588,7 +593,8 @@ def test_a_training_plan_nothing_runs_before_dynamo_compiles_its_backward_lazily
         assert ("verified before" in graph.verification) == (run == "cached")
         # the plan's compile first (the first run's guard may compile Inductor's own too,
         # to time it: with its backward, as it runs there)
-        assert asked[0] == (run == "measured") and (run == "measured" or len(asked) == 1)
+        assert asked[0] == (inductor_cache == first)
+        assert run == "measured" or len(asked) == 1
         asked.clear()
         torch._dynamo.reset()
         monkeypatch.setattr(guard, "interleaved", _no_timing)

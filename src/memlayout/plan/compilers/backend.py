@@ -117,6 +117,7 @@ from memlayout.plan.check.training import Step
 from memlayout.plan.compilers import backend_inner
 from memlayout.plan.compilers.backend_check import (
     GraphCheck,
+    compiled_with_backward,
     graph_signature,
     verify_graph,
 )
@@ -496,7 +497,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                             device=device, ways=ways)
     kept = known.kept(Runner.PLAN_COMPILED, KEEP_MARGIN) if known is not None else None
     if kept == Runner.INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
-        fn = unplanned(given, example_inputs, options, dtype, device)[0]
+        fn = unplanned(given, example_inputs, options, dtype, device, backward_now=train and (
+            compiled_with_backward(store, given, inputs, device=device,
+                                   compiled_as=options.compiled_as)))[0]
         return _Compiled(fn, GraphRecord(
             **record, ran=Runner.INDUCTOR_OWN, timed=guard_ratios(known),
             verification="the plan not run (Inductor's own layouts kept, as timed before)",

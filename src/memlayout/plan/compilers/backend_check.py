@@ -302,6 +302,33 @@ def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
     return race
 
 
+def compiled_with_backward(store: CostCache | None, gm: fx.GraphModule, inputs: list[Any], *,
+                           device: torch.device, compiled_as: str, keep: bool = False) -> bool:
+    """Whether a compile of ``gm`` (training) compiled its backward with its forward, into
+    the Inductor cache this process uses (``keep``: say that one did). AOTAutograd's cache
+    key holds that setting: a later compile of the same graph that left its backward lazy
+    would miss what Inductor's cache holds, and compile both again."""
+    if store is None:
+        return False
+    key = json.dumps(["backend-backward-with-forward", measured_on(device), torch.__version__,
+                      compiled_as, _inductor_cache(), graph_signature(gm, inputs)])
+    if keep:
+        store.put(key, {"with_forward": True}, is_noisy=False)
+        return True
+    return store.get(key, lambda record: isinstance(record, dict)) is not None
+
+
+def _inductor_cache() -> str:
+    """The folder of Inductor's on-disk caches in this process."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # a torch that keeps it elsewhere: the setting that names it
+        import os
+
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    return cache_dir()
+
+
 def forget_guard(store: CostCache | None, names: list[str], planned: fx.GraphModule,
                  inputs: list[Any], *, train: bool, dtype: torch.dtype | None,
                  device: torch.device, compiled_as: str) -> None:

@@ -21,6 +21,7 @@ from memlayout.plan.check.training import Step
 from memlayout.plan.compilers.backend_check import (
     GraphCheck,
     cached_guard,
+    compiled_with_backward,
     forget_guard,
     guard_graph,
     verified_before,
@@ -97,8 +98,11 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
         if Runner.INDUCTOR_OWN not in made:
             start = time.perf_counter()
             made[Runner.INDUCTOR_OWN] = unplanned(gm, example_inputs, options, dtype, device,
-                                                   backward_now=True)[0]  # timed here
+                                                   backward_now=train)[0]  # timed here
             spent[Runner.INDUCTOR_OWN] = time.perf_counter() - start
+            if train:  # where it is kept, a later compile reads what this one cached
+                compiled_with_backward(store, gm, inputs, device=device,
+                                       compiled_as=options.compiled_as, keep=True)
         return made[Runner.INDUCTOR_OWN]
 
     makers: dict[str, Callable[[], Callable[..., Any]]] = {
@@ -258,17 +262,25 @@ def built_and_checked(gm: fx.GraphModule, graph: fx.GraphModule, eager_graph: fx
     ``timed``: the guard times the compiled plan after this. A training plan that is neither
     timed nor verified here (its verdict kept from before) first runs where Dynamo runs it:
     its backward is compiled lazily then, as ``torch.compile`` does (compiled with the
-    forward, a backward takes measurably longer to compile: ``docs/benchmarks.md``).
+    forward, a backward takes measurably longer to compile: ``docs/benchmarks.md``), unless
+    a compile of it put the two into the Inductor cache this process uses
+    (``compiled_with_backward``): then with its forward again, and read from there.
     ``reference_steps``: ``gm``'s own step, kept for the next way verified in this compile."""
     fn: Callable[..., Any] | None = None
     verifying = 0.0
     way = options.compiled_as if compiled else Runner.PLAN_EAGER
+    where = dict(device=device, compiled_as=options.compiled_as)
     try:
-        backward_now = timed or verified_before(gm, eager_graph, inputs, store=store, way=way,
-                                                train=train, dtype=dtype, device=device) is None
+        # with its forward where it runs here, or where an earlier compile of it did, into
+        # the Inductor cache this one reads (lazily, it would miss that)
+        backward_now = train and (timed or verified_before(
+            gm, eager_graph, inputs, store=store, way=way, train=train, dtype=dtype,
+            device=device) is None or compiled_with_backward(store, eager_graph, inputs, **where))
         fn = (inner_compile(graph, example_inputs, options, dtype, device,
                             backward_now=backward_now)
               if compiled else eager_run(eager_graph, options, device))
+        if compiled and backward_now:
+            compiled_with_backward(store, eager_graph, inputs, keep=True, **where)
         began = time.perf_counter()
         try:
             check = verify_once(gm, eager_graph, fn, inputs, store=store, train=train,
