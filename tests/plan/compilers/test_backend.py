@@ -918,3 +918,40 @@ def test_a_tensor_written_in_place_is_not_converted_away_from_its_readers(tmp_pa
     (graph,) = memlayout.backend_report().graphs
     assert graph.planned and not graph.fallback and graph.ran == Runner.PLAN_EAGER
     assert graph.convolutions[0].planned == "channels_last"  # the input converted, not the batch
+
+
+def test_a_planned_graph_is_one_aotautograds_cache_keeps(monkeypatch):
+    """A planned graph calls memlayout's conversion (and, in training, a weight's gradient
+    strides): functions outside torch, for which AOTAutograd's cache check bypasses the
+    cache, so every compile of the graph, a second compile in one process included, traced
+    and partitioned it again. The inner compile names them cacheable (keyed by memlayout's
+    version and source), and only for a graph that calls them: torch's own check then passes
+    every node, where without it the conversion is refused."""
+    from torch._functorch._aot_autograd import autograd_cache
+    from torch._inductor import compile_fx
+
+    from memlayout.plan.compilers.backend_graphs import grad_in_strides
+    from memlayout.plan.convert import convert_value
+    from memlayout.plan.graph import Label
+
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    x_cl = graph.call_function(convert_value, (x, Label.CHANNELS_LAST, (4, 5)))
+    graph.output(graph.call_function(torch.conv2d, (x_cl, graph.call_function(
+        grad_in_strides, (w,)))))
+    planned = fx.GraphModule(nn.Module(), graph)
+    plain = fx.symbolic_trace(nn.Conv2d(3, 4, 1))
+    with pytest.raises(autograd_cache.BypassAOTAutogradCache):
+        for n in planned.graph.nodes:
+            autograd_cache.check_node_safe(n)
+    patches = []
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, inputs, config_patches=None:
+                        patches.append(config_patches or {}) or gm.forward)
+    options = memlayout.backend()
+    for gm in (planned, plain):
+        backend_inner.inner_compile(gm, [], options, None, torch.device("cpu"))
+    marked = patches[0]["unsafe_marked_cacheable_functions"]
+    assert "unsafe_marked_cacheable_functions" not in patches[1]  # Inductor's own key kept
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions=marked):
+        for n in planned.graph.nodes:
+            autograd_cache.check_node_safe(n)

@@ -5,9 +5,12 @@ run eagerly, and the guard's choice among them."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -140,6 +143,12 @@ def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backen
     from torch._inductor.compile_fx import compile_fx
 
     config = {**dict(options.inductor), **patches}  # the plan's patches win
+    if calls_ours(gm) and inductor_option("unsafe_marked_cacheable_functions"):
+        from torch._inductor import config as inductor_config
+
+        config["unsafe_marked_cacheable_functions"] = {
+            **inductor_config.unsafe_marked_cacheable_functions,
+            **config.get("unsafe_marked_cacheable_functions", {}), **cacheable_functions()}
     if options.mode not in (None, "default"):
         from torch._inductor import list_mode_options
 
@@ -155,6 +164,36 @@ def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backen
     with autocast_for(options, device, dtype), eager_backward:
         fn = compile_fx(gm, example_inputs, config_patches=config or None)
     return fake_first_call_made(fn, example_inputs)
+
+
+#: the functions of memlayout's a planned graph calls (its conversions, a weight's gradient
+#: strides): AOTAutograd caches a graph that calls a function outside torch only where
+#: Inductor's config names it cacheable, with a key of its own
+CACHEABLE = ("memlayout.plan.convert.convert_value", "memlayout.plan.convert.convert_value_1d",
+             "memlayout.plan.compilers.backend_plan.to_label",
+             "memlayout.plan.compilers.backend_graphs.grad_in_strides")
+
+
+def calls_ours(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls one of :data:`CACHEABLE`."""
+    return any(n.op == "call_function"
+               and f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', '')}"
+               in CACHEABLE for n in gm.graph.nodes)
+
+
+@functools.lru_cache(maxsize=1)
+def cacheable_functions() -> dict[str, str]:
+    """:data:`CACHEABLE`, each keyed by what decides what it computes: memlayout's version and
+    the source of the modules that define it and what it calls (a change to either is a new
+    key, so a compile cached by other code is not read)."""
+    from memlayout import __version__, layout, tensors
+    from memlayout.plan import convert
+    from memlayout.plan.compilers import backend_graphs, backend_plan
+
+    digest = hashlib.sha256(__version__.encode())
+    for module in (convert, tensors, layout, backend_plan, backend_graphs):
+        digest.update(Path(str(module.__file__)).read_bytes())
+    return dict.fromkeys(CACHEABLE, digest.hexdigest()[:16])
 
 
 def ddp_split() -> bool:
