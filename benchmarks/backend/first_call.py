@@ -67,7 +67,10 @@ def main() -> None:
     model.train(args.task == "train")
     dtype = None if args.dtype == "fp32" else parse_dtype(args.dtype)
 
+    from torch._dynamo.utils import counters
+
     def first_call(what: str) -> None:
+        counters.clear()
         backend = memlayout.backend() if args.backend == "memlayout" else "inductor"
         compiled = torch.compile(model, backend=backend)
         start = time.perf_counter()
@@ -77,6 +80,9 @@ def main() -> None:
             out.float().square().mean().backward()
         seconds = time.perf_counter() - start
         print(f"{args.backend} {args.model} {args.task} {args.dtype}: {what} {seconds:.2f} s")
+        aot = counters["aot_autograd"]  # AOTAutograd's cache: each graph hit, missed or refused
+        print(f"AOTAutograd's cache: {aot['autograd_cache_hit']} hit, "
+              f"{aot['autograd_cache_miss']} missed, {aot['autograd_cache_bypass']} refused")
         if args.backend == "memlayout":
             report = memlayout.backend_report()
             print(report.price())
