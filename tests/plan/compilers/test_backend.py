@@ -395,6 +395,20 @@ def _spied_inner(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return asked
 
 
+def _planned_contiguous(monkeypatch: pytest.MonkeyPatch, tmp_path, *, rule: bool,
+                        train: bool) -> tuple[nn.Module, torch.Tensor, str, list[dict]]:
+    """``_plain()`` in ``train`` mode, its costs measured into a cache where channels-last
+    convolutions are 50x slower (the plan puts them contiguous), Inductor's rule stated as
+    ``rule`` and Inductor replaced as ``_spied_inner`` does: the model, its input, the
+    cache and the compiles asked for."""
+    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: rule)
+    model, x = _plain().train(train), torch.randn(2, 3, 12, 12)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=train)
+    _scale_channels_last(cache, 50.0)
+    return model, x, cache, _spied_inner(monkeypatch)
+
+
 @pytest.mark.parametrize("fastest", [Runner.PLAN_COMPILED, Runner.PLAN_EAGER, Runner.INDUCTOR_OWN])
 def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed(
         monkeypatch, tmp_path, fastest):
@@ -463,12 +477,7 @@ def test_an_eager_plan_that_fails_its_check_gives_way_to_the_compiled_plan(monke
     compute other values than the graph (a wrong one, injected): it fails its check, and the
     compiled plan, verified, runs instead; the report says why. The race that kept it is
     forgotten: the next compile races again, with the same outcome."""
-    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: True)
-    model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
-    cache = str(tmp_path / "costs.sqlite")
-    _measure_into(cache, model, x, train=False)
-    _scale_channels_last(cache, 50.0)
-    _spied_inner(monkeypatch)
+    model, x, cache, _ = _planned_contiguous(monkeypatch, tmp_path, rule=True, train=False)
     monkeypatch.setattr(backend_inner, "eager_run", lambda gm, options, device: lambda *args:
                         tuple(t * 1.5 for t in gm(*args)))  # Dynamo's graphs return tuples
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_EAGER else 1.0)
@@ -493,13 +502,7 @@ def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_o
     compiled nor verified. In training the plan also decides the gradients' strides: the
     guard times the compiled plan against it run eagerly, and Inductor's own is neither
     compiled nor timed (made the fastest on the fake clock, it would have been kept)."""
-    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: False)
-    model, x = _plain(), torch.randn(2, 3, 12, 12)
-    model.train(train)
-    cache = str(tmp_path / "costs.sqlite")
-    _measure_into(cache, model, x, train=train)
-    _scale_channels_last(cache, 50.0)
-    asked = _spied_inner(monkeypatch)
+    model, x, cache, asked = _planned_contiguous(monkeypatch, tmp_path, rule=False, train=train)
     verified = []
     monkeypatch.setattr(backend_check, "verify_graph",
                         lambda *a, real=backend_check.verify_graph, **k: verified.append(1)
@@ -535,12 +538,7 @@ def test_a_close_call_with_the_eager_plan_is_timed_longer_only_where_it_would_be
     turn, the compiled plan's 1 s: per-round ratios around 1.0 (a close call the compiled plan
     keeps: decided on the guard's rounds) or around 1.04 (a close call the eager plan would
     win: timed for as many rounds again before it is kept)."""
-    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: False)
-    model, x = _plain().train(), torch.randn(2, 3, 12, 12)
-    cache = str(tmp_path / "costs.sqlite")
-    _measure_into(cache, model, x, train=True)
-    _scale_channels_last(cache, 50.0)
-    _spied_inner(monkeypatch)
+    model, x, cache, _ = _planned_contiguous(monkeypatch, tmp_path, rule=False, train=True)
     calls: dict[str, int] = {}
 
     def seconds(name, i):

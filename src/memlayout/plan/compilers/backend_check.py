@@ -7,6 +7,7 @@ graph against the planned one run eagerly and against Inductor's own layouts
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Mapping
@@ -79,12 +80,12 @@ def verify_graph(reference: fx.GraphModule, planned: fx.GraphModule, fn: Callabl
     # the rewrite's own verdict, whatever way it runs and in whatever dtype
     exact_rewrite = dict(way=REWRITE_EXACT, train=train, dtype=None, device=device)
     before = verified_before(reference, planned, inputs, store=store, **exact_rewrite)
-    wide = _wide(inputs)
+    wide = functools.cache(lambda: _wide(inputs))  # made only where something runs in float64
     try:
         want64 = reference_step(f"{run} float64", lambda: _step(
-            float64(reference), wide, names, train=train, dtype=None, device=device))
+            float64(reference), wide(), names, train=train, dtype=None, device=device))
         if before is None:
-            got64 = _step(float64(planned), wide, names, train=train, dtype=None, device=device)
+            got64 = _step(float64(planned), wide(), names, train=train, dtype=None, device=device)
     except Exception:  # a graph that cannot run in float64: no re-check
         return failed
     if before is None:

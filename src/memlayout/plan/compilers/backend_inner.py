@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from memlayout.plan.compilers.backend_check import (
 )
 from memlayout.plan.compilers.backend_graphs import (
     copy_graph,
+    grad_in_strides,
     grads_in_parameter_strides,
 )
 from memlayout.plan.costs.cache import CostCache
@@ -166,34 +168,40 @@ def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backen
     return fake_first_call_made(fn, example_inputs)
 
 
-#: the functions of memlayout's a planned graph calls (its conversions, a weight's gradient
-#: strides): AOTAutograd caches a graph that calls a function outside torch only where
-#: Inductor's config names it cacheable, with a key of its own
-CACHEABLE = ("memlayout.plan.convert.convert_value", "memlayout.plan.convert.convert_value_1d",
-             "memlayout.plan.compilers.backend_plan.to_label",
-             "memlayout.plan.compilers.backend_graphs.grad_in_strides")
+@functools.lru_cache(maxsize=1)
+def _ours() -> dict[str, Callable[..., Any]]:
+    """The functions of memlayout's a planned graph calls (its conversions, a weight's
+    gradient strides), by the name AOTAutograd's cache check gives a call's target: it
+    caches a graph that calls a function outside torch only where Inductor's config names
+    that function cacheable, with a key of its own."""
+    from memlayout.plan.compilers.backend_plan import to_label
+    from memlayout.plan.convert import convert_value, convert_value_1d
+
+    return {f"{fn.__module__}.{fn.__name__}": fn
+            for fn in (convert_value, convert_value_1d, to_label, grad_in_strides)}
 
 
 def calls_ours(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` calls one of :data:`CACHEABLE`."""
+    """Whether ``gm`` calls one of memlayout's functions (``_ours``)."""
     return any(n.op == "call_function"
                and f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', '')}"
-               in CACHEABLE for n in gm.graph.nodes)
+               in _ours() for n in gm.graph.nodes)
 
 
 @functools.lru_cache(maxsize=1)
 def cacheable_functions() -> dict[str, str]:
-    """:data:`CACHEABLE`, each keyed by what decides what it computes: memlayout's version and
-    the source of the modules that define it and what it calls (a change to either is a new
-    key, so a compile cached by other code is not read)."""
+    """Memlayout's functions a planned graph calls, each keyed by what decides what it
+    computes: memlayout's version and the source of the modules that define them and of the
+    layout code they call (a change to either is a new key, so a compile cached by other
+    code is not read)."""
     from memlayout import __version__, layout, tensors
-    from memlayout.plan import convert
-    from memlayout.plan.compilers import backend_graphs, backend_plan
 
     digest = hashlib.sha256(__version__.encode())
-    for module in (convert, tensors, layout, backend_plan, backend_graphs):
-        digest.update(Path(str(module.__file__)).read_bytes())
-    return dict.fromkeys(CACHEABLE, digest.hexdigest()[:16])
+    modules = {fn.__module__ for fn in _ours().values()}
+    for path in sorted({str(sys.modules[m].__file__) for m in modules}
+                       | {str(layout.__file__), str(tensors.__file__)}):
+        digest.update(Path(path).read_bytes())
+    return dict.fromkeys(_ours(), digest.hexdigest()[:16])
 
 
 def ddp_split() -> bool:
