@@ -29,7 +29,8 @@ from memlayout.machine import Conditions
 #: ``memlayout.compile``, the original model in a multi-rank training check) only when faster
 #: by more than this in the median of per-round ratios: noise and near ties keep the default
 KEEP_MARGIN = 0.02
-#: a best median ratio this near the threshold ``1 + margin`` is a close call (``Race.is_close``)
+#: a best median ratio this near the threshold ``1 + margin`` is not yet separated from it
+#: (``separated``), and a single round this near it is a close call (``Race.is_close``)
 CLOSE = 0.03
 
 @dataclass(frozen=True)
@@ -230,9 +231,13 @@ class Race:
         return best if self.beats(best, default, margin) else default
 
     def is_close(self, margin: float) -> bool:
-        """Too near to decide on this many rounds: the best candidate's median ratio (the one
-        :meth:`kept` weighs against the reference) is within ``CLOSE`` of the threshold
-        ``1 + margin``, or its rounds spread so that their quartiles lie on both sides of it.
+        """Too near to decide on this many rounds: the decision the rounds of the best
+        candidate (the one :meth:`kept` weighs against the reference) would take could still
+        cost more than ``margin`` accepts. Keeping the candidate (its median beyond the
+        threshold ``1 + margin``) could, while its lower quartile is below 1 (it may be the
+        slower); keeping the reference could, while the upper quartile is beyond the threshold
+        (the candidate may be faster by more than the margin). Rounds that agree on a
+        candidate a few per cent faster keep it, however near the threshold their median:
 
         >>> def race(protect=None, **rounds):
         ...     return Race("planned", {n: Ratio("planned", n, 1.0, r) for n, r in rounds.items()},
@@ -241,6 +246,8 @@ class Race:
         (True, False)
         >>> race(nchw=(1.054, 1.282, 0.876, 0.931, 0.89)).is_close(0.0)
         True
+        >>> race(nhwc=(1.03, 1.05, 1.04)).is_close(0.02), race(nhwc=(1.05, 0.98, 1.04)).is_close(0.02)
+        (False, True)
 
         A tie is not a close call: when every round of the best candidate (at least
         ``SEQUENTIAL_ROUNDS``) lies within ``margin`` of the reference, either choice costs
@@ -256,7 +263,7 @@ class Race:
         the reference, whose standing against ``protect`` is settled on its own; it costs at
         most the chance that the other is a few per cent faster:
 
-        >>> below, above = (1.0, 1.03, 0.98), (1.05, 1.02, 1.04)
+        >>> below, above = (1.0, 1.03, 0.98), (1.05, 0.98, 1.04)
         >>> race(("own",), eager=below).is_close(0.02), race(("own",), eager=above).is_close(0.02)
         (False, True)
         >>> race(("own",), eager=below, own=(0.99, 1.03, 0.97)).is_close(0.02)
@@ -443,17 +450,28 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
 
 
 def _close(ratios: Sequence[float], margin: float) -> bool:
-    """Per-round ratios too near the threshold ``1 + margin`` to decide on (``Race.is_close``):
-    their median within ``CLOSE`` of it, or their quartiles on both sides, and not a tie."""
+    """Per-round ratios whose decision could still cost more than ``margin`` accepts
+    (``Race.is_close``), and not a tie. Rounds that would keep the candidate (their median
+    beyond the threshold ``1 + margin``) are a close call while their lower quartile is below
+    1: the candidate may be slower than the reference. Rounds that would keep the reference
+    are one while their upper quartile is beyond the threshold: the candidate may be faster
+    by more than the margin. A decision whose plausible worst case is within the margin
+    stands, however near its median lies to the threshold; a single round is a close call
+    when its ratio is within ``CLOSE`` of it.
+
+    >>> _close([1.03, 1.04, 1.05], 0.02), _close([0.98, 1.04, 1.05], 0.02)  # kept / may lose
+    (False, True)
+    >>> _close([0.99, 1.0, 1.015], 0.02), _close([0.97, 1.0, 1.03], 0.02)  # tie / may gain
+    (False, True)
+    """
     threshold = 1.0 + margin
     if tied(ratios, margin):  # every round within the margin: the choice no longer matters
         return False
-    if abs(statistics.median(ratios) - threshold) < CLOSE:
-        return True
+    median = statistics.median(ratios)
     if len(ratios) < 2:
-        return False
+        return abs(median - threshold) < CLOSE
     q1, _, q3 = statistics.quantiles(ratios, n=4)
-    return q1 <= threshold <= q3
+    return q1 < 1.0 if median > threshold else q3 > threshold
 
 
 def tied(ratios: Sequence[float], margin: float) -> bool:

@@ -8,10 +8,12 @@ except a format the plan already runs end to end, interleaved round by round thr
 ``memlayout.timing.interleaved``. The plan is kept unless another candidate is faster by
 more than ``margin`` (default ``memlayout.timing.KEEP_MARGIN``, 2 %: near ties keep the
 plan) in the median of the per-round ratios ``planned / candidate``. A close call (the
-best candidate's median within ``memlayout.timing.CLOSE`` of the threshold ``1 + margin``, or
-its middle half of rounds on both sides of it) is timed for as many rounds again before it
-is decided: on a noisy machine five rounds cannot tell 2 % apart, and the bar is "never below
-0.98x". A cached record of a close call that was not timed longer is measured again.
+decision the best candidate's rounds would take could still cost more than the margin: a
+candidate kept while a quarter of its rounds or more have it slower than the plan, or the plan
+kept while a quarter or more have the candidate faster beyond the margin) is timed for as
+many rounds again before it is decided: on a noisy machine five rounds cannot tell 2 %
+apart, and the bar is "never below 0.98x". A cached record of a close call that was not
+timed longer is measured again.
 
 The measured ratios are cached (same SQLite store as the costs) under the device, torch version,
 autocast dtype and a signature of the captured graphs (every node, its shapes, strides and
