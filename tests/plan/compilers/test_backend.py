@@ -525,8 +525,50 @@ def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_o
         assert asked == [backend_inner.PLAN_STANDS] and verified
     else:
         assert graph.ran == Runner.INDUCTOR_OWN
-        assert graph.timed == () and graph.verification == backend_plan.AGREES
+        # its convolutions' costs alone settle it (every_plan_agrees): no plan made
+        assert graph.timed == () and graph.verification == backend_plan.NONE_DIFFERS
         assert asked == [{}] and not verified  # Inductor's own, once: the plan not built
+
+
+def _other_costs(cache: str) -> int:
+    """How many entries of ``cache`` are costs of a node other than a convolution, or of a
+    conversion."""
+    db = sqlite3.connect(cache)
+    try:
+        return db.execute("SELECT COUNT(*) FROM entries WHERE kind = 'convert' OR "
+                          "(kind = 'node' AND key NOT LIKE '%conv2d%')").fetchone()[0]
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("rule", [False, True])
+def test_an_inference_graphs_other_costs_are_measured_only_where_its_convolutions_leave_it_open(
+        monkeypatch, tmp_path, rule):
+    """The cost cache holds the convolutions' costs alone, channels-last 50x slower. With
+    Inductor's rule off (the convolutions keep their traced contiguous strides), no plan can
+    differ from it by those costs: nothing else is measured, no cut solved, Inductor's own
+    runs. With the rule on (every convolution channels-last) they leave it open: the other
+    nodes and the conversions are measured, and the plan puts the convolutions contiguous."""
+    model, x, cache, asked = _planned_contiguous(monkeypatch, tmp_path, rule=rule, train=False)
+    db = sqlite3.connect(cache)
+    with db:
+        assert db.execute("DELETE FROM entries WHERE kind = 'convert' OR "
+                          "(kind = 'node' AND key NOT LIKE '%conv2d%')").rowcount > 0
+    db.close()
+    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_COMPILED else 1.0)
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    (graph,) = memlayout.backend_report().graphs
+    assert graph.planned and len(graph.convolutions) == 2 and graph.cached >= 2
+    if rule:
+        assert _other_costs(cache) > 0 and graph.measured > 0
+        assert {c.planned for c in graph.convolutions} == {"contiguous"}
+        assert len(graph.differing) == 2 and graph.ran == Runner.PLAN_COMPILED
+    else:
+        assert _other_costs(cache) == 0 and graph.measured == 0
+        assert graph.verification == backend_plan.NONE_DIFFERS and not graph.differing
+        assert graph.ran == Runner.INDUCTOR_OWN and asked == [{}]
 
 
 @pytest.mark.parametrize(("cycle", "extended"), [((0.98, 1.0, 1.05), False),

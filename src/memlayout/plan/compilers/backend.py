@@ -45,7 +45,10 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    than ``KEEP_MARGIN`` of their time) is not timed: the two programs then differ by about
    what a race on a few rounds cannot tell, so the guard keeps what ``torch.compile`` alone
    runs, Inductor's own layouts, and the plan is neither compiled nor verified (its record
-   says so). A training graph that agrees is guarded as above
+   says so). An inference graph's convolutions are measured first, the rest only where
+   they leave it open: where putting each convolution in its faster format would save less
+   than ``KEEP_MARGIN`` of their least time (``every_plan_agrees``), every plan agrees, and
+   nothing else is measured, no cut solved. A training graph that agrees is guarded as above
    without Inductor's own: there the plan also decides the gradients' strides (DDP's buckets
    compare them), and the plan run eagerly can beat any compiled step.
 
@@ -145,6 +148,7 @@ from memlayout.plan.compilers.backend_inner import (
 )
 from memlayout.plan.compilers.backend_plan import (
     AGREES,
+    NONE_DIFFERS,
     Planned,
     agrees_with_inductor,
     cached_rule,
@@ -485,7 +489,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
               "plan_seconds": plan_seconds}
     if not train and options.guard and options.measure and agrees:  # Inductor's own, untimed
         fn = unplanned(given, example_inputs, options, dtype, device)[0]
-        return _Compiled(fn, GraphRecord(**record, ran=Runner.INDUCTOR_OWN, verification=AGREES,
+        return _Compiled(fn, GraphRecord(**record, ran=Runner.INDUCTOR_OWN,
+                                         verification=AGREES if planned.solved else NONE_DIFFERS,
                                          compile_seconds=time.perf_counter() - start - plan_seconds))
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     # the guard decided this graph before (the cost cache): build only what will run

@@ -63,6 +63,10 @@ class Planned:
     convolutions: tuple[ConvolutionChoice, ...]
     weights: tuple[tuple[str, int], ...] = ()
     labels: tuple[tuple[str, Label], ...] = ()
+    #: ``False``: no cut solved, nothing rewritten: by the convolutions' costs alone every
+    #: plan agrees with Inductor's rule (:func:`every_plan_agrees`), so Inductor's own layouts
+    #: run, and each convolution's format is Inductor's
+    solved: bool = True
 
 
 def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train: bool,
@@ -90,9 +94,18 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
                for n in work.graph.nodes):
         raise NotPlanned("no image-like value: no layout to choose")
     if decided is None:
+        convolutions_first = not train and options.guard and options.measure and rule is not None
         table = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype,
                               measure=options.measure, cache=store if options.measure else None,
-                              rounds=options.rounds, train=train, device=device)
+                              rounds=options.rounds, train=train, device=device,
+                              **_convolutions_only(work) if convolutions_first else {})
+        if convolutions_first:
+            choices = convolution_nodes(work, table, {}, rule)
+            if every_plan_agrees([choice for _, choice in choices]):
+                return Planned(work, table, 0, tuple(
+                    dataclasses.replace(c, planned=c.inductor) for _, c in choices), solved=False)
+            table = _the_rest(work, inputs, table, store=store, rounds=options.rounds,
+                              dtype=dtype, device=device)
     else:
         table = decided[0]
     form = formulate(work, table, input_label=None, output_label=Request.KEEP)
@@ -112,6 +125,60 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
     if is_dynamic(gm):
         traced_conversions(work)
     return Planned(work, table, len(made), convolutions, weights, tuple(sorted(labels.items())))
+
+
+def every_plan_agrees(convolutions: Sequence[ConvolutionChoice],
+                      margin: float = KEEP_MARGIN) -> bool:
+    """Whether :func:`agrees_with_inductor` holds for every plan of a graph whose
+    convolutions are ``convolutions`` (their formats as traced, their costs measured),
+    whatever its other nodes and conversions cost: putting each convolution in its faster
+    format would save at most ``margin`` of the least time the convolutions can take. The
+    gain of any plan is no larger, and its convolutions' time no smaller, so an inference
+    graph needs nothing else measured to run Inductor's own layouts.
+
+    >>> def conv(inductor, seconds):
+    ...     return ConvolutionChoice("c", "conv2d", (8, 3, 8, 8), "contiguous", inductor,
+    ...                              seconds, True)
+    >>> cl = "channels_last"
+    >>> every_plan_agrees([conv(cl, (1.0, 0.5)), conv("contiguous", (1.0, 2.0))])
+    True
+    >>> every_plan_agrees([conv(cl, (1.0, 2.0)), conv(cl, (0.9, 1.0))])  # 0.1 s of 1.9 s
+    False
+    >>> every_plan_agrees([conv(cl, (1.0, None))]), every_plan_agrees([conv(None, (1.0, 1.0))])
+    (False, False)
+    """
+    if not convolutions:
+        return False
+    total, gain = 0.0, 0.0
+    for c in convolutions:
+        if c.inductor is None or c.planned is None:
+            return False  # a format no plan states: not known to agree
+        if Label.EITHER.text in (c.planned, c.inductor):
+            continue  # in both formats at once: never differs, its time not counted
+        theirs = c.seconds_in(c.inductor)
+        if theirs is None:
+            return False
+        best = min(s for s in c.seconds or () if s is not None)
+        gain += theirs - best
+        total += best
+    return gain <= margin * total
+
+
+def _convolutions_only(work: fx.GraphModule) -> dict[str, Any]:
+    """``measure_costs``' arguments that cost ``work``'s convolutions alone."""
+    names = frozenset(name for name, _ in convolution_nodes(work, CostTable(), {}, None))
+    return {"only": names, "conversions": False}
+
+
+def _the_rest(work: fx.GraphModule, inputs: list[Any], table: CostTable, *,
+              store: CostCache | None, rounds: int, dtype: torch.dtype | None,
+              device: torch.device) -> CostTable:
+    """``table`` (an inference graph's convolutions) with the graph's other nodes and its
+    conversions costed; the counts of both passes."""
+    rest = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype, cache=store,
+                         rounds=rounds, device=device, previous=table)
+    return dataclasses.replace(rest, measured=table.measured + rest.measured,
+                               cached=table.cached + rest.cached, fresh=table.fresh | rest.fresh)
 
 
 def to_confirm(choices: list[tuple[str, ConvolutionChoice]], table: CostTable,
@@ -248,6 +315,11 @@ def cached_rule(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any]
     return rule
 
 
+#: the record's verification of an inference graph no plan of which could differ from
+#: Inductor's rule (:func:`every_plan_agrees`)
+NONE_DIFFERS = ("the plan not made: by the convolutions' measured costs no plan could save "
+                "the keep margin over Inductor's rule, so Inductor's own layouts run, not timed "
+                "against it, and nothing else was measured")
 #: the record's verification of a graph whose plan agrees with Inductor's rule
 AGREES = ("the plan not run: its convolutions' formats save less than the keep margin over "
           "Inductor's rule's, by their measured costs, so Inductor's own layouts run, not "

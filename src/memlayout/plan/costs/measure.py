@@ -114,7 +114,8 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                   clock: Callable[[], float] = time.perf_counter,
                   conditions: Callable[[], Conditions] = Conditions.now,
                   model: CostModel | None = None, timed: frozenset[str] = frozenset(),
-                  previous: CostTable | None = None) -> CostTable:
+                  previous: CostTable | None = None, only: frozenset[str] | None = None,
+                  conversions: bool = True) -> CostTable:
     """The cost table of every layout node and definite-format value of a captured graph.
 
     ``train``: a node's cost is its forward plus its backward (gradients of its inputs and
@@ -129,10 +130,13 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
     ``timed`` does not name is predicted, not timed. ``previous``: this graph's table from an
     earlier pass: its conversions and measured nodes are kept, its predicted ones predicted
     again from ``model`` (measured where ``timed`` names them, read from the cache where an
-    identical op was measured since)."""
+    identical op was measured since), and the nodes and conversions it lacks costed.
+    ``only``: the layout nodes to cost (``None``: every one); ``conversions=False``: no
+    conversion costed (a first pass that may make the rest unnecessary)."""
     device = device_of(inputs, gm) if device is None else device
     nodes_context = node_context(device, dtype, train=train, weights=weights)
-    layout_nodes = [n for n in gm.graph.nodes if is_layout_node(gm, n)]
+    layout_nodes = [n for n in gm.graph.nodes
+                    if is_layout_node(gm, n) and (only is None or n.name in only)]
     node_keys = {n.name: [json.dumps(["node", *nodes_context, _describe(gm, n, label), label])
                           for label in LABELS] for n in layout_nodes}
     table = CostTable(faults={n.name: why for n in layout_nodes if (
@@ -162,12 +166,10 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                 todo_predicted[n.name] = keys
         else:
             todo_nodes[n.name] = keys
-    if previous is not None:  # its conversions are kept as they are
-        table.conversions = dict(previous.conversions)
-        todo_values: dict[str, list[str]] = {}
-    else:
-        todo_values = _look_up_conversions(gm, table, cache, device=device, dtype=dtype,
-                                           measure=measure)
+    kept = previous.conversions if previous is not None else {}  # kept as they are
+    todo_values = (_look_up_conversions(gm, table, cache, device=device, dtype=dtype,
+                                        measure=measure, known=frozenset(kept))
+                   if conversions else {})
     total = len(todo_nodes) + len(todo_values) + len(todo_predicted)
     if total:
         runner = _Measurer(gm, todo_nodes, todo_values, table, measure=measure, cache=cache,
@@ -176,11 +178,12 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                            conditions=conditions, model=model, predicted=todo_predicted)
         with torch.no_grad(), autocast(device, dtype):
             runner.run(*inputs)
-    if train and previous is None:  # a converted value's gradient is converted back
+    if train:  # a converted value's gradient is converted back
         table.conversions = {
             name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes,
                                  c.timed, c.noisy)
             for name, c in table.conversions.items()}
+    table.conversions.update(kept)
     for name in table.faults:  # a cached or predicted channels-last cost is not a way to run
         if (cost := table.nodes.get(name)) is not None:
             table.nodes[name] = dataclasses.replace(cost, seconds=(cost.seconds[0], None),
@@ -190,17 +193,18 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
 
 def _look_up_conversions(gm: fx.GraphModule, table: CostTable, cache: CostCache | None, *,
                          device: torch.device, dtype: torch.dtype | None,
-                         measure: bool) -> dict[str, list[str]]:
+                         measure: bool, known: frozenset[str] = frozenset()
+                         ) -> dict[str, list[str]]:
     """Fill ``table.conversions`` with each consumed definite-format value's conversion the
-    cache holds (analytical ones when not ``measure``); returns the cache keys (to 1, to 0)
-    of those still to be measured, by value name."""
+    cache holds (analytical ones when not ``measure``), ``known`` ones left out; returns the
+    cache keys (to 1, to 0) of those still to be measured, by value name."""
     context = [measured_on(device), torch.__version__, str(dtype)]
     values = [n for n in gm.graph.nodes if n.op != "get_attr"
               and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS]
     todo: dict[str, list[str]] = {}
     for v in values:
         meta: ValueMeta = v.meta[META_KEY]
-        if not _consumed(gm, v):
+        if v.name in known or not _consumed(gm, v):
             continue
         if not measure:
             table.conversions[v.name] = analytical_conversion(v.name, meta)
