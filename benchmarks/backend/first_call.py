@@ -52,6 +52,7 @@ def main() -> None:
 
     import memlayout
     from memlayout.dtypes import autocast, parse_dtype
+    from memlayout.plan.compilers.backend_plan import NONE_DIFFERS
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -88,7 +89,9 @@ def main() -> None:
             print(report.price())
             print("graphs: " + "; ".join(
                 f"{g.graph} {g.ran}, {len(g.differing)} of {len(g.convolutions)} convolutions "
-                "planned otherwise than Inductor's rule" for g in report.graphs))
+                "planned otherwise than Inductor's rule"
+                + (" (no plan made: the convolutions' costs settled it)"
+                   if g.verification == NONE_DIFFERS else "") for g in report.graphs))
 
     first_call("first call")
     if args.again:

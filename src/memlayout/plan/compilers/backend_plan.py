@@ -102,8 +102,8 @@ def plan_graph(gm: fx.GraphModule, inputs: list[Any], options: Backend, *, train
         if convolutions_first:
             choices = convolution_nodes(work, table, {}, rule)
             if every_plan_agrees([choice for _, choice in choices]):
-                return Planned(work, table, 0, tuple(
-                    dataclasses.replace(c, planned=c.inductor) for _, c in choices), solved=False)
+                return Planned(work, table, 0, tuple(_as_inductors(c) for _, c in choices),
+                               solved=False)
             table = _the_rest(work, inputs, table, store=store, rounds=options.rounds,
                               dtype=dtype, device=device)
     else:
@@ -162,6 +162,12 @@ def every_plan_agrees(convolutions: Sequence[ConvolutionChoice],
         gain += theirs - best
         total += best
     return gain <= margin * total
+
+
+def _as_inductors(choice: ConvolutionChoice) -> ConvolutionChoice:
+    """``choice`` run in Inductor's format (an input in both formats stays in both)."""
+    return (choice if choice.planned == Label.EITHER.text
+            else dataclasses.replace(choice, planned=choice.inductor))
 
 
 def _convolutions_only(work: fx.GraphModule) -> dict[str, Any]:
