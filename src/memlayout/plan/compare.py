@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from memlayout import dtypes
 from memlayout.devices import seam
@@ -195,7 +194,11 @@ class float64_casts(torch.overrides.TorchFunctionMode):  # noqa: N801 (used like
         if func in _NARROW_CASTS:
             return args[0].double(**kwargs)
         if "autocast" not in getattr(func, "__name__", ""):
-            args, kwargs = pytree.tree_map_only(torch.dtype, _wide, (args, kwargs))
+            # a dtype is an argument of its own (``.to(dtype)``, ``dtype=``); arguments are
+            # not searched inside: a deep copy hands over its memo, every object copied so far
+            args = tuple(_wide(a) if isinstance(a, torch.dtype) else a for a in args)
+            kwargs = {k: _wide(v) if isinstance(v, torch.dtype) else v
+                      for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
 
