@@ -450,20 +450,9 @@ def separated(reference: str, margin: float, rounds: int = 2 * SEQUENTIAL_ROUNDS
 
 
 def _close(ratios: Sequence[float], margin: float) -> bool:
-    """Per-round ratios whose decision could still cost more than ``margin`` accepts
-    (``Race.is_close``), and not a tie. Rounds that would keep the candidate (their median
-    beyond the threshold ``1 + margin``) are a close call while their lower quartile is below
-    1: the candidate may be slower than the reference. Rounds that would keep the reference
-    are one while their upper quartile is beyond the threshold: the candidate may be faster
-    by more than the margin. A decision whose plausible worst case is within the margin
-    stands, however near its median lies to the threshold; a single round is a close call
-    when its ratio is within ``CLOSE`` of it.
-
-    >>> _close([1.03, 1.04, 1.05], 0.02), _close([0.98, 1.04, 1.05], 0.02)  # kept / may lose
-    (False, True)
-    >>> _close([0.99, 1.0, 1.015], 0.02), _close([0.97, 1.0, 1.03], 0.02)  # tie / may gain
-    (False, True)
-    """
+    """Per-round ratios whose decision could still cost more than ``margin`` accepts, and
+    not a tie (``Race.is_close`` says when); a single round is one when its ratio is within
+    ``CLOSE`` of the threshold ``1 + margin``."""
     threshold = 1.0 + margin
     if tied(ratios, margin):  # every round within the margin: the choice no longer matters
         return False

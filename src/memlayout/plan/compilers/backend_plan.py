@@ -181,10 +181,16 @@ def _the_rest(work: fx.GraphModule, inputs: list[Any], table: CostTable, *,
               device: torch.device) -> CostTable:
     """``table`` (an inference graph's convolutions) with the graph's other nodes and its
     conversions costed; the counts of both passes."""
-    rest = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype, cache=store,
-                         rounds=rounds, device=device, previous=table)
-    return dataclasses.replace(rest, measured=table.measured + rest.measured,
-                               cached=table.cached + rest.cached, fresh=table.fresh | rest.fresh)
+    return _both(table, measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype,
+                                      cache=store, rounds=rounds, device=device,
+                                      previous=table))
+
+
+def _both(first: CostTable, second: CostTable) -> CostTable:
+    """``second`` (a pass that kept what ``first`` held) with the counts of both passes."""
+    return dataclasses.replace(second, measured=first.measured + second.measured,
+                               cached=first.cached + second.cached,
+                               fresh=first.fresh | second.fresh)
 
 
 def to_confirm(choices: list[tuple[str, ConvolutionChoice]], table: CostTable,
@@ -209,8 +215,7 @@ def measured_again(work: fx.GraphModule, inputs: list[Any], table: CostTable,
         again = measure_costs(work, tuple(fresh_inputs(inputs)), dtype=dtype, cache=store,
                               rounds=options.rounds, train=train, device=device,
                               previous=table, timed=names)
-    return dataclasses.replace(again, measured=table.measured + again.measured,
-                               cached=table.cached, fresh=table.fresh | again.fresh)
+    return _both(table, again)  # read nothing from the cache (remeasuring)
 
 
 def traced_conversions(gm: fx.GraphModule) -> None:

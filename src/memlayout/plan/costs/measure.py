@@ -178,7 +178,14 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
                            conditions=conditions, model=model, predicted=todo_predicted)
         with torch.no_grad(), autocast(device, dtype):
             runner.run(*inputs)
-    if train:  # a converted value's gradient is converted back
+    return _finished(table, kept, train=train)
+
+
+def _finished(table: CostTable, kept: dict[str, ConversionCost], *, train: bool) -> CostTable:
+    """``table`` as a pass leaves it: in training its new conversions cost both ways (a
+    converted value's gradient is converted back), an earlier pass's ``kept`` ones added, and
+    a faulting node's channels-last cost (cached or predicted) dropped."""
+    if train:
         table.conversions = {
             name: ConversionCost(c.value, c.to_1 + c.to_0, c.to_0 + c.to_1, c.nbytes, c.shapes,
                                  c.timed, c.noisy)
