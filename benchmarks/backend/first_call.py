@@ -7,6 +7,11 @@ guarding, and Inductor's own compile of the same graphs).
 
     python benchmarks/backend/first_call.py memlayout resnet18 fp32 [--task train]
         [--batch 8] [--size 224] [--fresh] [--costs DIR] [--caches DIR] [--again]
+        [--calls N]
+
+``--calls N`` then times the next N calls (training steps) together: where the backend's
+guard races the ways to run a graph on its calls, what those rounds cost, and how many calls
+the race took.
 
 ``--again`` then compiles the model a second time in the same process, after
 ``torch._dynamo.reset()``, and times that first call too: every cache warm, in memory and on
@@ -35,6 +40,7 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="new, empty caches")
     ap.add_argument("--costs", help="memlayout's cost cache folder (default: fresh or the user's)")
     ap.add_argument("--caches", default=tempfile.gettempdir(), help="where fresh caches go")
+    ap.add_argument("--calls", type=int, default=0, help="then time N more calls together")
     ap.add_argument("--again", action="store_true",
                     help="then compile again in this process after torch._dynamo.reset()")
     args = ap.parse_args()
@@ -70,15 +76,19 @@ def main() -> None:
 
     from torch._dynamo.utils import counters
 
+    def call(compiled: torch.nn.Module) -> None:
+        model.zero_grad(set_to_none=True)
+        with autocast(torch.device("cpu"), dtype), torch.set_grad_enabled(args.task == "train"):
+            out = compiled(*(x if isinstance(x, tuple) else (x,)), **kwargs)
+        if args.task == "train":
+            out.float().square().mean().backward()
+
     def first_call(what: str) -> None:
         counters.clear()
         backend = memlayout.backend() if args.backend == "memlayout" else "inductor"
         compiled = torch.compile(model, backend=backend)
         start = time.perf_counter()
-        with autocast(torch.device("cpu"), dtype), torch.set_grad_enabled(args.task == "train"):
-            out = compiled(*(x if isinstance(x, tuple) else (x,)), **kwargs)
-        if args.task == "train":
-            out.float().square().mean().backward()
+        call(compiled)
         seconds = time.perf_counter() - start
         print(f"{args.backend} {args.model} {args.task} {args.dtype}: {what} {seconds:.2f} s")
         aot = counters["aot_autograd"]  # AOTAutograd's cache: each graph hit, missed or refused
@@ -92,6 +102,19 @@ def main() -> None:
                 "planned otherwise than Inductor's rule"
                 + (" (no plan made: the convolutions' costs settled it)"
                    if g.verification == NONE_DIFFERS else "") for g in report.graphs))
+        if args.calls:
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                call(compiled)
+            seconds = time.perf_counter() - start
+            print(f"{args.backend} {args.model} {args.task} {args.dtype}: then {args.calls} "
+                  f"calls {seconds:.2f} s")
+            if args.backend == "memlayout":
+                print("races on the calls: " + "; ".join(
+                    f"{g.graph} {g.ran}: " + (f"still racing {', '.join(g.racing)}" if g.racing
+                                              else f"ended after {g.race_calls} calls"
+                                              if g.race_calls else "none")
+                    for g in memlayout.backend_report().graphs))
 
     first_call("first call")
     if args.again:

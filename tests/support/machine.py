@@ -10,6 +10,7 @@ import pytest
 import memlayout.plan.check.guard as guard
 from memlayout import machine, timing
 from memlayout.machine import Conditions, CpuIsa
+from memlayout.plan.compilers import backend_race
 
 #: an AVX-512 Xeon without AMX: ATen dispatches to AVX512, oneDNN has avx512f but no bf16 units
 AVX512 = CpuIsa("AVX512", frozenset({"avx2", "avx512f"}))
@@ -32,17 +33,27 @@ def openvino_has_bf16() -> bool:
 
 def fake_guard_clock(monkeypatch: pytest.MonkeyPatch, seconds_of: Callable[[str, int], float]) -> None:
     """The ``i``-th call of the guard's candidate ``name`` (a whole model, or one of the
-    backend's ways to run a graph) takes ``seconds_of(name, i)`` on a fake clock."""
+    backend's ways to run a graph, timed before the backend returns or on the graph's own
+    calls) takes ``seconds_of(name, i)`` on a fake clock."""
     now, calls = [0.0], {}
 
+    def advanced(name, fn):
+        def call(*args):
+            i = calls[name] = calls.get(name, -1) + 1
+            now[0] += seconds_of(name, i)
+            return fn(*args)
+        return call
+
+    real_race = backend_race.CallRace.__init__
+
+    def racing(self, fns, **kwargs):
+        real_race(self, {n: advanced(n, f) for n, f in fns.items()}, **kwargs)
+
+    monkeypatch.setattr(backend_race.CallRace, "__init__", racing)
+    monkeypatch.setattr(backend_race, "clock", lambda: now[0])
+
     def fake_interleaved(fns, **kwargs):
-        def advancing(name, fn):
-            def call():
-                i = calls[name] = calls.get(name, -1) + 1
-                now[0] += seconds_of(name, i)
-                return fn()
-            return call
-        return timing.interleaved({n: advancing(n, f) for n, f in fns.items()},
+        return timing.interleaved({n: advanced(n, f) for n, f in fns.items()},
                                   clock=lambda: now[0], **kwargs)
 
     monkeypatch.setattr(guard, "interleaved", fake_interleaved)

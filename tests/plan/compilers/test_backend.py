@@ -14,6 +14,7 @@ import json
 import sqlite3
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -62,6 +63,16 @@ def _train_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[t
     out = model(x)
     out.square().mean().backward()
     return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _raced(call: Callable[[], Any], limit: int = 60) -> int:
+    """Make ``call`` (a call of a compiled model: in training a step, forward and backward)
+    until no graph's guard races on its calls any more; how many calls that took."""
+    for made in range(limit):
+        if not any(g.racing for g in memlayout.backend_report().graphs):
+            return made
+        call()
+    raise AssertionError(f"a race on the graph's calls did not end in {limit} calls")
 
 
 def _scale_channels_last(cache: str, factor: float) -> int:
@@ -136,7 +147,7 @@ def test_inductor_options_and_mode_reach_inductor_and_key_the_guard(monkeypatch)
     backend_inner.inner_compile(gm, [torch.randn(1, 3, 8, 8)], chosen, None, torch.device("cpu"))
     assert patches["epilogue_fusion"] is False and patches["max_autotune"] is True
     assert patches["layout_optimization"] is False  # the plan stands whatever was asked
-    keys = {backend_check._guard_key(["planned"], gm, [torch.randn(1, 3, 8, 8)], train=False,
+    keys = {backend_check.guard_key(["planned"], gm, [torch.randn(1, 3, 8, 8)], train=False,
                                      dtype=None, device=torch.device("cpu"),
                                      compiled_as=options.compiled_as)
             for options in (chosen, b.Backend(), b.Backend(mode="reduce-overhead"))}
@@ -322,6 +333,7 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     for got, expected in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+    assert _raced(lambda: _train_step(compiled, x)) > 0  # on its training steps
     (graph,) = memlayout.backend_report().graphs
     assert graph.planned and graph.ran == Runner.PLAN_COMPILED
     assert graph.measured == 0 and graph.cached > 0
@@ -420,8 +432,9 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     a second compile reads the decision and that verdict from the cache, times and verifies
     nothing, and builds only the way kept: the compiled plan, Inductor's own, or nothing
     compiled at all for the eager plan.
-    Inductor's rule is asked once: later compiles of the graph read it from the cache, which
-    each compile of the graph opens once, for all it reads and writes."""
+    The race runs on the graph's calls after the first (each call one way), and its end is
+    stored. Inductor's rule is asked once: later compiles of the graph read it from the
+    cache, which each compile of the graph opens once, for all it reads and writes."""
     rules = []
     monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: rules.append(1) or True)
     model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
@@ -439,9 +452,16 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
         compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), model(x))
+            # the first compile races the three ways on the graph's calls
+            (graph,) = memlayout.backend_report().graphs
+            assert set(graph.racing) == ({*backend_inner.WAYS} if run == "measured" else set())
+            if run == "measured":
+                assert _raced(lambda c=compiled: c(x)) > 0
+            torch.testing.assert_close(compiled(x), model(x))
         report = memlayout.backend_report(clear=True)
         (graph,) = report.graphs
         assert graph.planned and len(graph.differing) == 2 and graph.ran == fastest
+        assert (graph.race_calls > 0) == (run == "measured")
         # the price, by step: the guard (timing, and its compile of Inductor's own layouts:
         # what torch.compile alone spends on the graph) only where it ran
         assert (graph.own_compile_seconds is not None) == (graph.guard_seconds > 0) == (
@@ -457,13 +477,12 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
         built = {Runner.PLAN_COMPILED: [backend_inner.PLAN_STANDS], Runner.PLAN_EAGER: [],
                  Runner.INDUCTOR_OWN: [{}]}[fastest]
         assert asked == ([backend_inner.PLAN_STANDS, {}] if run == "measured" else built)
-        # the graph once, the compiled plan, and the eager plan where it runs
-        assert len(steps) == (0 if run == "cached" else
-                              3 if fastest == Runner.PLAN_EAGER else 2)
+        # the graph once, the compiled plan and the eager plan, before the race
+        assert len(steps) == (0 if run == "cached" else 3)
         if fastest != Runner.INDUCTOR_OWN:  # verified by the first compile, read by the second
             assert ("verified before" in graph.verification) == (run == "cached")
             assert ("the plan compiled" in graph.verification) == (fastest == Runner.PLAN_COMPILED)
-        assert len(opened) == 1
+        assert len(opened) == (2 if run == "measured" else 1)  # and once to store the race
         asked.clear()
         steps.clear()
         opened.clear()
@@ -472,23 +491,34 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     assert len(rules) == 1
 
 
-def test_an_eager_plan_that_fails_its_check_gives_way_to_the_compiled_plan(monkeypatch, tmp_path):
-    """The guard keeps the plan run eagerly (the fastest on the fake clock), whose kernels
-    compute other values than the graph (a wrong one, injected): it fails its check, and the
-    compiled plan, verified, runs instead; the report says why. The race that kept it is
-    forgotten: the next compile races again, with the same outcome."""
+@pytest.mark.parametrize("on_calls", [False, True])
+def test_an_eager_plan_that_fails_its_check_gives_way_to_the_compiled_plan(
+        monkeypatch, tmp_path, on_calls):
+    """The plan run eagerly (the fastest on the fake clock) computes other values than the
+    graph (a wrong kernel, injected). Raced before the first call returns, the guard keeps
+    it, it fails its check, and the compiled plan, verified, runs instead; the race that kept
+    it is forgotten. Raced on the graph's calls, it is verified before the race and left out
+    of it. Either way the report says why, nothing is stored, and the next compile races
+    again, with the same outcome."""
     model, x, cache, _ = _planned_contiguous(monkeypatch, tmp_path, rule=True, train=False)
     monkeypatch.setattr(backend_inner, "eager_run", lambda gm, options, device: lambda *args:
                         tuple(t * 1.5 for t in gm(*args)))  # Dynamo's graphs return tuples
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_EAGER else 1.0)
     for _ in range(2):
-        compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+        compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+            cache=cache, race_on_calls=on_calls))
         with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+            assert _raced(lambda c=compiled: c(x)) > 0 or not on_calls
             torch.testing.assert_close(compiled(x), model(x))
         (graph,) = memlayout.backend_report(clear=True).graphs
         assert graph.ran == Runner.PLAN_COMPILED and not graph.fallback
-        assert "the plan run eagerly was faster but failed its check" in graph.verification
-        assert dict(graph.timed)[Runner.PLAN_EAGER] == pytest.approx(2.0)
+        if on_calls:
+            assert "the plan run eagerly failed its check" in graph.verification
+            assert dict(graph.timed).keys() == {Runner.INDUCTOR_OWN}
+        else:
+            assert "the plan run eagerly was faster but failed its check" in graph.verification
+            assert dict(graph.timed)[Runner.PLAN_EAGER] == pytest.approx(2.0)
         assert graph.guard_seconds > 0  # raced, each time
         torch._dynamo.reset()
 
@@ -517,6 +547,8 @@ def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_o
         with torch.no_grad():
             out, want = compiled(x), theirs(x)
     torch.testing.assert_close(out, want)
+    if train:  # raced on its training steps
+        assert _raced(lambda: _train_step(compiled, x)) > 0
     (graph,) = memlayout.backend_report().graphs
     assert graph.planned and graph.convolutions and not graph.differing
     if train:
@@ -580,7 +612,7 @@ def test_a_close_call_with_the_eager_plan_is_timed_longer_only_where_it_would_be
     turn, the compiled plan's 1 s: per-round ratios around 1.0 (a close call the compiled plan
     keeps: decided on the guard's rounds) or around 1.04 with one round in three below 1 (a
     close call the eager plan would win: timed for as many rounds again before it is
-    kept)."""
+    kept). The rounds are the graph's training steps."""
     model, x, cache, _ = _planned_contiguous(monkeypatch, tmp_path, rule=False, train=True)
     calls: dict[str, int] = {}
 
@@ -592,10 +624,14 @@ def test_a_close_call_with_the_eager_plan_is_timed_longer_only_where_it_would_be
     (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(model, x)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(grads, want_grads)
+    _raced(lambda: _train_step(compiled, x))
     (graph,) = memlayout.backend_report().graphs
     rounds = 2 * 5 if extended else 5  # the backend's 5 rounds, twice for a close call
-    assert calls == {Runner.PLAN_COMPILED: 1 + rounds, Runner.PLAN_EAGER: 1 + rounds}  # + warm-up
-    assert graph.ran == (Runner.PLAN_EAGER if extended else Runner.PLAN_COMPILED)
+    kept = Runner.PLAN_EAGER if extended else Runner.PLAN_COMPILED
+    # the call that ends the race runs the way kept
+    raced = {way: n - (way == kept) for way, n in calls.items()}
+    assert raced == {Runner.PLAN_COMPILED: 1 + rounds, Runner.PLAN_EAGER: 1 + rounds}  # + warm-up
+    assert graph.race_calls == 2 * (1 + rounds) and graph.ran == kept
     assert abs(dict(graph.timed)[Runner.PLAN_EAGER] - (1 + KEEP_MARGIN)) < 0.03
 
 
@@ -629,6 +665,7 @@ def test_a_training_plan_nothing_runs_before_dynamo_compiles_its_backward_lazily
         (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(theirs, x)
         torch.testing.assert_close(out, want)
         torch.testing.assert_close(grads, want_grads)
+        assert (_raced(lambda c=compiled: _train_step(c, x)) > 0) == (run == "measured")
         (graph,) = memlayout.backend_report(clear=True).graphs
         assert graph.ran == Runner.PLAN_COMPILED
         assert ("verified before" in graph.verification) == (run == "cached")

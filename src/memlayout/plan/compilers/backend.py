@@ -38,7 +38,9 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    against the eager plan keeps it untimed further. So a measured plan that loses as a whole graph never
    costs the user Inductor's speed. The decision is cached with the costs, and a graph
    decided before builds only the way that runs (the plan is neither compiled nor verified
-   where Inductor's own was kept; where the eager plan was, that is what is verified).
+   where Inductor's own was kept; where the eager plan was, that is what is verified). The
+   race runs on the graph's own calls after the first, each way verified before
+   (``backend_race.CallRace``), unless ``race_on_calls`` is off.
    Inductor's rule for the report (``inductor_rule``, a trace to aten) is cached the same way.
    An inference graph whose plan agrees with Inductor's rule by its costs
    (``agrees_with_inductor``: the convolutions it puts in another format would save less
@@ -101,6 +103,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -141,7 +144,6 @@ from memlayout.plan.compilers.backend_inner import (
     ddp_split,
     eager_run,
     fastest_way,
-    guard_ratios,
     inductor_option,
     known_decision,
     unplanned,
@@ -156,6 +158,7 @@ from memlayout.plan.compilers.backend_plan import (
     inductor_runs_a_fault,
     plan_graph,
 )
+from memlayout.plan.compilers.backend_race import CallRace, guard_ratios, races_on_calls
 from memlayout.plan.compilers.backend_report import RECORDS, GraphRecord
 from memlayout.plan.compilers.backend_shared import (
     Decision,
@@ -194,7 +197,10 @@ class Backend:
     autocast active when Dynamo compiles, as ``torch.compile`` does; ``"fp32"``: none);
     ``inner``: ``"inductor"`` or ``"eager"`` (the planned graph runs eagerly); ``guard``: time
     the compiled plan against the plan run eagerly and against Inductor's own layouts, and
-    keep the fastest (``False``: the compiled plan, untimed); ``mode``: Inductor's
+    keep the fastest (``False``: the compiled plan, untimed); ``race_on_calls``: the guard
+    times those ways on the graph's own calls after the first, each call run and timed one
+    way until the rounds decide (``backend_race.CallRace``; ``False``: on copies of the
+    inputs before the first call returns, as under CUDA graphs and a shared plan); ``mode``: Inductor's
     ``mode`` (``"max-autotune"``, ``"reduce-overhead"``: CUDA graphs, ...); ``inductor``:
     Inductor config options (``torch.compile(..., options=...)`` names that are not
     memlayout's) for every graph Inductor compiles, the plan's and Inductor's own alike;
@@ -214,6 +220,7 @@ class Backend:
     dtype: str | torch.dtype | None = None
     inner: str = "inductor"
     guard: bool = True
+    race_on_calls: bool = True
     mode: str | None = None
     inductor: tuple[tuple[str, Any], ...] = ()
     shared_plan: bool | None = None
@@ -326,7 +333,8 @@ def _decide(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
     signature = graph_signature(gm, inputs)
     store = _open_cache(options.cache)
     try:
-        made = _compile_graph(gm, example_inputs, inputs, device, options, store)
+        made = _compile_graph(gm, example_inputs, inputs, device, options, store,
+                              alone=job is None)
     except Exception as exc:  # the other ranks wait for a decision: they hear of this one
         if job is not None:
             signal = type(exc).__name__ if isinstance(exc, DYNAMO_SIGNALS) else ""
@@ -462,7 +470,7 @@ def _training(inputs: list[Any]) -> bool:
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
                    device: torch.device, options: Backend,
-                   store: CostCache | None) -> _Compiled:
+                   store: CostCache | None, alone: bool = True) -> _Compiled:
     start = time.perf_counter()
     train = _training(inputs)
     dtype = options.run_dtype(device)
@@ -525,10 +533,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         timed = guard_ratios(known)
     elif ran == Runner.PLAN_COMPILED and options.guard and options.measure:
         guarding, spent = time.perf_counter(), {}
+        on_calls = alone and options.race_on_calls and races_on_calls(options.mode,
+                                                                       dict(options.inductor))
         fn, ran, timed, check = fastest_way(fn, given, eager_graph, example_inputs, inputs,
                                             options, store, Checked(gm, check, steps),
-                                            train=train, dtype=dtype,
-                                            device=device, spent=spent, ways=ways)
+                                            train=train, dtype=dtype, device=device,
+                                            spent=spent, ways=ways, on_calls=functools.partial(
+                                                _open_cache, options.cache) if on_calls else None)
+        record["racing"] = fn.ways if isinstance(fn, CallRace) else ()
         record["verify_seconds"] += spent.get("verify", 0.0)
         record["guard_seconds"] = time.perf_counter() - guarding - spent.get("verify", 0.0)
         record["own_compile_seconds"] = spent.get(Runner.INDUCTOR_OWN)

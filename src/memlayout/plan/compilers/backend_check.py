@@ -269,7 +269,7 @@ def cached_guard(names: list[str], planned: fx.GraphModule, inputs: list[Any], *
     compiled as ``compiled_as`` says (Inductor's mode and options), when ``store`` holds one
     that stands (measured on a quiet machine, not a close call left unsettled); else
     ``None``."""
-    race = guard.stored(store, _guard_key(names, planned, inputs, train=train, dtype=dtype,
+    race = guard.stored(store, guard_key(names, planned, inputs, train=train, dtype=dtype,
                                           device=device, compiled_as=compiled_as))
     if race is None or race.busy or not race.settled(margin):
         return None
@@ -299,7 +299,7 @@ def guard_graph(candidates: Mapping[str, Callable[[], Callable[..., Any]]],
     race = guard.time_steps(steps, device=device, rounds=rounds, margin=margin,
                             reference=Runner.PLAN_COMPILED, protect=(Runner.INDUCTOR_OWN,))
     if store is not None and not race.errors:
-        guard.save(store, _guard_key(names, planned, inputs, **where), race)
+        guard.save(store, guard_key(names, planned, inputs, **where), race)
     return race
 
 
@@ -336,11 +336,11 @@ def forget_guard(store: CostCache | None, names: list[str], planned: fx.GraphMod
     """Drop the race :func:`guard_graph` stored for these ways of running ``planned`` (the way
     it kept failed its check: a later compile races again)."""
     if store is not None:
-        store.delete(_guard_key(names, planned, inputs, train=train, dtype=dtype,
+        store.delete(guard_key(names, planned, inputs, train=train, dtype=dtype,
                                 device=device, compiled_as=compiled_as))
 
 
-def _guard_key(names: list[str], planned: fx.GraphModule, inputs: list[Any], *, train: bool,
+def guard_key(names: list[str], planned: fx.GraphModule, inputs: list[Any], *, train: bool,
                dtype: torch.dtype | None, device: torch.device, compiled_as: str) -> str:
     # the key names how a training step is timed: its gradients go into .grad (_timed_step)
     return json.dumps(["backend-guard", guard.RACE, measured_on(device), torch.__version__, str(dtype),

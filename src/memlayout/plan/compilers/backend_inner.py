@@ -28,6 +28,7 @@ from memlayout.plan.compilers.backend_check import (
     compiled_with_backward,
     forget_guard,
     guard_graph,
+    guard_key,
     verified_before,
     verify_once,
 )
@@ -36,6 +37,7 @@ from memlayout.plan.compilers.backend_graphs import (
     grad_in_strides,
     grads_in_parameter_strides,
 )
+from memlayout.plan.compilers.backend_race import CallRace, decided_here, guard_ratios
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.runners import Runner
 from memlayout.timing import KEEP_MARGIN, Race
@@ -68,17 +70,12 @@ def known_decision(eager_graph: fx.GraphModule, inputs: list[Any], options: Back
                         compiled_as=options.compiled_as)
 
 
-def guard_ratios(race: Race) -> tuple[tuple[str, float], ...]:
-    """Each other way's median ratio in the guard's race (the compiled plan's time over its)."""
-    return tuple((name, r.median) for name, r in race.ratios.items())
-
-
 def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
                 example_inputs: list[Any], inputs: list[Any], options: Backend,
                 store: CostCache | None, checked: Checked, *,
                 train: bool, dtype: torch.dtype | None,
                 device: torch.device, spent: dict[str, float] | None = None,
-                ways: Sequence[Runner] = WAYS
+                ways: Sequence[Runner] = WAYS, on_calls: Callable[[], Any] | None = None
                 ) -> tuple[Callable[..., Any], Runner, tuple[tuple[str, float], ...], GraphCheck]:
     """The fastest way to run a verified plan's graph, timed interleaved (``guard_graph``):
     the plan compiled (``fn``, kept unless another is faster by more than ``KEEP_MARGIN``),
@@ -95,7 +92,11 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     Returns the function, what runs it, each other way's median ratio (the compiled plan's
     time over its) and the check of what runs; ``spent[Runner.INDUCTOR_OWN]``: the seconds
     Inductor's own compile took (what ``torch.compile`` alone spends on the graph),
-    ``spent["verify"]`` those verifying the eager plan took."""
+    ``spent["verify"]`` those verifying the eager plan took.
+
+    ``on_calls`` (a function opening the cost cache): the race runs on the graph's own calls
+    (``backend_race.CallRace``, returned as the function, what runs it the compiled plan
+    until the race ends), each way built and verified before the first."""
     made: dict[str, Callable[..., Any]] = {}
     spent = {} if spent is None else spent
 
@@ -116,6 +117,9 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
         Runner.INDUCTOR_OWN: own}
     makers = {way: make for way, make in makers.items() if way in ways}
     where = dict(train=train, dtype=dtype, device=device, compiled_as=options.compiled_as)
+    if on_calls is not None:
+        return _racing(fn, makers, eager_graph, inputs, options, store, checked, on_calls,
+                       spent, **where), Runner.PLAN_COMPILED, (), checked.check
     race = guard_graph(makers, eager_graph, inputs, store=store, rounds=options.rounds,
                        margin=KEEP_MARGIN, **where)
     timed = guard_ratios(race)
@@ -130,6 +134,40 @@ def fastest_way(fn: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.Grap
     if kept == Runner.INDUCTOR_OWN:
         return own(), Runner.INDUCTOR_OWN, timed, checked.check
     return fn, Runner.PLAN_COMPILED, timed, checked.check
+
+
+def _racing(fn: Callable[..., Any], makers: Mapping[str, Callable[[], Callable[..., Any]]],
+            eager_graph: fx.GraphModule, inputs: list[Any], options: Backend,
+            store: CostCache | None, checked: Checked, opened: Callable[[], Any],
+            spent: dict[str, float], *,
+            train: bool, dtype: torch.dtype | None, device: torch.device,
+            compiled_as: str) -> CallRace:
+    """The guard's race of ``makers``' ways, on the graph's calls (``fastest_way``): the plan
+    run eagerly verified first (left out where it fails), Inductor's own compiled."""
+    fns: dict[str, Callable[..., Any]] = {}
+    checks: dict[str, GraphCheck] = {}
+    compiled = checked.check
+    for way, make in makers.items():
+        if way != Runner.PLAN_EAGER:
+            fns[way] = make()
+            continue
+        eager = make()
+        check, spent["verify"] = eager_check(eager, checked, eager_graph, inputs, store,
+                                             train=train, dtype=dtype, device=device)
+        if check.ok:
+            fns[way], checks[way] = eager, check
+        else:
+            compiled = GraphCheck(True, f"{compiled.how}; the plan run eagerly failed its "
+                                  f"check ({check.how}): not raced", compiled.error)
+    checks.update(dict.fromkeys((Runner.PLAN_COMPILED.value, Runner.INDUCTOR_OWN.value),
+                                compiled))
+    whole = len(fns) == len(makers)  # a way left out: the race is not stored
+    key = guard_key(list(makers), eager_graph, inputs, train=train, dtype=dtype,
+                    device=device, compiled_as=compiled_as) if whole else None
+    graph = str(checked.gm.meta.get("dynamo_compile_id", "?"))
+    return CallRace(fns, reference=Runner.PLAN_COMPILED.value, margin=KEEP_MARGIN,
+                    rounds=options.rounds, protect=(Runner.INDUCTOR_OWN,), train=train,
+                    device=device, decided=decided_here(graph, key, opened, checks))
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
@@ -358,12 +396,26 @@ def eager_kept(eager_fn: Callable[..., Any], compiled_fn: Callable[..., Any], ch
                train: bool, dtype: torch.dtype | None, device: torch.device
                ) -> tuple[Callable[..., Any], Runner, GraphCheck, float]:
     """The plan run eagerly (``eager_fn``), which the guard kept over the compiled plan,
-    verified against the graph as the compiled plan was (``checked``): other kernels run it
-    (those of the eager formats), and what runs is what is verified. Once per graph and
-    plan, as ``built_and_checked``: a compile that reads the guard's decision from the cost
-    cache reads this verdict too. Where it fails, the compiled plan (``compiled_fn``) runs,
+    verified (:func:`eager_check`). Where it fails, the compiled plan (``compiled_fn``) runs,
     and its check says why. Returns the function, its runner, the check and the seconds
     verifying took."""
+    check, seconds = eager_check(eager_fn, checked, eager_graph, inputs, store, train=train,
+                                 dtype=dtype, device=device)
+    if check.ok:
+        return eager_fn, Runner.PLAN_EAGER, check, seconds
+    return compiled_fn, Runner.PLAN_COMPILED, GraphCheck(
+        True, f"{checked.check.how}; the plan run eagerly was faster but failed its check "
+        f"({check.how}): the compiled plan runs", checked.check.error), seconds
+
+
+def eager_check(eager_fn: Callable[..., Any], checked: Checked, eager_graph: fx.GraphModule,
+                inputs: list[Any], store: CostCache | None, *, train: bool,
+                dtype: torch.dtype | None, device: torch.device) -> tuple[GraphCheck, float]:
+    """The plan run eagerly (``eager_fn``) verified against the graph as the compiled plan
+    was (``checked``): other kernels run it (those of the eager formats), and what runs is
+    what is verified. Once per graph and plan, as ``built_and_checked``: a compile that reads
+    the guard's decision from the cost cache reads this verdict too. Returns the check and
+    the seconds it took."""
     began = time.perf_counter()
     try:
         check = verify_once(checked.gm, eager_graph, eager_fn, inputs, store=store, train=train,
@@ -374,9 +426,4 @@ def eager_kept(eager_fn: Callable[..., Any], compiled_fn: Callable[..., Any], ch
     except Exception as exc:
         check = GraphCheck(False, f"running the plan eagerly failed ({type(exc).__name__}: "
                            f"{first_line(exc)})", None)
-    seconds = time.perf_counter() - began
-    if check.ok:
-        return eager_fn, Runner.PLAN_EAGER, check, seconds
-    return compiled_fn, Runner.PLAN_COMPILED, GraphCheck(
-        True, f"{checked.check.how}; the plan run eagerly was faster but failed its check "
-        f"({check.how}): the compiled plan runs", checked.check.error), seconds
+    return check, time.perf_counter() - began

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,7 +138,10 @@ class GraphRecord:
     (stored in another format than it runs in; in training its gradient is converted back
     too); ``timed``: for each other way the guard timed (the plan run eagerly, Inductor's own
     layouts), the median per-round ratio of the compiled plan's time to that way's (above 1:
-    that way was faster).
+    that way was faster); ``racing``: the ways the guard races on the graph's own calls
+    while it still does (``ran`` then names the compiled plan, the way kept unless another is
+    faster), ``race_calls``: the calls that race took, once it ended
+    (``backend_race.CallRace``).
 
     Under ``torch.distributed`` (one plan per job, ``memlayout.plan.compilers.backend_shared``):
     ``rank``: this process's rank (``None``: no process group); ``decided_by``: the rank that
@@ -171,6 +174,8 @@ class GraphRecord:
     verify_seconds: float = 0.0  # of compile_seconds: the verification
     guard_seconds: float = 0.0  # of compile_seconds: the guard (its compiles and timing)
     own_compile_seconds: float | None = None  # Inductor's own layouts compiled for the guard
+    racing: tuple[str, ...] = ()
+    race_calls: int = 0
     rank: int | None = None
     decided_by: int | None = None
     digest: str = ""
@@ -241,9 +246,14 @@ class GraphRecord:
             text += f"; verified ({self.verification}, worst relative error {self.max_error:.2g})"
         elif self.verification:
             text += f"; {self.verification}"
+        if self.racing:
+            text += (f"; racing {', '.join(self.racing)} on its calls (the compiled plan "
+                     "kept unless another is faster)")
         if self.timed:
             text += "; compiled plan's time over " + ", ".join(
                 f"{how}'s {ratio:.3g}" for how, ratio in self.timed)
+        if self.race_calls:
+            text += f" (raced on its first {self.race_calls} calls)"
         return text
 
 
@@ -327,6 +337,18 @@ class _Records:
             log.info("  %s", job)
         for c in record.differing:
             log.debug("  %s", c.describe())
+
+    def update(self, graph: str, change: Callable[[GraphRecord], GraphRecord]) -> None:
+        """Replace the last record of ``graph`` by ``change`` of it (a race on its calls
+        ended); nothing where none is left (the report was cleared)."""
+        with self._lock:
+            for i in reversed(range(len(self._graphs))):
+                if self._graphs[i].graph == graph:
+                    self._graphs[i] = record = change(self._graphs[i])
+                    break
+            else:
+                return
+        log.info("%s", record.headline())
 
     def report(self, *, clear: bool = False) -> BackendReport:
         with self._lock:
