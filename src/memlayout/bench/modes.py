@@ -316,7 +316,8 @@ def _backend_note(report: BackendReport, inner: str, raced: int = 0) -> str:
             f"{len(report.graphs)} graphs ({ran}); {len(differ)} convolutions differ from "
             f"Inductor's rule{': ' + shown if differ else ''}; {len(weights)} weights "
             f"({sum(weights) / 1e6:.3g} MB) converted per call{own}; "
-            + (f"the guard raced on {raced} calls after the first; " if raced else "")
+            + (f"the guard's races on the calls ended {raced} calls after the first; "
+               if raced else "")
             + "first call = plan + compile time")
 
 

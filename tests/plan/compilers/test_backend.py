@@ -922,6 +922,24 @@ def test_the_bench_mode_trains_through_the_backend_and_says_what_it_did(monkeypa
     assert f"{converted} weights" in prepared.note
 
 
+def test_the_bench_mode_times_the_backend_after_its_races_on_the_calls_end(monkeypatch, tmp_path):
+    """The bench's backend mode makes calls until no graph races any more, so its rounds time
+    what runs from then on, and its note says how many calls the races took (the compile
+    made an eager stand-in for Inductor: a fake clock decides, not its speed)."""
+    from memlayout.bench.modes import prepare_mode
+
+    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: False)
+    model, x = _plain().train(), torch.randn(2, 3, 12, 12)
+    monkeypatch.setenv("MEMLAYOUT_CACHE_DIR", str(tmp_path))
+    _measure_into(str(tmp_path / "costs.sqlite"), model, x, train=True)
+    monkeypatch.setattr(backend_inner, "inner_compile", lambda gm, *a, **k: gm.forward)
+    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_EAGER else 1.0)
+    prepared = prepare_mode("compile-memlayout", model, x, dtype="fp32", task="train")
+    (graph,) = memlayout.backend_report().graphs
+    assert not graph.racing and graph.ran == Runner.PLAN_EAGER and graph.race_calls > 0
+    assert f"races on the calls ended {graph.race_calls} calls after the first" in prepared.note
+
+
 def test_the_report_says_where_inductors_own_layouts_were_timed_slower_with_no_differing_conv():
     """A graph whose guard timed Inductor's own layouts slower than the compiled plan by more
     than the margin, every convolution in its rule's format: the report says the difference
