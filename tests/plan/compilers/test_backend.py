@@ -27,7 +27,7 @@ import memlayout
 from memlayout.errors import PlanError
 from memlayout.plan.check import guard
 from memlayout.plan.compilers import backend as b
-from memlayout.plan.compilers import backend_check, backend_inner, backend_plan
+from memlayout.plan.compilers import backend_check, backend_inner, backend_plan, backend_report
 from memlayout.plan.compilers.compiled import inductor_layout_decision
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.runners import Runner
@@ -442,8 +442,8 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     _measure_into(cache, model, x, train=False)
     asked = _spied_inner(monkeypatch)
     assert _scale_channels_last(cache, 50.0) >= 2
-    opened, cost_cache = [], b.CostCache
-    monkeypatch.setattr(b, "CostCache", lambda *a, **k: opened.append(a) or cost_cache(*a, **k))
+    opened, cost_cache = [], backend_report.CostCache
+    monkeypatch.setattr(backend_report, "CostCache", lambda *a, **k: opened.append(a) or cost_cache(*a, **k))
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == fastest else 1.0)
     steps, real_step = [], backend_check._step
     monkeypatch.setattr(backend_check, "_step", lambda fn, *a, **k: steps.append(fn)
@@ -523,15 +523,18 @@ def test_an_eager_plan_that_fails_its_check_gives_way_to_the_compiled_plan(
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize(("train", "on_calls"), [(False, True), (True, False), (True, True)])
 def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_own(
-        monkeypatch, tmp_path, train):
+        monkeypatch, tmp_path, train, on_calls):
     """Inductor's rule stated off (convolutions keep their traced strides) and the plan
     contiguous: no convolution differs. In inference the two programs differ at most between
     the convolutions: Inductor's own runs, compiled once, nothing timed, the plan neither
-    compiled nor verified. In training the plan also decides the gradients' strides: the
-    guard times the compiled plan against it run eagerly, and Inductor's own is neither
-    compiled nor timed (made the fastest on the fake clock, it would have been kept)."""
+    compiled nor verified. In training the plan run eagerly is verified and raced against one
+    compiled way. Raced before the first call returns, that is the compiled plan (it also
+    decides the gradients' strides), and Inductor's own is neither compiled nor timed (made
+    the fastest on the fake clock, it would have been kept). Raced on the graph's calls, it
+    is Inductor's own, compiled as torch.compile compiles it, and the compiled plan is not
+    built: Inductor's own, the fastest, is kept."""
     model, x, cache, asked = _planned_contiguous(monkeypatch, tmp_path, rule=False, train=train)
     verified = []
     monkeypatch.setattr(backend_check, "verify_graph",
@@ -539,7 +542,8 @@ def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_o
                         or real(*a, **k))
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.INDUCTOR_OWN else 1.0)
     ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
-    compiled = torch.compile(ours, backend=memlayout.backend(cache=cache))
+    compiled = torch.compile(ours, backend=memlayout.backend(cache=cache,
+                                                             race_on_calls=on_calls))
     if train:
         (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(theirs, x)
         torch.testing.assert_close(grads, want_grads)
@@ -547,11 +551,16 @@ def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_o
         with torch.no_grad():
             out, want = compiled(x), theirs(x)
     torch.testing.assert_close(out, want)
-    if train:  # raced on its training steps
+    if train and on_calls:  # raced on its training steps
         assert _raced(lambda: _train_step(compiled, x)) > 0
     (graph,) = memlayout.backend_report().graphs
     assert graph.planned and graph.convolutions and not graph.differing
-    if train:
+    if train and on_calls:
+        assert graph.ran == Runner.INDUCTOR_OWN and graph.own_compile_seconds is not None
+        assert dict(graph.timed).keys() == {Runner.PLAN_EAGER}
+        assert dict(graph.timed)[Runner.PLAN_EAGER] == pytest.approx(0.5)
+        assert asked == [{}] and verified  # Inductor's own, once; the eager plan verified
+    elif train:
         assert graph.ran == Runner.PLAN_COMPILED  # a tie with the eager plan: the default
         assert {how for how, _ in graph.timed} == {Runner.PLAN_EAGER}
         assert asked == [backend_inner.PLAN_STANDS] and verified
@@ -607,12 +616,12 @@ def test_an_inference_graphs_other_costs_are_measured_only_where_its_convolution
                                                  ((0.95, 1.04, 1.06), True)])
 def test_a_close_call_with_the_eager_plan_is_timed_longer_only_where_it_would_be_kept(
         monkeypatch, tmp_path, cycle, extended):
-    """A training graph that agrees with Inductor's rule: the guard races the compiled plan
-    against the plan run eagerly only. The eager plan's steps take 1 / ``cycle``'s ratios in
-    turn, the compiled plan's 1 s: per-round ratios around 1.0 (a close call the compiled plan
-    keeps: decided on the guard's rounds) or around 1.04 with one round in three below 1 (a
-    close call the eager plan would win: timed for as many rounds again before it is
-    kept). The rounds are the graph's training steps."""
+    """A training graph that agrees with Inductor's rule: the guard races one compiled way
+    against the plan run eagerly only (on the graph's training steps: Inductor's own, as
+    torch.compile compiles it). The eager plan's steps take 1 / ``cycle``'s ratios in turn,
+    the compiled way's 1 s: per-round ratios around 1.0 (a close call the compiled way keeps:
+    decided on the guard's rounds) or around 1.04 with one round in three below 1 (a close
+    call the eager plan would win: timed for as many rounds again before it is kept)."""
     model, x, cache, _ = _planned_contiguous(monkeypatch, tmp_path, rule=False, train=True)
     calls: dict[str, int] = {}
 
@@ -627,10 +636,10 @@ def test_a_close_call_with_the_eager_plan_is_timed_longer_only_where_it_would_be
     _raced(lambda: _train_step(compiled, x))
     (graph,) = memlayout.backend_report().graphs
     rounds = 2 * 5 if extended else 5  # the backend's 5 rounds, twice for a close call
-    kept = Runner.PLAN_EAGER if extended else Runner.PLAN_COMPILED
+    kept = Runner.PLAN_EAGER if extended else Runner.INDUCTOR_OWN
     # the call that ends the race runs the way kept
     raced = {way: n - (way == kept) for way, n in calls.items()}
-    assert raced == {Runner.PLAN_COMPILED: 1 + rounds, Runner.PLAN_EAGER: 1 + rounds}  # + warm-up
+    assert raced == {Runner.INDUCTOR_OWN: 1 + rounds, Runner.PLAN_EAGER: 1 + rounds}  # + warm-up
     assert graph.race_calls == 2 * (1 + rounds) and graph.ran == kept
     assert abs(dict(graph.timed)[Runner.PLAN_EAGER] - (1 + KEEP_MARGIN)) < 0.03
 
@@ -661,11 +670,12 @@ def test_a_training_plan_nothing_runs_before_dynamo_compiles_its_backward_lazily
     for run, inductor_cache in (("measured", first), ("cached", other), ("cached", first)):
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
         ours, theirs = copy.deepcopy(model), copy.deepcopy(model)  # no gradient yet
-        compiled = torch.compile(ours, backend=memlayout.backend(cache=cache))
+        # raced before the first call returns: on the calls, the plan would not be compiled
+        compiled = torch.compile(ours, backend=memlayout.backend(cache=cache,
+                                                                 race_on_calls=False))
         (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(theirs, x)
         torch.testing.assert_close(out, want)
         torch.testing.assert_close(grads, want_grads)
-        assert (_raced(lambda c=compiled: _train_step(c, x)) > 0) == (run == "measured")
         (graph,) = memlayout.backend_report(clear=True).graphs
         assert graph.ran == Runner.PLAN_COMPILED
         assert ("verified before" in graph.verification) == (run == "cached")

@@ -50,9 +50,11 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    says so). An inference graph's convolutions are measured first, the rest only where
    they leave it open: where putting each convolution in its faster format would save less
    than ``KEEP_MARGIN`` of their least time (``every_plan_agrees``), every plan agrees, and
-   nothing else is measured, no cut solved. A training graph that agrees is guarded as above
-   without Inductor's own: there the plan also decides the gradients' strides (DDP's buckets
-   compare them), and the plan run eagerly can beat any compiled step.
+   nothing else is measured, no cut solved. A training graph that agrees races one compiled
+   way against the plan run eagerly, which can beat any compiled step: on its calls,
+   Inductor's own (compiled as ``torch.compile`` compiles it; the compiled plan is not
+   built); raced before the first call returns, the compiled plan (it also decides the
+   gradients' strides, which DDP's buckets compare).
 
 Parameters are graph inputs here (Dynamo lifts them), so a weight planned in another format
 than it is stored in is converted on every call, and in training its gradient is converted
@@ -159,7 +161,12 @@ from memlayout.plan.compilers.backend_plan import (
     plan_graph,
 )
 from memlayout.plan.compilers.backend_race import CallRace, guard_ratios, races_on_calls
-from memlayout.plan.compilers.backend_report import RECORDS, GraphRecord
+from memlayout.plan.compilers.backend_report import (
+    RECORDS,
+    BackendWarning,
+    GraphRecord,
+    open_cache,
+)
 from memlayout.plan.compilers.backend_shared import (
     Decision,
     ExchangeFailed,
@@ -177,11 +184,6 @@ from memlayout.timing import KEEP_MARGIN
 INNER_COMPILERS = ("inductor", "eager")
 
 #: Dynamo's control flow (trace again, skip the frame): raised through, never a failure
-
-
-class BackendWarning(RuntimeWarning):
-    """A graph the backend could not plan, or whose plan it dropped (it computed other
-    values); the graph still compiles, with Inductor's own layouts."""
 
 
 @dataclass(frozen=True)
@@ -331,7 +333,7 @@ def _decide(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
     (none: this process alone). A decision that cannot be handed on is not run here either:
     every rank then runs Inductor's own layouts."""
     signature = graph_signature(gm, inputs)
-    store = _open_cache(options.cache)
+    store = open_cache(options.cache)
     try:
         made = _compile_graph(gm, example_inputs, inputs, device, options, store,
                               alone=job is None)
@@ -501,11 +503,17 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                                          verification=AGREES if planned.solved else NONE_DIFFERS,
                                          compile_seconds=time.perf_counter() - start - plan_seconds))
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
+    on_calls = (alone and options.race_on_calls and options.guard and options.measure
+                and options.inner != "eager" and races_on_calls(options.mode,
+                                                                dict(options.inductor)))
     # the guard decided this graph before (the cost cache): build only what will run
     # a plan that agrees with Inductor's rule by its costs: Inductor's own is not raced; nor
-    # where it runs a kernel's known fault channels-last (memlayout.plan.costs.faults)
-    ways = [w for w in WAYS if not ((agrees or inductor_runs_a_fault(planned))
-                                    and w == Runner.INDUCTOR_OWN)]
+    # where it runs a kernel's known fault channels-last (memlayout.plan.costs.faults); in
+    # training, racing on the calls, it is the compiled way (the plan's is not built)
+    fault = inductor_runs_a_fault(planned)
+    own_first = on_calls and train and agrees and not fault
+    ways = ([Runner.INDUCTOR_OWN, Runner.PLAN_EAGER] if own_first else
+            [w for w in WAYS if not ((agrees or fault) and w == Runner.INDUCTOR_OWN)])
     known = known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
                             device=device, ways=ways)
     kept = known.kept(Runner.PLAN_COMPILED, KEEP_MARGIN) if known is not None else None
@@ -520,7 +528,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     steps: dict[str, Step] = {}  # the graph's own steps, run once for every way verified
     built, check, record["verify_seconds"] = built_and_checked(
         gm, planned.graph, eager_graph, example_inputs, inputs, options, store, train=train,
-        dtype=dtype, device=device, compiled=options.inner != "eager"
+        dtype=dtype, device=device, compiled=options.inner != "eager" and not own_first
         and kept != Runner.PLAN_EAGER, timed=kept is None and options.guard and options.measure,
         reference_steps=steps)
     if built is None or not check.ok:
@@ -528,18 +536,23 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                         time.perf_counter() - start - plan_seconds)
     fn = built
     ran, timed = (Runner.PLAN_EAGER if options.inner == "eager" else Runner.PLAN_COMPILED), ()
+    guarding, spent, opened = time.perf_counter(), {}, functools.partial(open_cache, options.cache)
+    guarded = kept is None and (own_first or ran == Runner.PLAN_COMPILED and options.guard
+                                and options.measure)
     if kept is not None:
         ran = Runner.PLAN_EAGER if kept == Runner.PLAN_EAGER else Runner.PLAN_COMPILED
         timed = guard_ratios(known)
+    elif own_first:  # the race's reference, until it ends
+        fn, ran = backend_inner.own_against_eager(
+            fn, given, eager_graph, example_inputs, inputs, options, check, opened, spent,
+            graph=head["graph"], train=train, dtype=dtype, device=device), Runner.INDUCTOR_OWN
     elif ran == Runner.PLAN_COMPILED and options.guard and options.measure:
-        guarding, spent = time.perf_counter(), {}
-        on_calls = alone and options.race_on_calls and races_on_calls(options.mode,
-                                                                       dict(options.inductor))
         fn, ran, timed, check = fastest_way(fn, given, eager_graph, example_inputs, inputs,
                                             options, store, Checked(gm, check, steps),
                                             train=train, dtype=dtype, device=device,
-                                            spent=spent, ways=ways, on_calls=functools.partial(
-                                                _open_cache, options.cache) if on_calls else None)
+                                            spent=spent, ways=ways,
+                                            on_calls=opened if on_calls else None)
+    if guarded:
         record["racing"] = fn.ways if isinstance(fn, CallRace) else ()
         record["verify_seconds"] += spent.get("verify", 0.0)
         record["guard_seconds"] = time.perf_counter() - guarding - spent.get("verify", 0.0)
@@ -576,20 +589,6 @@ def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
                                      max_error=check.error, fallback=problem,
                                      compile_seconds=compile_seconds))
-
-
-# ---------------------------------------------------------------- the cost cache
-
-
-def _open_cache(cache: bool | str | Path) -> CostCache | None:
-    if cache is False:
-        return None
-    try:
-        return CostCache(None if cache is True else Path(cache))
-    except Exception as exc:  # an unusable cache must not stop a compile: measure instead
-        warnings.warn(f"memlayout backend: cost cache unavailable ({exc}); measuring without it",
-                      BackendWarning, stacklevel=3)
-        return None
 
 
 __all__ = ["INNER_COMPILERS", "Backend", "BackendWarning", "compile_graph",

@@ -170,6 +170,34 @@ def _racing(fn: Callable[..., Any], makers: Mapping[str, Callable[[], Callable[.
                     device=device, decided=decided_here(graph, key, opened, checks))
 
 
+def own_against_eager(eager: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
+                      example_inputs: list[Any], inputs: list[Any], options: Backend,
+                      check: GraphCheck, opened: Callable[[], Any], spent: dict[str, float], *,
+                      graph: str, train: bool, dtype: torch.dtype | None,
+                      device: torch.device) -> CallRace:
+    """The race on the calls of a training graph whose plan agrees with Inductor's rule
+    (``backend_plan.agrees_with_inductor``): ``gm`` compiled with Inductor's own layouts, as
+    ``torch.compile`` compiles it (its backward lazily, at its first backward), against the
+    plan run eagerly (``eager``, verified as ``check`` says). The compiled plan is not built:
+    its convolutions are in the formats Inductor's own gives them, and the rest differs by
+    less than the margin by its costs, so Inductor's own is the compiled way, and the race's
+    reference. ``graph``: Dynamo's compile id of the graph, whose record the race's end
+    updates; ``spent[Runner.INDUCTOR_OWN]``: the seconds its compile took."""
+    start = time.perf_counter()
+    own = unplanned(gm, example_inputs, options, dtype, device)[0]
+    spent[Runner.INDUCTOR_OWN] = time.perf_counter() - start
+    ways = [Runner.INDUCTOR_OWN, Runner.PLAN_EAGER]
+    key = guard_key(list(ways), eager_graph, inputs, train=train, dtype=dtype, device=device,
+                    compiled_as=options.compiled_as)
+    checks = {Runner.PLAN_EAGER.value: check, Runner.INDUCTOR_OWN.value: GraphCheck(
+        True, "Inductor's own layouts, what torch.compile runs, kept over the plan run eagerly",
+        None)}
+    return CallRace({Runner.INDUCTOR_OWN: own, Runner.PLAN_EAGER: eager},
+                    reference=Runner.INDUCTOR_OWN.value, margin=KEEP_MARGIN,
+                    rounds=options.rounds, protect=(), train=train, device=device,
+                    decided=decided_here(graph, key, opened, checks))
+
+
 def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
            dtype: torch.dtype | None, device: torch.device,
            patches: Mapping[str, Any] = PLAN_STANDS,

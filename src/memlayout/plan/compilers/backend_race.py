@@ -9,12 +9,13 @@ timed as it runs; in training its backward too, from the first gradient that rea
 its outputs to the last that leaves through its inputs (``register_multi_grad_hook``). The
 rounds stop as the guard's do (``separated``, ``behind``, a close call timed longer), then
 the way kept (``Race.kept``) runs every later call. Every way raced is verified before its
-first call, so every call computes what the graph computes, within the dtype's tolerance.
+first call (or is Inductor's own, what ``torch.compile`` runs), so every call computes what
+the graph computes, within the dtype's tolerance.
 
 A call whose backward is not seen before the next call (two forwards before a backward,
 outputs no loss reaches) is timed again; a race that loses ``ABANDON_AFTER`` calls so keeps
-the compiled plan, undecided (``Race`` ``None``). A way that raises leaves the race, and the
-call runs the compiled plan.
+its reference, undecided (``Race`` ``None``). A way that raises leaves the race, and the
+call runs the reference.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ class CallRace:
 
 
 def guard_ratios(race: Race | None) -> tuple[tuple[str, float], ...]:
-    """Each other way's median ratio in the guard's race (the compiled plan's time over its)."""
+    """Each other way's median ratio in the guard's race (its reference's time over its)."""
     return () if race is None else tuple((name, r.median) for name, r in race.ratios.items())
 
 

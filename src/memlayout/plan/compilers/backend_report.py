@@ -20,19 +20,40 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import fx
 
 from memlayout.plan.compilers.backend_graphs import CONVOLUTIONS, module_path, op_name
+from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.table import CostTable
 from memlayout.plan.graph import LABELS, META_KEY, Label
 from memlayout.plan.runners import Runner
 from memlayout.timing import KEEP_MARGIN
 
 log = logging.getLogger("memlayout.backend")
+
+
+class BackendWarning(RuntimeWarning):
+    """A graph the backend could not plan, or whose plan it dropped (it computed other
+    values); the graph still compiles, with Inductor's own layouts."""
+
+
+def open_cache(cache: bool | str | Path) -> CostCache | None:
+    """The backend's cost cache (``True``: the user's, a path, ``False``: none); an unusable
+    one is none, with a warning: measuring without it never stops a compile."""
+    if cache is False:
+        return None
+    try:
+        return CostCache(None if cache is True else Path(cache))
+    except Exception as exc:
+        warnings.warn(f"memlayout backend: cost cache unavailable ({exc}); measuring without it",
+                      BackendWarning, stacklevel=3)
+        return None
 
 
 #: the formats a convolution's ``seconds`` are given in, in order (its labels' names)
@@ -139,8 +160,8 @@ class GraphRecord:
     too); ``timed``: for each other way the guard timed (the plan run eagerly, Inductor's own
     layouts), the median per-round ratio of the compiled plan's time to that way's (above 1:
     that way was faster); ``racing``: the ways the guard races on the graph's own calls
-    while it still does (``ran`` then names the compiled plan, the way kept unless another is
-    faster), ``race_calls``: the calls that race took, once it ended
+    while it still does (``ran`` then names the race's reference, the way kept unless another
+    is faster), ``race_calls``: the calls that race took, once it ended
     (``backend_race.CallRace``).
 
     Under ``torch.distributed`` (one plan per job, ``memlayout.plan.compilers.backend_shared``):
@@ -247,8 +268,8 @@ class GraphRecord:
         elif self.verification:
             text += f"; {self.verification}"
         if self.racing:
-            text += (f"; racing {', '.join(self.racing)} on its calls (the compiled plan "
-                     "kept unless another is faster)")
+            text += (f"; racing {', '.join(self.racing)} on its calls ({self.ran} kept "
+                     "unless another is faster)")
         if self.timed:
             text += "; compiled plan's time over " + ", ".join(
                 f"{how}'s {ratio:.3g}" for how, ratio in self.timed)
@@ -375,4 +396,5 @@ def _ms(seconds: float | None) -> str:
     return "fails" if seconds is None else f"{seconds * 1e3:.3g} ms"
 
 
-__all__ = ["BackendReport", "ConvolutionChoice", "GraphRecord", "backend_report"]
+__all__ = ["BackendReport", "BackendWarning", "ConvolutionChoice", "GraphRecord",
+           "backend_report", "open_cache"]
