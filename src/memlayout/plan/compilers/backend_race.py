@@ -21,6 +21,7 @@ call runs the reference.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -45,6 +46,8 @@ from memlayout.timing import (
     round_ratios,
     separated,
 )
+
+log = logging.getLogger("memlayout.backend")
 
 #: the race's clock (seconds)
 clock = time.perf_counter
@@ -163,6 +166,9 @@ class CallRace:
         seconds = call.seconds
         if seconds is None:  # its backward not seen: that way is called again
             self._lost += 1
+            log.debug("a call of %s not timed (its backward %s): %d of %d lost", call.way,
+                      "not begun" if call.began is None else "not ended", self._lost,
+                      ABANDON_AFTER)
             if self._lost >= ABANDON_AFTER:
                 self._end(None)
             return
