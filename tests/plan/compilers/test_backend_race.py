@@ -3,10 +3,16 @@ way's forward (and, in training, backward) advances it by a set number of second
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 import torch
 
+import memlayout
 from memlayout.plan.compilers import backend_race
+from memlayout.plan.compilers.backend_check import GraphCheck
+from memlayout.plan.compilers.backend_report import RECORDS, BackendWarning, GraphRecord
+from memlayout.plan.runners import Runner
 from memlayout.timing import KEEP_MARGIN, SEQUENTIAL_ROUNDS
 from tests.support.machine import fake_load
 
@@ -129,3 +135,35 @@ def test_a_close_call_is_timed_for_as_many_rounds_again(now):
     ((result, kept, made),) = outcomes
     assert kept == "compiled" and result.extended and result.rounds == 10
     assert made == 2 * (1 + 10)
+
+
+def test_the_end_of_a_race_updates_the_graphs_record_and_a_cache_that_fails_only_warns(now):
+    """The race's end puts the way kept, the ratio and the calls into the graph's record; a
+    cost cache that cannot take the race (locked) is closed with a warning, and the call that
+    ended the race still returns the graph's result."""
+    closed = []
+
+    class Locked:
+        def put(self, *args, **kwargs):
+            raise sqlite3.OperationalError("database is locked")
+
+        def close(self):
+            closed.append(1)
+
+    memlayout.backend_report(clear=True)
+    RECORDS.add(GraphRecord("9/0", False, "fp32", False, True, Runner.PLAN_COMPILED,
+                            racing=(Runner.PLAN_COMPILED, Runner.PLAN_EAGER)))
+    checks = {Runner.PLAN_COMPILED: GraphCheck(True, "the plan compiled", 0.0),
+              Runner.PLAN_EAGER: GraphCheck(True, "the plan, eagerly", 1e-7)}
+    race = backend_race.CallRace(
+        {Runner.PLAN_COMPILED: _way(now, "compiled", 1.0), Runner.PLAN_EAGER: _way(now, "eager", 0.5)},
+        reference=Runner.PLAN_COMPILED, margin=KEEP_MARGIN, rounds=5, protect=(), train=False,
+        device=torch.device("cpu"), decided=backend_race.decided_here("9/0", "key", Locked, checks))
+    x = torch.randn(4)
+    with pytest.warns(BackendWarning, match="race not cached"):
+        for _ in range(10):
+            torch.testing.assert_close(race(x), 2 * x)
+    (graph,) = memlayout.backend_report(clear=True).graphs
+    assert graph.ran == Runner.PLAN_EAGER and not graph.racing and graph.race_calls == race.calls
+    assert dict(graph.timed) == {Runner.PLAN_EAGER: pytest.approx(2.0)}
+    assert graph.verification == "the plan, eagerly" and closed == [1]

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from memlayout.devices import seam
 from memlayout.machine import Conditions, busier
 from memlayout.plan.check import guard
-from memlayout.plan.compilers.backend_report import RECORDS
+from memlayout.plan.compilers.backend_report import RECORDS, BackendWarning
 from memlayout.plan.runners import Runner
 from memlayout.tensors import iter_tensors
 from memlayout.timing import (
@@ -256,10 +257,14 @@ def decided_here(graph: str, key: str | None, opened: Callable[[], Any],
     def decided(race: Race | None, kept: str, calls: int) -> None:
         if race is not None and key is not None and not race.errors:
             store = opened()
-            if store is not None:
-                try:
+            try:  # a cache that cannot take it never stops the user's call
+                if store is not None:
                     guard.save(store, key, race)
-                finally:
+            except Exception as exc:
+                warnings.warn(f"memlayout backend: graph {graph}'s race not cached "
+                              f"({type(exc).__name__}: {exc})", BackendWarning, stacklevel=2)
+            finally:
+                if store is not None:
                     store.close()
         check = checks[kept]
         RECORDS.update(graph, lambda record: dataclasses.replace(
