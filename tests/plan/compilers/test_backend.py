@@ -558,6 +558,8 @@ def test_a_plan_that_agrees_with_inductors_rule_is_not_timed_against_inductors_o
     if train and on_calls:
         assert graph.ran == Runner.INDUCTOR_OWN and graph.own_compile_seconds is not None
         assert dict(graph.timed).keys() == {Runner.PLAN_EAGER}
+        assert graph.timed_against == Runner.INDUCTOR_OWN
+        assert "; Inductor's own layouts' time over planned's 0.5" in graph.headline()
         assert dict(graph.timed)[Runner.PLAN_EAGER] == pytest.approx(0.5)
         assert asked == [{}] and verified  # Inductor's own, once; the eager plan verified
     elif train:

@@ -516,7 +516,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
             [w for w in WAYS if not ((agrees or fault) and w == Runner.INDUCTOR_OWN)])
     known = known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
                             device=device, ways=ways)
-    kept = known.kept(Runner.PLAN_COMPILED, KEEP_MARGIN) if known is not None else None
+    kept, record["timed_against"] = ((known.kept(Runner.PLAN_COMPILED, KEEP_MARGIN),
+                                      known.reference) if known is not None else (None, ways[0]))
     if kept == Runner.INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
         fn = unplanned(given, example_inputs, options, dtype, device, backward_now=train and (
             compiled_with_backward(store, given, inputs, device=device,

@@ -269,6 +269,7 @@ def decided_here(graph: str, key: str | None, opened: Callable[[], Any],
         check = checks[kept]
         RECORDS.update(graph, lambda record: dataclasses.replace(
             record, ran=Runner(kept), timed=guard_ratios(race), racing=(), race_calls=calls,
+            timed_against=race.reference if race else record.timed_against,
             verification=check.how, max_error=check.error))
     return decided
 

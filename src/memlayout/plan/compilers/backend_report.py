@@ -158,8 +158,9 @@ class GraphRecord:
     ``converted_weights``: ``(name, bytes)`` of each parameter the plan converts on every call
     (stored in another format than it runs in; in training its gradient is converted back
     too); ``timed``: for each other way the guard timed (the plan run eagerly, Inductor's own
-    layouts), the median per-round ratio of the compiled plan's time to that way's (above 1:
-    that way was faster); ``racing``: the ways the guard races on the graph's own calls
+    layouts), the median per-round ratio of the race's reference's time (``timed_against``:
+    the compiled plan, or Inductor's own where the compiled plan was not built) to that
+    way's (above 1: that way was faster); ``racing``: the ways the guard races on the graph's own calls
     while it still does (``ran`` then names the race's reference, the way kept unless another
     is faster), ``race_calls``: the calls that race took, once it ended
     (``backend_race.CallRace``).
@@ -197,6 +198,7 @@ class GraphRecord:
     own_compile_seconds: float | None = None  # Inductor's own layouts compiled for the guard
     racing: tuple[str, ...] = ()
     race_calls: int = 0
+    timed_against: str = Runner.PLAN_COMPILED.value
     rank: int | None = None
     decided_by: int | None = None
     digest: str = ""
@@ -211,7 +213,8 @@ class GraphRecord:
         """How many times the compiled plan's time Inductor's own layouts took in the guard's
         timing, where they were slower by more than ``KEEP_MARGIN`` (``None``: not timed,
         or not that much slower)."""
-        ratio = dict(self.timed).get(Runner.INDUCTOR_OWN)
+        ratio = (dict(self.timed).get(Runner.INDUCTOR_OWN)
+                 if self.timed_against == Runner.PLAN_COMPILED else None)
         slower = 1 / ratio if ratio else None
         return slower if slower is not None and slower > 1 + KEEP_MARGIN else None
 
@@ -271,7 +274,8 @@ class GraphRecord:
             text += (f"; racing {', '.join(self.racing)} on its calls ({self.ran} kept "
                      "unless another is faster)")
         if self.timed:
-            text += "; compiled plan's time over " + ", ".join(
+            whose = _WHOSE.get(self.timed_against, f"{self.timed_against}'s")
+            text += f"; {whose} time over " + ", ".join(
                 f"{how}'s {ratio:.3g}" for how, ratio in self.timed)
         if self.race_calls:
             text += f" (raced on its first {self.race_calls} calls)"
@@ -390,6 +394,11 @@ def backend_report(*, clear: bool = False) -> BackendReport:
     True
     """
     return RECORDS.report(clear=clear)
+
+
+#: how a headline names the race's reference, whose time the ratios divide
+_WHOSE = {Runner.PLAN_COMPILED.value: "compiled plan's",
+          Runner.INDUCTOR_OWN.value: "Inductor's own layouts'"}
 
 
 def _ms(seconds: float | None) -> str:
