@@ -44,7 +44,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,6 @@ from memlayout.plan.steer.build import (
 from memlayout.plan.steer.state import Formats
 from memlayout.tensors import iter_tensors, mean_square_loss
 from memlayout.timing import (
-    Comparison,
     ModeTiming,
     Race,
     Ratio,
@@ -193,34 +192,11 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
                                 baseline=reference, sync=sync, on_step=on_step, stop=stop,
                                 retire=retire))
 
-    def run_times(c: Comparison, name: str) -> tuple[float, ...]:
-        return c.modes[name].times if name in c.modes else ()  # retired: not in later runs
-
-    def times(name: str) -> tuple[float, ...]:
-        return tuple(t for c in runs for t in run_times(c, name))
-
-    def ratio(name: str) -> Ratio | None:
-        # rounds paired within each run: a retired candidate ran fewer rounds in one
-        per_round = tuple(r for c in runs
-                          for r in round_ratios(run_times(c, reference), run_times(c, name)))
-        whole = Ratio.of_times(reference, name, times(reference), times(name))
-        return dataclasses.replace(whole, per_round=per_round) if whole and per_round else None
-
     def race(extended: bool = False) -> Race:
         errors = {n: t.error for c in (probe, *runs) for n, t in c.modes.items() if t.error}
-        ratios: dict[str, Ratio] = {}
-        if reference not in errors:
-            for name in live:
-                made = ratio(name) if name != reference and name not in errors else None
-                if made is not None:
-                    ratios[name] = made
-        # noise anywhere in the run counts
-        conditions = busier(before, Conditions.now())
-        own = ModeTiming(reference, times(reference) if reference in live else ())
-        return Race(reference, ratios, rounds=len(own.times), repeat=repeat, errors=errors,
-                    extended=extended, conditions=conditions,
-                    reference_seconds=own.median if own.times else None,
-                    spread=own.spread if own.times else None, protect=protect)
+        timed = [{n: t.times for n, t in c.modes.items()} for c in runs]  # retired: not in later runs
+        return race_of(timed, reference, live if reference in live else (), errors=errors,
+                       extended=extended, before=before, repeat=repeat, protect=protect)
 
     first = race()
     if margin is None or first.errors or not first.is_close(margin):
@@ -234,6 +210,34 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
     runs.append(interleaved(running, rounds=rounds, warmup=0, repeat=repeat,
                             baseline=reference, sync=sync, on_step=on_step))
     return race(extended=True)
+
+
+def race_of(runs: Sequence[Mapping[str, Sequence[float]]], reference: str,
+            names: Iterable[str], *, errors: Mapping[str, str], extended: bool,
+            before: Conditions, repeat: int = 1,
+            protect: tuple[str, ...] | None = None) -> Race:
+    """The :class:`Race` of the ways ``names`` (with ``reference``; none: the reference did
+    not run) over interleaved ``runs`` (each: way -> its per-round seconds, rounds paired
+    within a run, a way retired from a later run absent there), those in ``errors`` left
+    out; the machine's conditions the busier of ``before`` and now (noise anywhere in the
+    runs counts). What ``time_steps`` and the backend's race on a graph's calls
+    (``memlayout.plan.compilers.backend_race``) decide on."""
+    def times(name: str) -> tuple[float, ...]:
+        return tuple(t for run in runs for t in run.get(name, ()))
+
+    names = list(names)
+    ratios: dict[str, Ratio] = {}
+    for name in names if reference not in errors else ():
+        per_round = tuple(r for run in runs
+                          for r in round_ratios(run.get(reference, ()), run.get(name, ())))
+        whole = Ratio.of_times(reference, name, times(reference), times(name))
+        if name != reference and name not in errors and whole and per_round:
+            ratios[name] = dataclasses.replace(whole, per_round=per_round)
+    own = ModeTiming(reference, times(reference) if reference in names else ())
+    return Race(reference, ratios, rounds=len(own.times), repeat=repeat, errors=dict(errors),
+                extended=extended, conditions=busier(before, Conditions.now()),
+                reference_seconds=own.median if own.times else None,
+                spread=own.spread if own.times else None, protect=protect)
 
 
 def train_step(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None,

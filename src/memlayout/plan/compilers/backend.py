@@ -134,8 +134,10 @@ from memlayout.plan.compilers.backend_graphs import (
     copy_graph,
     fix_convolution_arguments,
     fsdp_managed,
+    graph_id,
     is_dynamic,
     real_inputs,
+    training,
 )
 from memlayout.plan.compilers.backend_inner import (
     DYNAMO_SIGNALS,
@@ -372,7 +374,7 @@ def _follow(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
     rank's failure is raised here too (a Dynamo signal as that signal), so that every rank's
     compiles stay in step."""
     signature = graph_signature(gm, inputs)
-    graph = _graph_id(gm)
+    graph = graph_id(gm)
     try:
         decision = exchange(job, None)
     except ExchangeFailed as exc:
@@ -385,7 +387,7 @@ def _follow(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
         raise PlanError(f"memlayout backend: rank {job.decider} failed to compile graph "
                         f"{graph} (its error says why); rank {job.rank} stops with it")
     problem = untakeable(decision, signature, compiled_as=options.compiled_as,
-                         train=_training(inputs), dtype=dtype_name(options.run_dtype(device)))
+                         train=training(inputs), dtype=dtype_name(options.run_dtype(device)))
     made = None
     if problem is None:
         try:
@@ -414,8 +416,8 @@ def _taken(decision: Decision, gm: fx.GraphModule, example_inputs: list[Any],
     start = time.perf_counter()
     record = decision.record
     assert record is not None
-    train, dtype = _training(inputs), options.run_dtype(device)
-    mine = {"graph": _graph_id(gm), "measured": 0, "cached": 0}
+    train, dtype = training(inputs), options.run_dtype(device)
+    mine = {"graph": graph_id(gm), "measured": 0, "cached": 0}
     if decision.table is None:  # Inductor's own layouts, or the graph as given
         given = as_given(gm, example_inputs, train=train)
         fn, ran = unplanned(given, example_inputs, options, dtype, device)
@@ -446,10 +448,10 @@ def _without_plan(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[An
     rank that has no shared plan for it, never a plan of its own; a warning naming the rank,
     the graph and why."""
     start = time.perf_counter()
-    graph = _graph_id(gm)
+    graph = graph_id(gm)
     warnings.warn(f"memlayout backend: rank {rank}, graph {graph}: {problem}; the graph is "
                   "compiled with Inductor's own layouts", BackendWarning, stacklevel=3)
-    train, dtype = _training(inputs), options.run_dtype(device)
+    train, dtype = training(inputs), options.run_dtype(device)
     given = as_given(gm, example_inputs, train=train)
     fn, ran = unplanned(given, example_inputs, options, dtype, device)
     RECORDS.add(GraphRecord(graph, train, dtype_name(dtype), is_dynamic(gm), planned=False,
@@ -459,24 +461,15 @@ def _without_plan(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[An
     return fn
 
 
-def _graph_id(gm: fx.GraphModule) -> str:
-    """Dynamo's compile id of ``gm`` (``frame/recompile``)."""
-    return str(gm.meta.get("dynamo_compile_id", "?"))
-
-
-def _training(inputs: list[Any]) -> bool:
-    """A graph is compiled for training when grad mode is on and an input requires grad."""
-    return torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
-
-
 def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[Any],
                    device: torch.device, options: Backend,
                    store: CostCache | None, alone: bool = True) -> _Compiled:
+    """``gm`` planned (a planner that fails never stops a compile: Inductor's own runs), then
+    built, verified and guarded (``_planned_graph``); ``alone``: no other rank takes it."""
     start = time.perf_counter()
-    train = _training(inputs)
+    train = training(inputs)
     dtype = options.run_dtype(device)
-    head = {"graph": _graph_id(gm), "train": train,
+    head = {"graph": graph_id(gm), "train": train,
             "dtype": dtype_name(dtype), "dynamic": is_dynamic(gm)}
     rule = cached_rule(gm, example_inputs, inputs, store, dtype=dtype, train=train, device=device)
     given = as_given(gm, example_inputs, train=train)  # what runs without a plan
@@ -485,31 +478,39 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
                              rule=rule, store=store)
     except DYNAMO_SIGNALS:
         raise
-    except Exception as exc:  # the planner must never stop a compile: Inductor's own instead
+    except Exception as exc:
         fn, ran = unplanned(given, example_inputs, options, dtype, device)
         return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran, inductor_rule=rule,
                                          reason=_not_planned(exc, head["graph"]),
                                          plan_seconds=time.perf_counter() - start))
-    plan_seconds = time.perf_counter() - start
-    agrees = agrees_with_inductor(planned)
     record = {**head, "planned": True, "inductor_rule": rule,
               "convolutions": planned.convolutions, "conversions": planned.conversions,
               "converted_weights": planned.weights,
               "measured": planned.table.measured, "cached": planned.table.cached,
-              "plan_seconds": plan_seconds}
+              "plan_seconds": time.perf_counter() - start}
+    return _planned_graph(gm, given, example_inputs, inputs, planned, record, options, store,
+                          on_calls=alone and races_on_calls(options), train=train,
+                          dtype=dtype, device=device)
+
+
+def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: list[Any],
+                   inputs: list[Any], planned: Planned, record: dict[str, Any],
+                   options: Backend, store: CostCache | None, *, on_calls: bool, train: bool,
+                   dtype: torch.dtype | None, device: torch.device) -> _Compiled:
+    """A planned graph built as the guard decides: Inductor's own untimed where an inference
+    plan agrees with its rule, what a cached decision kept, else the plan verified and raced
+    (``on_calls``: on the graph's calls) against the ways it could lose to."""
+    start = time.perf_counter()
+    agrees = agrees_with_inductor(planned)
     if not train and options.guard and options.measure and agrees:  # Inductor's own, untimed
         fn = unplanned(given, example_inputs, options, dtype, device)[0]
         return _Compiled(fn, GraphRecord(**record, ran=Runner.INDUCTOR_OWN,
                                          verification=AGREES if planned.solved else NONE_DIFFERS,
-                                         compile_seconds=time.perf_counter() - start - plan_seconds))
+                                         compile_seconds=time.perf_counter() - start))
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
-    on_calls = (alone and options.race_on_calls and options.guard and options.measure
-                and options.inner != "eager" and races_on_calls(options.mode,
-                                                                dict(options.inductor)))
-    # the guard decided this graph before (the cost cache): build only what will run
-    # a plan that agrees with Inductor's rule by its costs: Inductor's own is not raced; nor
-    # where it runs a kernel's known fault channels-last (memlayout.plan.costs.faults); in
-    # training, racing on the calls, it is the compiled way (the plan's is not built)
+    # a plan that agrees with Inductor's rule by its costs: Inductor's own is not raced (nor
+    # where it runs a known fault channels-last: memlayout.plan.costs.faults), but in
+    # training, racing on the calls, is the compiled way; a cached decision: build only that
     fault = inductor_runs_a_fault(planned)
     own_first = on_calls and train and agrees and not fault
     ways = ([Runner.INDUCTOR_OWN, Runner.PLAN_EAGER] if own_first else
@@ -525,7 +526,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         return _Compiled(fn, GraphRecord(
             **record, ran=Runner.INDUCTOR_OWN, timed=guard_ratios(known),
             verification="the plan not run (Inductor's own layouts kept, as timed before)",
-            compile_seconds=time.perf_counter() - start - plan_seconds))
+            compile_seconds=time.perf_counter() - start))
     steps: dict[str, Step] = {}  # the graph's own steps, run once for every way verified
     built, check, record["verify_seconds"] = built_and_checked(
         gm, planned.graph, eager_graph, example_inputs, inputs, options, store, train=train,
@@ -534,7 +535,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
         reference_steps=steps)
     if built is None or not check.ok:
         return _dropped(given, example_inputs, options, dtype, device, check, record,
-                        time.perf_counter() - start - plan_seconds)
+                        time.perf_counter() - start)
     fn = built
     ran, timed = (Runner.PLAN_EAGER if options.inner == "eager" else Runner.PLAN_COMPILED), ()
     guarding, spent, opened = time.perf_counter(), {}, functools.partial(open_cache, options.cache)
@@ -546,8 +547,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     elif own_first:  # the race's reference, until it ends
         fn, ran = backend_inner.own_against_eager(
             fn, given, eager_graph, example_inputs, inputs, options, check, opened, spent,
-            graph=head["graph"], train=train, dtype=dtype, device=device), Runner.INDUCTOR_OWN
-    elif ran == Runner.PLAN_COMPILED and options.guard and options.measure:
+            graph=record["graph"], train=train, dtype=dtype, device=device), Runner.INDUCTOR_OWN
+    elif guarded:
         fn, ran, timed, check = fastest_way(fn, given, eager_graph, example_inputs, inputs,
                                             options, store, Checked(gm, check, steps),
                                             train=train, dtype=dtype, device=device,
@@ -563,7 +564,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     runs = ran in (Runner.PLAN_COMPILED, Runner.PLAN_EAGER)
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
                                      max_error=check.error, timed=timed,
-                                     compile_seconds=time.perf_counter() - start - plan_seconds),
+                                     compile_seconds=time.perf_counter() - start),
                      planned if runs else None,
                      graph_signature(eager_graph, inputs) if runs else "")
 

@@ -307,3 +307,14 @@ def refuse_module_state(gm: fx.GraphModule, ranks: tuple[int, ...]) -> None:
                               "lifts them)")
         if n.op == "get_attr" and meta is not None and meta.label is not None:
             raise NotPlanned(f"{n.target} is an image-like tensor held by the graph itself")
+
+
+def graph_id(gm: fx.GraphModule) -> str:
+    """Dynamo's compile id of ``gm`` (``frame/recompile``)."""
+    return str(gm.meta.get("dynamo_compile_id", "?"))
+
+
+def training(inputs: list[Any]) -> bool:
+    """A graph is compiled for training when grad mode is on and an input requires grad."""
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)

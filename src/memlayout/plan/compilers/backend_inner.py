@@ -36,6 +36,7 @@ from memlayout.plan.compilers.backend_graphs import (
     copy_graph,
     grad_in_strides,
     grads_in_parameter_strides,
+    graph_id,
 )
 from memlayout.plan.compilers.backend_race import CallRace, decided_here, guard_ratios
 from memlayout.plan.costs.cache import CostCache
@@ -167,7 +168,7 @@ def _racing(fn: Callable[..., Any], makers: Mapping[str, Callable[[], Callable[.
     whole = len(fns) == len(makers)  # a way left out: the race is not stored
     key = guard_key(list(makers), eager_graph, inputs, train=train, dtype=dtype,
                     device=device, compiled_as=compiled_as) if whole else None
-    graph = str(checked.gm.meta.get("dynamo_compile_id", "?"))
+    graph = graph_id(checked.gm)
     return CallRace(fns, reference=Runner.PLAN_COMPILED.value, margin=KEEP_MARGIN,
                     rounds=options.rounds, protect=(Runner.INDUCTOR_OWN,), train=train,
                     device=device, decided=decided_here(graph, key, opened, checks))

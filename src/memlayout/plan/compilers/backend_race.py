@@ -22,29 +22,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from memlayout.devices import seam
-from memlayout.machine import Conditions, busier
+from memlayout.machine import Conditions
 from memlayout.plan.check import guard
 from memlayout.plan.compilers.backend_report import RECORDS, BackendWarning
 from memlayout.plan.runners import Runner
 from memlayout.tensors import iter_tensors
 from memlayout.timing import (
-    ModeTiming,
     Race,
-    Ratio,
     behind,
     round_order,
-    round_ratios,
     separated,
 )
 
@@ -52,6 +48,9 @@ log = logging.getLogger("memlayout.backend")
 
 #: the race's clock (seconds)
 clock = time.perf_counter
+
+if TYPE_CHECKING:
+    from memlayout.plan.compilers.backend import Backend
 
 #: calls whose timing is lost (no backward seen) a race takes before it gives up
 ABANDON_AFTER = 8
@@ -212,23 +211,9 @@ class CallRace:
 
     def _race(self) -> Race:
         """The race the rounds so far measured, as ``time_steps`` builds it."""
-        reference = self._reference
-
-        def times(way: str) -> list[float]:
-            return [t for run in self._runs for t in run.get(way, [])]
-
-        ratios: dict[str, Ratio] = {}
-        for way in self._fns:
-            per_round = tuple(r for run in self._runs
-                              for r in round_ratios(run.get(reference, []), run.get(way, [])))
-            whole = Ratio.of_times(reference, way, times(reference), times(way))
-            if way != reference and way not in self._errors and whole and per_round:
-                ratios[way] = dataclasses.replace(whole, per_round=per_round)
-        own = ModeTiming(reference, tuple(times(reference)))
-        return Race(reference, ratios, rounds=len(own.times), errors=dict(self._errors),
-                    extended=self._extended, conditions=busier(self._before, Conditions.now()),
-                    reference_seconds=statistics.median(own.times) if own.times else None,
-                    spread=own.spread if own.times else None, protect=self._protect)
+        return guard.race_of(self._runs, self._reference, self._fns, errors=self._errors,
+                             extended=self._extended, before=self._before,
+                             protect=self._protect)
 
     def _end(self, race: Race | None) -> None:
         self.kept = race.kept(self._reference, self._margin) if race else self._reference
@@ -241,10 +226,15 @@ def guard_ratios(race: Race | None) -> tuple[tuple[str, float], ...]:
     return () if race is None else tuple((name, r.median) for name, r in race.ratios.items())
 
 
-def races_on_calls(mode: str | None, inductor: Mapping[str, Any]) -> bool:
-    """Whether a graph compiled with Inductor's ``mode`` and options ``inductor`` can race on
-    its calls: not under CUDA graphs, whose first calls record and replay a graph per way."""
-    return mode != "reduce-overhead" and not inductor.get("triton.cudagraphs", False)
+def races_on_calls(options: Backend) -> bool:
+    """Whether the guard races on a graph's calls as ``options`` compile it: with the race
+    asked for (``race_on_calls``), a guard that times (``guard``, ``measure``) compiled ways
+    (Inductor), and not under CUDA graphs, whose first calls record and replay a graph per
+    way."""
+    inductor = dict(options.inductor)
+    return (options.race_on_calls and options.guard and options.measure
+            and options.inner != "eager" and options.mode != "reduce-overhead"
+            and not inductor.get("triton.cudagraphs", False))
 
 
 def decided_here(graph: str, key: str | None, opened: Callable[[], Any],

@@ -54,9 +54,10 @@ from memlayout.dtypes import autocast
 from memlayout.layout import strides_for
 from memlayout.machine import Conditions, busier, noisy
 from memlayout.plan.convert import convert_module_to, convert_value, fresh_value
-from memlayout.plan.costs.analytical import analytical_conversion, analytical_seconds
+from memlayout.plan.costs.analytical import analytical_seconds
 from memlayout.plan.costs.attempts import attempting, crashed
 from memlayout.plan.costs.cache import CostCache
+from memlayout.plan.costs.conversions import conversion_cost, look_up_conversions
 from memlayout.plan.costs.faults import channels_last_fault
 from memlayout.plan.costs.predict import CostModel, analytic_pair, op_kind, pair_id
 from memlayout.plan.costs.table import (
@@ -68,7 +69,6 @@ from memlayout.plan.costs.table import (
     is_layout_node,
     measured_on,
     module_has_layout_params,
-    valid_conversion_record,
     valid_node_record,
 )
 from memlayout.plan.graph import (
@@ -167,7 +167,7 @@ def measure_costs(gm: fx.GraphModule, inputs: tuple[Any, ...], *,
         else:
             todo_nodes[n.name] = keys
     kept = previous.conversions if previous is not None else {}  # kept as they are
-    todo_values = (_look_up_conversions(gm, table, cache, device=device, dtype=dtype,
+    todo_values = (look_up_conversions(gm, table, cache, device=device, dtype=dtype,
                                         measure=measure, known=frozenset(kept))
                    if conversions else {})
     total = len(todo_nodes) + len(todo_values) + len(todo_predicted)
@@ -198,37 +198,6 @@ def _finished(table: CostTable, kept: dict[str, ConversionCost], *, train: bool)
     return table
 
 
-def _look_up_conversions(gm: fx.GraphModule, table: CostTable, cache: CostCache | None, *,
-                         device: torch.device, dtype: torch.dtype | None,
-                         measure: bool, known: frozenset[str] = frozenset()
-                         ) -> dict[str, list[str]]:
-    """Fill ``table.conversions`` with each consumed definite-format value's conversion the
-    cache holds (analytical ones when not ``measure``), ``known`` ones left out; returns the
-    cache keys (to 1, to 0) of those still to be measured, by value name."""
-    context = [measured_on(device), torch.__version__, str(dtype)]
-    values = [n for n in gm.graph.nodes if n.op != "get_attr"
-              and n.meta.get(META_KEY) is not None and n.meta[META_KEY].label in LABELS]
-    todo: dict[str, list[str]] = {}
-    for v in values:
-        meta: ValueMeta = v.meta[META_KEY]
-        if v.name in known or not _consumed(gm, v):
-            continue
-        if not measure:
-            table.conversions[v.name] = analytical_conversion(v.name, meta)
-            continue
-        shapes = [[list(t.shape), t.dtype] for t in meta.layout_tensors]
-        keys = [json.dumps(["convert", *context, shapes, to]) for to in (1, 0)]
-        entries = ([cache.entry(k, valid_conversion_record) for k in keys]
-                   if cache is not None else [None, None])
-        if all(e is not None for e in entries):
-            table.cached += 1
-            table.conversions[v.name] = _conversion_cost(v.name, meta, [e.value for e in entries],
-                                                         noisy=any(e.noisy for e in entries))
-        else:
-            todo[v.name] = keys
-    return todo
-
-
 def node_context(device: torch.device, dtype: torch.dtype | None, *, train: bool,
                  weights: str) -> list[str]:
     """What a node's cached timing depends on beside the op: the device's fingerprint, torch,
@@ -240,10 +209,6 @@ def node_context(device: torch.device, dtype: torch.dtype | None, *, train: bool
     if weights != CONVERTED:
         context.append(f"weights={weights}")
     return context
-
-
-def _consumed(gm: fx.GraphModule, v: fx.Node) -> bool:
-    return any(u.op == "output" or is_layout_node(gm, u) for u in v.users)
 
 
 def _node_cost(gm: fx.GraphModule, n: fx.Node, records: list[Any], timed: bool, *,
@@ -265,12 +230,6 @@ def _predicted_cost(gm: fx.GraphModule, n: fx.Node, seconds: tuple[float | None,
                                            None if seconds[1] is None else a1))
     return (NodeCost(n.name, node_target_name(gm, n), guess.seconds, out, False,
                      weights=weights), guess.width)
-
-
-def _conversion_cost(name: str, meta: ValueMeta, records: list[Any], *,
-                     noisy: bool = False) -> ConversionCost:
-    return ConversionCost(name, records[0]["s"], records[1]["s"], meta.nbytes,
-                          tuple(t.shape for t in meta.layout_tensors), True, noisy)
 
 
 def _describe(gm: fx.GraphModule, n: fx.Node, label: Label) -> str:
@@ -357,7 +316,7 @@ class _Measurer(fx.Interpreter):
         if n.name in self.todo_values:
             keys = self.todo_values[n.name]
             if all(k in self.memo for k in keys):
-                self.table.conversions[n.name] = _conversion_cost(
+                self.table.conversions[n.name] = conversion_cost(
                     n.name, n.meta[META_KEY], [self.memo[k] for k in keys],
                     noisy=any(k in self.memo_noisy for k in keys))
             else:
@@ -531,7 +490,7 @@ class _Measurer(fx.Interpreter):
         result, quality = self._timed(calls, repeat=repeat, stop=steady(self.rounds))
         records = [{"s": result["to_1"].min}, {"s": result["to_0"].min}]
         self.table.measured += 1
-        self.table.conversions[n.name] = _conversion_cost(n.name, meta, records,
+        self.table.conversions[n.name] = conversion_cost(n.name, meta, records,
                                                           noisy=quality.noisy)
         for key, record in zip(self.todo_values[n.name], records, strict=True):
             self._remember(key, record, quality)
