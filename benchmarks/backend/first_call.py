@@ -114,7 +114,9 @@ def main() -> None:
                     f"{g.graph} {g.ran}: " + (f"still racing {', '.join(g.racing)}" if g.racing
                                               else f"ended after {g.race_calls} calls"
                                               if g.race_calls else "none")
+                    + (f" ({g.plan_later})" if g.plan_later else "")
                     for g in memlayout.backend_report().graphs))
+                print(memlayout.backend_report().price())
 
     first_call("first call")
     if args.again:

@@ -75,6 +75,18 @@ def _raced(call: Callable[[], Any], limit: int = 60) -> int:
     raise AssertionError(f"a race on the graph's calls did not end in {limit} calls")
 
 
+def _gain_clock(fastest: str) -> Callable[[str, int], float]:
+    """A fake clock's seconds per call of each way to run the one graph compiled, in units of
+    what its convolutions save in the plan's formats by their costs
+    (``backend_plan.convolution_gain``): one for ``fastest``, two for the others."""
+    def seconds(name: str, _i: int) -> float:
+        (graph,) = memlayout.backend_report().graphs
+        gain = backend_plan.convolution_gain(graph.convolutions)
+        assert gain is not None and gain > 0
+        return gain * (1.0 if name == fastest else 2.0)
+    return seconds
+
+
 def _scale_channels_last(cache: str, factor: float) -> int:
     """Every cached convolution's channels-last seconds made ``factor`` times the slowest
     contiguous convolution's (``factor`` >= 1) or the fastest's (< 1): each convolution is
@@ -323,10 +335,10 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
     _measure_into(cache, model, x, train=True)
     assert _scale_channels_last(cache, 50.0) >= 2
     ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
-    # the guard times the compiled plan (made the fastest on a fake clock) against the plan
-    # eager and Inductor's own layouts, both compiled and run for real inside the backend's
-    # call: a training step, forward and backward
-    fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_COMPILED else 1.0)
+    # on its training steps, Inductor's own races the plan run eagerly, then the compiled
+    # plan (made the fastest on a fake clock) is built on a later call and raced against the
+    # way kept: each compiled and run for real, forward and backward
+    fake_guard_clock(monkeypatch, _gain_clock(Runner.PLAN_COMPILED))
     compiled = torch.compile(ours, backend=memlayout.backend(cache=cache, rounds=1))
     out, grads = _train_step(compiled, x)
     want, want_grads = _train_step(theirs, x)
@@ -345,7 +357,8 @@ def test_inductor_trains_with_a_plan_its_own_rule_would_not_choose(monkeypatch, 
     assert all(c.inductor == "channels_last" for c in graph.differing)
     assert all(c.planned == "contiguous" and c.timed and c.seconds[1] > 10 * c.seconds[0]
                for c in graph.convolutions)
-    assert {how for how, _ in graph.timed} == {Runner.PLAN_EAGER, Runner.INDUCTOR_OWN}
+    assert {how for how, _ in graph.timed} == {Runner.PLAN_COMPILED}
+    assert graph.later_seconds > 0 and "built on a later call" in graph.plan_later
     assert "measured" in memlayout.backend_report().render()
     # both convolutions, at every call of the graph that runs
     fed.clear()
@@ -431,9 +444,9 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     that runs is verified, compiled or eagerly (other kernels), against one run of the graph;
     a second compile reads the decision and that verdict from the cache, times and verifies
     nothing, and builds only the way kept: the compiled plan, Inductor's own, or nothing
-    compiled at all for the eager plan.
-    The race runs on the graph's calls after the first (each call one way), and its end is
-    stored. Inductor's rule is asked once: later compiles of the graph read it from the
+    compiled at all for the eager plan. (Raced before the first call returns; on the calls,
+    the compiled plan waits: ``test_the_compiled_plan_is_built_on_a_later_call_...``.)
+    Inductor's rule is asked once: later compiles of the graph read it from the
     cache, which each compile of the graph opens once, for all it reads and writes."""
     rules = []
     monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: rules.append(1) or True)
@@ -449,19 +462,15 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     monkeypatch.setattr(backend_check, "_step", lambda fn, *a, **k: steps.append(fn)
                         or real_step(fn, *a, **k))
     for run in ("measured", "cached"):
-        compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+        compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+            cache=cache, race_on_calls=False))
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), model(x))
-            # the first compile races the three ways on the graph's calls
-            (graph,) = memlayout.backend_report().graphs
-            assert set(graph.racing) == ({*backend_inner.WAYS} if run == "measured" else set())
-            if run == "measured":
-                assert _raced(lambda c=compiled: c(x)) > 0
             torch.testing.assert_close(compiled(x), model(x))
         report = memlayout.backend_report(clear=True)
         (graph,) = report.graphs
         assert graph.planned and len(graph.differing) == 2 and graph.ran == fastest
-        assert (graph.race_calls > 0) == (run == "measured")
+        assert not graph.racing and not graph.race_calls and not graph.plan_later
         # the price, by step: the guard (timing, and its compile of Inductor's own layouts:
         # what torch.compile alone spends on the graph) only where it ran
         assert (graph.own_compile_seconds is not None) == (graph.guard_seconds > 0) == (
@@ -477,12 +486,12 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
         built = {Runner.PLAN_COMPILED: [backend_inner.PLAN_STANDS], Runner.PLAN_EAGER: [],
                  Runner.INDUCTOR_OWN: [{}]}[fastest]
         assert asked == ([backend_inner.PLAN_STANDS, {}] if run == "measured" else built)
-        # the graph once, the compiled plan and the eager plan, before the race
-        assert len(steps) == (0 if run == "cached" else 3)
+        # the graph once and the compiled plan; the eager plan where the guard kept it
+        assert len(steps) == (0 if run == "cached" else 3 if fastest == Runner.PLAN_EAGER else 2)
         if fastest != Runner.INDUCTOR_OWN:  # verified by the first compile, read by the second
             assert ("verified before" in graph.verification) == (run == "cached")
             assert ("the plan compiled" in graph.verification) == (fastest == Runner.PLAN_COMPILED)
-        assert len(opened) == (2 if run == "measured" else 1)  # and once to store the race
+        assert len(opened) == 1
         asked.clear()
         steps.clear()
         opened.clear()
@@ -491,15 +500,101 @@ def test_the_guard_runs_the_fastest_way_and_makes_inductors_own_only_when_needed
     assert len(rules) == 1
 
 
+@pytest.mark.parametrize("fastest", [Runner.PLAN_COMPILED, Runner.PLAN_EAGER, Runner.INDUCTOR_OWN])
+def test_the_compiled_plan_is_built_on_a_later_call_only_where_it_can_win(
+        monkeypatch, tmp_path, fastest):
+    """The same graph, raced on its calls: Inductor's own (compiled as torch.compile
+    compiles it) races the plan run eagerly (verified) first; the compiled plan is not built
+    before the first call returns. When that race ends, the compiled plan is built only where,
+    at best (Inductor's own time less what the convolutions save by their costs, ``gain``),
+    it beats the way kept by more than the margin; then the next call compiles and verifies
+    it, and the calls after race it against that way. On a fake clock in units of ``gain``,
+    ``fastest`` takes one, the others two: the compiled plan, built, wins its race; the eager
+    plan, kept at one, leaves the compiled plan no win (at best 2 - 1) and it is never
+    compiled; Inductor's own, kept at one, leaves it one (at best 1 - 1), so it is built, and
+    loses. A second compile reads both races from the cache and builds only the way kept."""
+    monkeypatch.setattr(backend_plan, "inductor_rule", lambda *args, **kwargs: True)
+    model, x = _plain().eval(), torch.randn(2, 3, 12, 12)
+    cache = str(tmp_path / "costs.sqlite")
+    _measure_into(cache, model, x, train=False)
+    asked = _spied_inner(monkeypatch)
+    assert _scale_channels_last(cache, 50.0) >= 2
+
+    fake_guard_clock(monkeypatch, _gain_clock(fastest))
+    built = fastest != Runner.PLAN_EAGER
+    for run in ("measured", "cached"):
+        compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+            (graph,) = memlayout.backend_report().graphs
+            if run == "measured":
+                assert set(graph.racing) == {Runner.INDUCTOR_OWN, Runner.PLAN_EAGER}
+                assert asked == [{}]  # Inductor's own alone, before the first call returned
+                assert _raced(lambda c=compiled: c(x)) > 0
+            assert not graph.racing if run == "cached" else True
+            torch.testing.assert_close(compiled(x), model(x))
+        (graph,) = memlayout.backend_report(clear=True).graphs
+        assert graph.ran == fastest and not graph.racing
+        if run == "measured":
+            assert ("the compiled plan built on a later call" in graph.plan_later) == built
+            assert ("the compiled plan not built" in graph.plan_later) == (not built)
+            assert asked == ([{}, backend_inner.PLAN_STANDS] if built else [{}])
+            assert (graph.later_seconds > 0) == built
+            # the second race's ratios where the compiled plan was raced, against the way kept
+            timed = dict(graph.timed)
+            assert graph.timed_against == Runner.INDUCTOR_OWN
+            assert set(timed) == ({Runner.PLAN_COMPILED} if built else {Runner.PLAN_EAGER})
+            assert next(iter(timed.values())) == pytest.approx(
+                0.5 if fastest == Runner.INDUCTOR_OWN else 2.0)
+        else:
+            assert asked == {Runner.PLAN_COMPILED: [backend_inner.PLAN_STANDS],
+                             Runner.PLAN_EAGER: [], Runner.INDUCTOR_OWN: [{}]}[fastest]
+            assert graph.race_calls == 0 and graph.later_seconds == 0
+        asked.clear()
+        torch._dynamo.reset()
+        monkeypatch.setattr(guard, "interleaved", _no_timing)
+        monkeypatch.setattr(backend_inner, "CallRace", _no_timing)
+
+
+def test_a_compiled_plan_built_later_that_fails_its_check_is_dropped_and_the_way_kept_runs_on(
+        monkeypatch, tmp_path):
+    """The compiled plan (the fastest on the fake clock), built on a later call after the
+    first race kept Inductor's own, computes other values than the graph (a wrong kernel,
+    injected): it is dropped with a warning before any call runs it, Inductor's own runs on,
+    the record says why, and every call computes what the model does."""
+    model, x, cache, asked = _planned_contiguous(monkeypatch, tmp_path, rule=True, train=False)
+    spied = backend_inner.inner_compile
+
+    def wrong(gm, example_inputs, options, dtype, device, patches=backend_inner.PLAN_STANDS,
+              backward_now=True):
+        fn = spied(gm, example_inputs, options, dtype, device, patches, backward_now)
+        return fn if not patches else lambda *args: tuple(t * 1.5 for t in fn(*args))
+    monkeypatch.setattr(backend_inner, "inner_compile", wrong)
+    fake_guard_clock(monkeypatch, _gain_clock(Runner.PLAN_COMPILED))
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(compiled(x), model(x))
+        assert _raced(lambda: torch.testing.assert_close(compiled(x), model(x))) > 0
+        torch.testing.assert_close(compiled(x), model(x))
+    (graph,) = memlayout.backend_report().graphs
+    assert asked == [{}, backend_inner.PLAN_STANDS]  # Inductor's own, then the plan, later
+    assert graph.ran == Runner.INDUCTOR_OWN and not graph.racing
+    assert graph.plan_later.startswith("the compiled plan dropped (")
+    assert graph.later_seconds > 0
+    assert [w for w in caught if "the compiled plan of graph" in str(w.message)]
+
+
 @pytest.mark.parametrize("on_calls", [False, True])
 def test_an_eager_plan_that_fails_its_check_gives_way_to_the_compiled_plan(
         monkeypatch, tmp_path, on_calls):
     """The plan run eagerly (the fastest on the fake clock) computes other values than the
     graph (a wrong kernel, injected). Raced before the first call returns, the guard keeps
     it, it fails its check, and the compiled plan, verified, runs instead; the race that kept
-    it is forgotten. Raced on the graph's calls, it is verified before the race and left out
-    of it. Either way the report says why, nothing is stored, and the next compile races
-    again, with the same outcome."""
+    it is forgotten. Raced on the graph's calls, it is verified before its race against
+    Inductor's own, with the compiled plan not yet built: the plan is dropped, with a
+    warning, and Inductor's own runs. Either way the report says why, nothing is stored,
+    and the next compile does the same."""
     model, x, cache, _ = _planned_contiguous(monkeypatch, tmp_path, rule=True, train=False)
     monkeypatch.setattr(backend_inner, "eager_run", lambda gm, options, device: lambda *args:
                         tuple(t * 1.5 for t in gm(*args)))  # Dynamo's graphs return tuples
@@ -507,19 +602,21 @@ def test_an_eager_plan_that_fails_its_check_gives_way_to_the_compiled_plan(
     for _ in range(2):
         compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
             cache=cache, race_on_calls=on_calls))
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             torch.testing.assert_close(compiled(x), model(x))
-            assert _raced(lambda c=compiled: c(x)) > 0 or not on_calls
+            assert _raced(lambda c=compiled: c(x)) == 0
             torch.testing.assert_close(compiled(x), model(x))
         (graph,) = memlayout.backend_report(clear=True).graphs
-        assert graph.ran == Runner.PLAN_COMPILED and not graph.fallback
+        dropped = [w for w in caught if "was dropped" in str(w.message)]
         if on_calls:
-            assert "the plan run eagerly failed its check" in graph.verification
-            assert dict(graph.timed).keys() == {Runner.INDUCTOR_OWN}
+            assert graph.ran == Runner.INDUCTOR_OWN and "relative error" in graph.fallback
+            assert len(dropped) == 1 and graph.guard_seconds == 0
         else:
+            assert graph.ran == Runner.PLAN_COMPILED and not graph.fallback and not dropped
             assert "the plan run eagerly was faster but failed its check" in graph.verification
             assert dict(graph.timed)[Runner.PLAN_EAGER] == pytest.approx(2.0)
-        assert graph.guard_seconds > 0  # raced, each time
+            assert graph.guard_seconds > 0  # raced, each time
         torch._dynamo.reset()
 
 
@@ -599,7 +696,8 @@ def test_an_inference_graphs_other_costs_are_measured_only_where_its_convolution
                           "(kind = 'node' AND key NOT LIKE '%conv2d%')").rowcount > 0
     db.close()
     fake_guard_clock(monkeypatch, lambda name, _i: 0.5 if name == Runner.PLAN_COMPILED else 1.0)
-    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(
+        cache=cache, race_on_calls=False))
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     (graph,) = memlayout.backend_report().graphs

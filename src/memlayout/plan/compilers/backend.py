@@ -27,34 +27,31 @@ Each graph (a graph break makes several; each is planned on its own) goes throug
    (keyed by the graph's code, the rewrite's, the inputs' shapes, strides and dtypes, how the
    plan runs, and torch): the same graph planned the same way is not run again, and its
    record says "verified before";
-5. ``guard``: the compiled plan timed, interleaved (a training step: forward, and backward
-   into ``.grad``, so a weight gradient the plan leaves channels-last pays its copy into the
-   parameter's strides, as in training),
-   against the planned graph run eagerly and against the graph compiled by Inductor with
-   its own layouts (what ``torch.compile`` alone runs); another runs only where it is
-   faster by more than ``memlayout.timing.KEEP_MARGIN``, and a close call the compiled plan
-   could lose by (to Inductor's own either way, to the eager plan where that one would be
-   kept) is timed twice as long (``memlayout.plan.check.guard``); one the compiled plan wins
-   against the eager plan keeps it untimed further. So a measured plan that loses as a whole graph never
-   costs the user Inductor's speed. The decision is cached with the costs, and a graph
-   decided before builds only the way that runs (the plan is neither compiled nor verified
-   where Inductor's own was kept; where the eager plan was, that is what is verified). The
-   race runs on the graph's own calls after the first, each way verified before
-   (``backend_race.CallRace``), unless ``race_on_calls`` is off.
-   Inductor's rule for the report (``inductor_rule``, a trace to aten) is cached the same way.
-   An inference graph whose plan agrees with Inductor's rule by its costs
+5. ``guard``: the ways to run the graph timed, interleaved (a training step: forward, and
+   backward into ``.grad``, so a weight gradient the plan leaves channels-last pays its copy
+   into the parameter's strides): the compiled plan, the plan run eagerly, and the graph
+   compiled by Inductor with its own layouts (what ``torch.compile`` alone runs, the way a
+   plan must never be slower than); another than the reference runs only where it is faster
+   by more than ``memlayout.timing.KEEP_MARGIN``, and a close call that counts is timed
+   twice as long (``memlayout.plan.check.guard``). The race runs on the graph's own calls
+   after the first, each way verified before its first (``backend_race.CallRace``), unless
+   ``race_on_calls`` is off (then before the first call returns, the compiled plan the
+   reference). On the calls, Inductor's own, compiled as ``torch.compile`` compiles it,
+   races the plan run eagerly first; where the plan differs from Inductor's rule, the
+   compiled plan waits for that race, and is built, verified and raced on a later call only
+   where by its costs it could still win (``backend_later``). Where Inductor's own runs a
+   known fault channels-last (``memlayout.plan.costs.faults``) it is not raced. The
+   decisions are cached with the costs, and a graph decided before builds only the way that
+   runs. Inductor's rule for the report (``inductor_rule``, a trace to aten) is cached the
+   same way. An inference graph whose plan agrees with Inductor's rule by its costs
    (``agrees_with_inductor``: the convolutions it puts in another format would save less
-   than ``KEEP_MARGIN`` of their time) is not timed: the two programs then differ by about
-   what a race on a few rounds cannot tell, so the guard keeps what ``torch.compile`` alone
-   runs, Inductor's own layouts, and the plan is neither compiled nor verified (its record
-   says so). An inference graph's convolutions are measured first, the rest only where
-   they leave it open: where putting each convolution in its faster format would save less
-   than ``KEEP_MARGIN`` of their least time (``every_plan_agrees``), every plan agrees, and
-   nothing else is measured, no cut solved. A training graph that agrees races one compiled
-   way against the plan run eagerly, which can beat any compiled step: on its calls,
-   Inductor's own (compiled as ``torch.compile`` compiles it; the compiled plan is not
-   built); raced before the first call returns, the compiled plan (it also decides the
-   gradients' strides, which DDP's buckets compare).
+   than ``KEEP_MARGIN`` of their time) is not timed: the guard keeps Inductor's own, and
+   the plan is neither compiled nor verified (its record says so). An inference graph's
+   convolutions are measured first, the rest only where they leave it open
+   (``every_plan_agrees``). A training graph that agrees races one compiled way against the
+   plan run eagerly, which can beat any compiled step: on its calls, Inductor's own (the
+   compiled plan is not built); raced before the first call returns, the compiled plan (it
+   also decides the gradients' strides, which DDP's buckets compare).
 
 Parameters are graph inputs here (Dynamo lifts them), so a weight planned in another format
 than it is stored in is converted on every call, and in training its gradient is converted
@@ -141,28 +138,28 @@ from memlayout.plan.compilers.backend_graphs import (
 )
 from memlayout.plan.compilers.backend_inner import (
     DYNAMO_SIGNALS,
-    WAYS,
     Checked,
     as_given,
     built_and_checked,
     ddp_split,
     eager_run,
     fastest_way,
+    first_checks,
     inductor_option,
-    known_decision,
     unplanned,
 )
+from memlayout.plan.compilers.backend_later import LaterPlan, PlanLater, ways_of
 from memlayout.plan.compilers.backend_plan import (
     AGREES,
     NONE_DIFFERS,
     Planned,
     agrees_with_inductor,
     cached_rule,
+    convolution_gain,
     inductor_rule,
-    inductor_runs_a_fault,
     plan_graph,
 )
-from memlayout.plan.compilers.backend_race import CallRace, guard_ratios, races_on_calls
+from memlayout.plan.compilers.backend_race import guard_ratios, races_on_calls
 from memlayout.plan.compilers.backend_report import (
     RECORDS,
     BackendWarning,
@@ -181,7 +178,6 @@ from memlayout.plan.compilers.backend_shared import (
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.runners import Runner
 from memlayout.tensors import device_of
-from memlayout.timing import KEEP_MARGIN
 
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -508,31 +504,26 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
                                          verification=AGREES if planned.solved else NONE_DIFFERS,
                                          compile_seconds=time.perf_counter() - start))
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
-    # a plan that agrees with Inductor's rule by its costs: Inductor's own is not raced (nor
-    # where it runs a known fault channels-last: memlayout.plan.costs.faults), but in
-    # training, racing on the calls, is the compiled way; a cached decision: build only that
-    fault = inductor_runs_a_fault(planned)
-    own_first = on_calls and train and agrees and not fault
-    ways = ([Runner.INDUCTOR_OWN, Runner.PLAN_EAGER] if own_first else
-            [w for w in WAYS if not ((agrees or fault) and w == Runner.INDUCTOR_OWN)])
-    known = known_decision(eager_graph, inputs, options, store, train=train, dtype=dtype,
-                            device=device, ways=ways)
-    kept, record["timed_against"] = ((known.kept(Runner.PLAN_COMPILED, KEEP_MARGIN),
-                                      known.reference) if known is not None else (None, ways[0]))
+    later = LaterPlan(gm, planned.graph, eager_graph, example_inputs, inputs, options,
+                      functools.partial(open_cache, options.cache), {}, record["graph"],
+                      convolution_gain(planned.convolutions), train, dtype, device)
+    own_first, ways, known, kept, pending = ways_of(planned, agrees, later, record, store,
+                                                    on_calls=on_calls)
     if kept == Runner.INDUCTOR_OWN:  # what torch.compile alone runs: the plan is not built
         fn = unplanned(given, example_inputs, options, dtype, device, backward_now=train and (
             compiled_with_backward(store, given, inputs, device=device,
                                    compiled_as=options.compiled_as)))[0]
-        return _Compiled(fn, GraphRecord(
-            **record, ran=Runner.INDUCTOR_OWN, timed=guard_ratios(known),
-            verification="the plan not run (Inductor's own layouts kept, as timed before)",
-            compile_seconds=time.perf_counter() - start))
+        return _Compiled(fn if pending is None else PlanLater(later, pending=pending).running(fn),
+                         GraphRecord(**record, ran=Runner.INDUCTOR_OWN, timed=guard_ratios(known),
+                                     racing=(pending, Runner.PLAN_COMPILED) if pending else (),
+                                     verification="the plan not run (Inductor's own layouts kept, as timed before)",
+                                     compile_seconds=time.perf_counter() - start))
     steps: dict[str, Step] = {}  # the graph's own steps, run once for every way verified
     built, check, record["verify_seconds"] = built_and_checked(
         gm, planned.graph, eager_graph, example_inputs, inputs, options, store, train=train,
-        dtype=dtype, device=device, compiled=options.inner != "eager" and not own_first
-        and kept != Runner.PLAN_EAGER, timed=kept is None and options.guard and options.measure,
-        reference_steps=steps)
+        dtype=dtype, device=device, compiled=options.inner != "eager" and (
+            kept == Runner.PLAN_COMPILED or not own_first and kept != Runner.PLAN_EAGER),
+        timed=kept is None and options.guard and options.measure, reference_steps=steps)
     if built is None or not check.ok:
         return _dropped(given, example_inputs, options, dtype, device, check, record,
                         time.perf_counter() - start)
@@ -541,13 +532,20 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
     guarding, spent, opened = time.perf_counter(), {}, functools.partial(open_cache, options.cache)
     guarded = kept is None and (own_first or ran == Runner.PLAN_COMPILED and options.guard
                                 and options.measure)
+    later.checks = first_checks(check)
     if kept is not None:
         ran = Runner.PLAN_EAGER if kept == Runner.PLAN_EAGER else Runner.PLAN_COMPILED
         timed = guard_ratios(known)
+        if pending is not None:
+            fn = PlanLater(later, pending=pending).running(fn)
+            record["racing"] = (pending, Runner.PLAN_COMPILED)
     elif own_first:  # the race's reference, until it ends
+        staged = PlanLater(later) if not agrees else None
         fn, ran = backend_inner.own_against_eager(
             fn, given, eager_graph, example_inputs, inputs, options, check, opened, spent,
-            graph=record["graph"], train=train, dtype=dtype, device=device), Runner.INDUCTOR_OWN
+            graph=record["graph"], train=train, dtype=dtype, device=device,
+            then=staged.first_ended if staged else None), Runner.INDUCTOR_OWN
+        fn = staged.running(fn) if staged else fn
     elif guarded:
         fn, ran, timed, check = fastest_way(fn, given, eager_graph, example_inputs, inputs,
                                             options, store, Checked(gm, check, steps),
@@ -555,7 +553,7 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
                                             spent=spent, ways=ways,
                                             on_calls=opened if on_calls else None)
     if guarded:
-        record["racing"] = fn.ways if isinstance(fn, CallRace) else ()
+        record["racing"] = getattr(fn, "ways", ())
         record["verify_seconds"] += spent.get("verify", 0.0)
         # where Inductor's own is the race's reference, its compile is the graph's compile
         record["guard_seconds"] = (time.perf_counter() - guarding - spent.get("verify", 0.0)

@@ -38,7 +38,13 @@ from memlayout.plan.compilers.backend_graphs import (
     grads_in_parameter_strides,
     graph_id,
 )
-from memlayout.plan.compilers.backend_race import CallRace, decided_here, guard_ratios
+from memlayout.plan.compilers.backend_race import (
+    CallRace,
+    Decided,
+    chained,
+    decided_here,
+    guard_ratios,
+)
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.runners import Runner
 from memlayout.timing import KEEP_MARGIN, Race
@@ -178,28 +184,37 @@ def own_against_eager(eager: Callable[..., Any], gm: fx.GraphModule, eager_graph
                       example_inputs: list[Any], inputs: list[Any], options: Backend,
                       check: GraphCheck, opened: Callable[[], Any], spent: dict[str, float], *,
                       graph: str, train: bool, dtype: torch.dtype | None,
-                      device: torch.device) -> CallRace:
-    """The race on the calls of a training graph whose plan agrees with Inductor's rule
-    (``backend_plan.agrees_with_inductor``): ``gm`` compiled with Inductor's own layouts, as
-    ``torch.compile`` compiles it (its backward lazily, at its first backward), against the
-    plan run eagerly (``eager``, verified as ``check`` says). The compiled plan is not built:
-    its convolutions are in the formats Inductor's own gives them, and the rest differs by
-    less than the margin by its costs, so Inductor's own is the compiled way, and the race's
-    reference. ``graph``: Dynamo's compile id of the graph, whose record the race's end
-    updates; ``spent[Runner.INDUCTOR_OWN]``: the seconds its compile took."""
+                      device: torch.device, then: Decided | None = None) -> CallRace:
+    """The race on the calls of a graph whose compiled plan is not built up front: ``gm``
+    compiled with Inductor's own layouts, as ``torch.compile`` compiles it (its backward
+    lazily, at its first backward), against the plan run eagerly (``eager``, verified as
+    ``check`` says). Inductor's own is the compiled way, and the race's reference: where the
+    plan agrees with Inductor's rule (``backend_plan.agrees_with_inductor``), its
+    convolutions are in the formats Inductor's own gives them and the rest differs by less
+    than the margin by its costs; where it differs, the compiled plan waits for this race
+    (``backend_later``, whose ``then`` hears its end too). ``graph``: Dynamo's compile id
+    of the graph, whose record the race's end updates; ``spent[Runner.INDUCTOR_OWN]``: the
+    seconds its compile took."""
     start = time.perf_counter()
     own = unplanned(gm, example_inputs, options, dtype, device)[0]
     spent[Runner.INDUCTOR_OWN] = time.perf_counter() - start
     ways = [Runner.INDUCTOR_OWN, Runner.PLAN_EAGER]
     key = guard_key(list(ways), eager_graph, inputs, train=train, dtype=dtype, device=device,
                     compiled_as=options.compiled_as)
-    checks = {Runner.PLAN_EAGER.value: check, Runner.INDUCTOR_OWN.value: GraphCheck(
-        True, "Inductor's own layouts, what torch.compile runs, kept over the plan run eagerly",
-        None)}
+    here = decided_here(graph, key, opened, first_checks(check))
     return CallRace({Runner.INDUCTOR_OWN: own, Runner.PLAN_EAGER: eager},
                     reference=Runner.INDUCTOR_OWN.value, margin=KEEP_MARGIN,
                     rounds=options.rounds, protect=(), train=train, device=device,
-                    decided=decided_here(graph, key, opened, checks))
+                    decided=here if then is None else chained(here, then))
+
+
+def first_checks(eager: GraphCheck) -> dict[str, GraphCheck]:
+    """How each way of the race of Inductor's own against the plan run eagerly was
+    verified: the eager plan as ``eager`` says; Inductor's own is what ``torch.compile``
+    runs."""
+    return {Runner.PLAN_EAGER.value: eager, Runner.INDUCTOR_OWN.value: GraphCheck(
+        True, "Inductor's own layouts, what torch.compile runs, kept over the plan run eagerly",
+        None)}
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,

@@ -91,18 +91,20 @@ class CallRace:
     verified; ``reference``: the way kept unless another is faster by more than ``margin``).
     ``rounds`` interleaved rounds follow one untimed call of each way; they stop early, retire
     a way out of the running and extend a close call as ``memlayout.plan.check.guard``'s
-    ``time_steps`` does, ``protect`` as there. ``decided`` hears the outcome once."""
+    ``time_steps`` does, ``protect`` as there. ``decided`` hears the outcome once. ``warm``:
+    ways already run on these inputs (verified, or kept from an earlier race): their
+    untimed call is left out."""
 
     def __init__(self, fns: Mapping[str, Callable[..., Any]], *, reference: str, margin: float,
                  rounds: int, protect: tuple[str, ...], train: bool, device: torch.device,
-                 decided: Decided) -> None:
+                 decided: Decided, warm: tuple[str, ...] = ()) -> None:
         self._fns = dict(fns)
         self._reference, self._margin, self._rounds = reference, margin, rounds
         self._protect, self._train, self._decided = protect, train, decided
         self._sync = seam(device).synchronize
         self._before = Conditions.now()
         self._live = list(fns)
-        self._queue = list(fns)  # the warm-up: each way once, untimed
+        self._queue = [w for w in fns if w not in warm]  # the warm-up: each way once, untimed
         self._runs: list[dict[str, list[float]]] = []
         self._round = -1
         self._extended = False
@@ -114,6 +116,8 @@ class CallRace:
         self.kept: str | None = None
         self._stop = separated(reference, margin, rounds)
         self._retire = behind(reference, margin, rounds)
+        if not self._queue:
+            self._next_round()
 
     def __call__(self, *args: Any) -> Any:
         if self.kept is not None:
@@ -123,6 +127,10 @@ class CallRace:
             return self._fns[self.kept](*args)
         self.calls += 1
         return self._timed(self._queue[0], args)
+
+    def way(self, name: str) -> Callable[..., Any]:
+        """The function of way ``name`` (once the race ended, only the way kept's)."""
+        return self._fns[name]
 
     def _timed(self, way: str, args: tuple[Any, ...]) -> Any:
         self._sync()
@@ -221,6 +229,14 @@ class CallRace:
         self._decided(race, self.kept, self.calls)
 
 
+def chained(*steps: Decided) -> Decided:
+    """One race's ``decided`` that hears its outcome in each of ``steps``, in order."""
+    def decided(race: Race | None, kept: str, calls: int) -> None:
+        for step in steps:
+            step(race, kept, calls)
+    return decided
+
+
 def guard_ratios(race: Race | None) -> tuple[tuple[str, float], ...]:
     """Each other way's median ratio in the guard's race (its reference's time over its)."""
     return () if race is None else tuple((name, r.median) for name, r in race.ratios.items())
@@ -258,10 +274,11 @@ def decided_here(graph: str, key: str | None, opened: Callable[[], Any],
                     store.close()
         check = checks[kept]
         RECORDS.update(graph, lambda record: dataclasses.replace(
-            record, ran=Runner(kept), timed=guard_ratios(race), racing=(), race_calls=calls,
+            record, ran=Runner(kept), timed=guard_ratios(race), racing=(),
+            race_calls=record.race_calls + calls,
             timed_against=race.reference if race else record.timed_against,
             verification=check.how, max_error=check.error))
     return decided
 
 
-__all__ = ["ABANDON_AFTER", "CallRace", "decided_here", "guard_ratios", "races_on_calls"]
+__all__ = ["ABANDON_AFTER", "CallRace", "Decided", "chained", "decided_here", "guard_ratios", "races_on_calls"]

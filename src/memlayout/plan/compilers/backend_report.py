@@ -159,11 +159,14 @@ class GraphRecord:
     (stored in another format than it runs in; in training its gradient is converted back
     too); ``timed``: for each other way the guard timed (the plan run eagerly, Inductor's own
     layouts), the median per-round ratio of the race's reference's time (``timed_against``:
-    the compiled plan, or Inductor's own where the compiled plan was not built) to that
-    way's (above 1: that way was faster); ``racing``: the ways the guard races on the graph's own calls
-    while it still does (``ran`` then names the race's reference, the way kept unless another
-    is faster), ``race_calls``: the calls that race took, once it ended
-    (``backend_race.CallRace``).
+    the compiled plan, Inductor's own where the compiled plan was not built up front, or the
+    way a first race kept where a later one raced the compiled plan against it) to that
+    way's (above 1: that way was faster); ``racing``: the ways the guard races on the graph's
+    own calls while it still does (``ran`` then names the race's reference, the way kept
+    unless another is faster), ``race_calls``: the calls those races took, once they ended
+    (``backend_race.CallRace``); ``plan_later``: where the compiled plan waited for the first
+    race (``backend_later``), what became of it, and ``later_seconds``: what building and
+    verifying it took on a later call.
 
     Under ``torch.distributed`` (one plan per job, ``memlayout.plan.compilers.backend_shared``):
     ``rank``: this process's rank (``None``: no process group); ``decided_by``: the rank that
@@ -198,6 +201,8 @@ class GraphRecord:
     own_compile_seconds: float | None = None  # Inductor's own layouts compiled for the guard
     racing: tuple[str, ...] = ()
     race_calls: int = 0
+    plan_later: str = ""
+    later_seconds: float = 0.0  # on a later call: the compiled plan built and verified
     timed_against: str = Runner.PLAN_COMPILED.value
     rank: int | None = None
     decided_by: int | None = None
@@ -279,6 +284,8 @@ class GraphRecord:
                 f"{how}'s {ratio:.3g}" for how, ratio in self.timed)
         if self.race_calls:
             text += f" (raced on its first {self.race_calls} calls)"
+        if self.plan_later:
+            text += f"; {self.plan_later}"
         return text
 
 
@@ -319,6 +326,9 @@ class BackendReport:
             ours = sum(r.plan_seconds + r.compile_seconds for r in known)
             text += (f"; torch.compile alone: {own:.1f} s for {len(known)} of {len(g)} graphs "
                      f"(the backend: {ours:.1f} s for them)")
+        if later := [r for r in g if r.later_seconds]:
+            text += (f"; on later calls, the compiled plan built and verified for {len(later)} "
+                     f"graphs: {sum(r.later_seconds for r in later):.1f} s")
         return text
 
     def render(self) -> str:
