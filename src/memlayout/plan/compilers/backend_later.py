@@ -201,7 +201,8 @@ class PlanLater:
     (``pending``: the compiled plan, which could win, built at the first call)."""
 
     def __init__(self, later: LaterPlan, *, pending: str | None = None) -> None:
-        self._later, self._pending = later, pending
+        self._later: LaterPlan | None = later  # let go once the compiled plan is decided
+        self._pending = pending
         self._first: Callable[..., Any] | None = None
         self._fn: Callable[..., Any] | None = None
         self.ways: tuple[str, ...] = ()
@@ -213,29 +214,36 @@ class PlanLater:
 
     def first_ended(self, race: Race | None, kept: str, _calls: int) -> None:
         """The first race ended: build the compiled plan at the next call where, by its
-        costs, it could beat the way kept; else say what leaving it costs at most."""
-        best = best_case(race, kept, self._later.gain)
-        if could_win(best):
+        costs, it could beat the way kept; else say what leaving it costs at most, and run
+        the way kept from the next call."""
+        later = self._later
+        assert later is not None, "a first race ends once"
+        best = best_case(race, kept, later.gain)
+        if best is not None and could_win(best):
             self._pending = kept
             text = (f"the compiled plan to be built on the next call: by its costs, at best "
-                    f"{best[0]:.3g} s a call, against {best[1]:.3g} s for {kept}"
-                    if best else "")
+                    f"{best[0]:.3g} s a call, against {best[1]:.3g} s for {kept}")
             racing: tuple[str, ...] = (kept, Runner.PLAN_COMPILED.value)
         else:
             text, racing = later_note(best, kept), ()
-        RECORDS.update(self._later.name, lambda record: dataclasses.replace(
+            self._fn, self._later = self._kept(kept), None
+        RECORDS.update(later.name, lambda record: dataclasses.replace(
             record, plan_later=text, racing=racing))
+
+    def _kept(self, kept: str) -> Callable[..., Any]:
+        """The way kept itself, not through the race that kept it."""
+        assert self._first is not None, "PlanLater called before it runs anything"
+        return self._first.way(kept) if isinstance(self._first, CallRace) else self._first
 
     def __call__(self, *args: Any) -> Any:
         if self._fn is not None:
             return self._fn(*args)
         assert self._first is not None, "PlanLater called before it runs anything"
-        if self._pending is None:
+        if self._pending is None or self._later is None:
             return self._first(*args)
-        kept, self._pending = self._pending, None
-        # the way kept itself, not through the race that kept it
-        first = self._first.way(kept) if isinstance(self._first, CallRace) else self._first
+        kept, first = self._pending, self._kept(self._pending)
         self._fn = self._later.build(kept, first) or first
+        self._later = None
         return self._fn(*args)
 
 
