@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import sqlite3
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -554,6 +555,48 @@ def test_the_compiled_plan_is_built_on_a_later_call_only_where_it_can_win(
         torch._dynamo.reset()
         monkeypatch.setattr(guard, "interleaved", _no_timing)
         monkeypatch.setattr(backend_inner, "CallRace", _no_timing)
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune"])
+def test_the_eager_plan_is_verified_while_inductors_own_compiles_where_inductor_times_nothing(
+        monkeypatch, tmp_path, mode):
+    """A training graph raced on its calls: the plan run eagerly is verified on a thread of
+    its own while Inductor's own compiles (here the verification waits for that compile to
+    begin, and the compile for the verification to end), and the price counts that time as
+    alongside it. Under ``max-autotune``, whose
+    compile times kernels, the verification runs first, alone. Either way the step is the
+    model's."""
+    model, x, cache, asked = _planned_contiguous(monkeypatch, tmp_path, rule=False, train=True)
+    compiling, verified, waited = threading.Event(), threading.Event(), []
+    spied, real_verify = backend_inner.inner_compile, backend_check.verify_graph
+
+    def verify_graph(*args, **kwargs):
+        waited.append(compiling.wait(timeout=10.0 if mode == "default" else 0.5))
+        try:
+            return real_verify(*args, **kwargs)
+        finally:
+            verified.set()
+
+    def inner(gm, example_inputs, options, dtype, device, patches=backend_inner.PLAN_STANDS,
+              backward_now=True):
+        if not patches:  # Inductor's own: compiling until the verification has ended
+            compiling.set()
+            verified.wait(timeout=10.0)
+        return spied(gm, example_inputs, options, dtype, device, patches, backward_now)
+    monkeypatch.setattr(backend_check, "verify_graph", verify_graph)
+    monkeypatch.setattr(backend_inner, "inner_compile", inner)
+    compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache,
+                                                                             mode=mode))
+    (out, grads), (want, want_grads) = _train_step(compiled, x), _train_step(model, x)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(grads, want_grads)
+    report = memlayout.backend_report()
+    (graph,) = report.graphs
+    assert asked == [{}] and graph.ran == Runner.INDUCTOR_OWN and graph.racing
+    assert waited == [mode == "default"]
+    assert (graph.verify_alongside > 0) == (mode == "default")
+    assert graph.verify_alongside <= graph.verify_seconds
+    assert ("alongside Inductor's compile" in report.price()) == (mode == "default")
 
 
 def test_a_compiled_plan_built_later_that_fails_its_check_is_dropped_and_the_way_kept_runs_on(

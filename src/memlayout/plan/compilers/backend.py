@@ -148,7 +148,7 @@ from memlayout.plan.compilers.backend_inner import (
     inductor_option,
     unplanned,
 )
-from memlayout.plan.compilers.backend_later import LaterPlan, PlanLater, ways_of
+from memlayout.plan.compilers.backend_later import LaterPlan, PlanLater, first_race, ways_of
 from memlayout.plan.compilers.backend_plan import (
     AGREES,
     NONE_DIFFERS,
@@ -519,17 +519,27 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
                                      verification="the plan not run (Inductor's own layouts kept, as timed before)",
                                      compile_seconds=time.perf_counter() - start))
     steps: dict[str, Step] = {}  # the graph's own steps, run once for every way verified
-    built, check, record["verify_seconds"] = built_and_checked(
-        gm, planned.graph, eager_graph, example_inputs, inputs, options, store, train=train,
-        dtype=dtype, device=device, compiled=options.inner != "eager" and (
+    verify = functools.partial(
+        built_and_checked, gm, planned.graph, eager_graph, example_inputs, inputs, options,
+        train=train, dtype=dtype, device=device, compiled=options.inner != "eager" and (
             kept == Runner.PLAN_COMPILED or not own_first and kept != Runner.PLAN_EAGER),
         timed=kept is None and options.guard and options.measure, reference_steps=steps)
+    spent: dict[str, float] = {}
+    if own_first and kept is None:  # the eager plan verified alongside Inductor's own compile
+        guarding = time.perf_counter()
+        built, check, record["verify_seconds"], record["verify_alongside"] = first_race(
+            later, given, verify, store, spent, agrees=agrees)
+        if not check.ok:
+            return _dropped(given, example_inputs, options, dtype, device, check, record,
+                            time.perf_counter() - start, built=built)
+    else:
+        built, check, record["verify_seconds"] = verify(store)
+        guarding = time.perf_counter()
     if built is None or not check.ok:
         return _dropped(given, example_inputs, options, dtype, device, check, record,
                         time.perf_counter() - start)
     fn = built
     ran, timed = (Runner.PLAN_EAGER if options.inner == "eager" else Runner.PLAN_COMPILED), ()
-    guarding, spent, opened = time.perf_counter(), {}, functools.partial(open_cache, options.cache)
     guarded = kept is None and (own_first or ran == Runner.PLAN_COMPILED and options.guard
                                 and options.measure)
     later.checks = first_checks(check)
@@ -540,23 +550,21 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
             fn = PlanLater(later, pending=pending).running(fn)
             record["racing"] = (pending, Runner.PLAN_COMPILED)
     elif own_first:  # the race's reference, until it ends
-        staged = PlanLater(later) if not agrees else None
-        fn, ran = backend_inner.own_against_eager(
-            fn, given, eager_graph, example_inputs, inputs, options, check, opened, spent,
-            graph=record["graph"], train=train, dtype=dtype, device=device,
-            then=staged.first_ended if staged else None), Runner.INDUCTOR_OWN
-        fn = staged.running(fn) if staged else fn
+        ran = Runner.INDUCTOR_OWN
     elif guarded:
         fn, ran, timed, check = fastest_way(fn, given, eager_graph, example_inputs, inputs,
                                             options, store, Checked(gm, check, steps),
                                             train=train, dtype=dtype, device=device,
-                                            spent=spent, ways=ways,
-                                            on_calls=opened if on_calls else None)
+                                            spent=spent, ways=ways, on_calls=later.opened
+                                            if on_calls else None)
     if guarded:
         record["racing"] = getattr(fn, "ways", ())
+        # the verification and, where Inductor's own is the race's reference, its compile
+        # (the graph's compile) are not the guard's
+        verified = (record["verify_seconds"] - record.get("verify_alongside", 0.0) if own_first
+                    else spent.get("verify", 0.0))
         record["verify_seconds"] += spent.get("verify", 0.0)
-        # where Inductor's own is the race's reference, its compile is the graph's compile
-        record["guard_seconds"] = (time.perf_counter() - guarding - spent.get("verify", 0.0)
+        record["guard_seconds"] = (time.perf_counter() - guarding - verified
                                    - (spent[Runner.INDUCTOR_OWN] if own_first else 0.0))
         record["own_compile_seconds"] = spent.get(Runner.INDUCTOR_OWN)
     runs = ran in (Runner.PLAN_COMPILED, Runner.PLAN_EAGER)
@@ -580,14 +588,17 @@ def _not_planned(exc: Exception, graph: str) -> str:
 
 def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,
              dtype: torch.dtype | None, device: torch.device, check: GraphCheck,
-             record: dict[str, Any], compile_seconds: float) -> _Compiled:
+             record: dict[str, Any], compile_seconds: float,
+             built: Callable[..., Any] | None = None) -> _Compiled:
     """A plan that failed verification (or did not compile): the graph as Inductor compiles
-    it with its own layouts, a warning, and the record saying why."""
+    it with its own layouts (``built``: compiled so already), a warning, and the record
+    saying why."""
     problem = check.how + ("" if check.error is None else f": relative error {check.error:.3g}")
     warnings.warn(f"memlayout backend: the plan of graph {record['graph']} was dropped "
                   f"({problem}); the graph is compiled with Inductor's own layouts instead. "
                   "Please report this with the model", BackendWarning, stacklevel=3)
-    fn, ran = unplanned(gm, example_inputs, options, dtype, device)
+    fn, ran = ((built, Runner.INDUCTOR_OWN) if built is not None
+               else unplanned(gm, example_inputs, options, dtype, device))
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
                                      max_error=check.error, fallback=problem,
                                      compile_seconds=compile_seconds))

@@ -10,9 +10,10 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch._dynamo.exc
@@ -52,6 +53,8 @@ from memlayout.timing import KEEP_MARGIN, Race
 if TYPE_CHECKING:
     from memlayout.plan.compilers.backend import Backend
     from memlayout.plan.costs.cache import CostCache
+
+T = TypeVar("T")
 
 #: Inductor's config with the plan standing: its own layout optimization off, so the strides
 #: of the traced graph reach the kernels (``memlayout.compile``'s planned candidate too)
@@ -180,24 +183,20 @@ def _racing(fn: Callable[..., Any], makers: Mapping[str, Callable[[], Callable[.
                     device=device, decided=decided_here(graph, key, opened, checks))
 
 
-def own_against_eager(eager: Callable[..., Any], gm: fx.GraphModule, eager_graph: fx.GraphModule,
-                      example_inputs: list[Any], inputs: list[Any], options: Backend,
-                      check: GraphCheck, opened: Callable[[], Any], spent: dict[str, float], *,
-                      graph: str, train: bool, dtype: torch.dtype | None,
-                      device: torch.device, then: Decided | None = None) -> CallRace:
-    """The race on the calls of a graph whose compiled plan is not built up front: ``gm``
-    compiled with Inductor's own layouts, as ``torch.compile`` compiles it (its backward
-    lazily, at its first backward), against the plan run eagerly (``eager``, verified as
+def own_against_eager(own: Callable[..., Any], eager: Callable[..., Any],
+                      eager_graph: fx.GraphModule, inputs: list[Any], options: Backend,
+                      check: GraphCheck, opened: Callable[[], Any], *, graph: str, train: bool,
+                      dtype: torch.dtype | None, device: torch.device,
+                      then: Decided | None = None) -> CallRace:
+    """The race on the calls of a graph whose compiled plan is not built up front: Inductor's
+    own layouts (``own``, compiled as ``torch.compile`` compiles the graph: its backward
+    lazily, at its first backward) against the plan run eagerly (``eager``, verified as
     ``check`` says). Inductor's own is the compiled way, and the race's reference: where the
     plan agrees with Inductor's rule (``backend_plan.agrees_with_inductor``), its
     convolutions are in the formats Inductor's own gives them and the rest differs by less
     than the margin by its costs; where it differs, the compiled plan waits for this race
     (``backend_later``, whose ``then`` hears its end too). ``graph``: Dynamo's compile id
-    of the graph, whose record the race's end updates; ``spent[Runner.INDUCTOR_OWN]``: the
-    seconds its compile took."""
-    start = time.perf_counter()
-    own = unplanned(gm, example_inputs, options, dtype, device)[0]
-    spent[Runner.INDUCTOR_OWN] = time.perf_counter() - start
+    of the graph, whose record the race's end updates."""
     ways = [Runner.INDUCTOR_OWN, Runner.PLAN_EAGER]
     key = guard_key(list(ways), eager_graph, inputs, train=train, dtype=dtype, device=device,
                     compiled_as=options.compiled_as)
@@ -206,6 +205,32 @@ def own_against_eager(eager: Callable[..., Any], gm: fx.GraphModule, eager_graph
                     reference=Runner.INDUCTOR_OWN.value, margin=KEEP_MARGIN,
                     rounds=options.rounds, protect=(), train=train, device=device,
                     decided=here if then is None else chained(here, then))
+
+
+def overlaps(options: Backend, device: torch.device) -> bool:
+    """Whether a verification may run on a thread of its own while Inductor compiles: on a
+    CPU (Inductor's compile is mostly Python, on one core; a GPU's kernels would share the
+    device with it), where Inductor times nothing as it compiles (no autotuning, whose
+    timings the verification's kernels would disturb)."""
+    inductor = dict(options.inductor)
+    return (device.type == "cpu" and options.mode in (None, "default")
+            and not any(v for k, v in inductor.items() if "autotune" in k))
+
+
+def alongside(work: Callable[[], T], *, overlap: bool) -> Callable[[], T]:
+    """``work`` run on a thread of its own while the caller goes on (``overlap``), else now:
+    a function that returns its result once it is there (or raises what it raised).
+
+    >>> alongside(lambda: 2 + 2, overlap=True)(), alongside(lambda: 3, overlap=False)()
+    (4, 3)
+    """
+    if not overlap:
+        result = work()
+        return lambda: result
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memlayout-verify")
+    future = pool.submit(work)
+    pool.shutdown(wait=False)
+    return future.result
 
 
 def first_checks(eager: GraphCheck) -> dict[str, GraphCheck]:

@@ -30,7 +30,16 @@ import torch
 from torch import fx
 
 from memlayout.plan.compilers.backend_check import GraphCheck, guard_key
-from memlayout.plan.compilers.backend_inner import WAYS, built_and_checked, known_decision
+from memlayout.plan.compilers.backend_graphs import copy_graph
+from memlayout.plan.compilers.backend_inner import (
+    WAYS,
+    alongside,
+    built_and_checked,
+    known_decision,
+    overlaps,
+    own_against_eager,
+    unplanned,
+)
 from memlayout.plan.compilers.backend_plan import Planned, inductor_runs_a_fault
 from memlayout.plan.compilers.backend_race import CallRace, decided_here
 from memlayout.plan.compilers.backend_report import RECORDS, BackendWarning, GraphRecord
@@ -194,6 +203,49 @@ def ways_of(planned: Planned, agrees: bool, later: LaterPlan, record: dict[str, 
     return own_first, ways, known, kept, pending
 
 
+def first_race(later: LaterPlan, given: fx.GraphModule,
+               verify: Callable[[CostCache | None], tuple[Callable[..., Any] | None,
+                                                          GraphCheck, float]],
+               store: CostCache | None, spent: dict[str, float], *, agrees: bool
+               ) -> tuple[Callable[..., Any] | None, GraphCheck, float, float]:
+    """The race on the calls of Inductor's own (``given`` compiled as ``torch.compile``
+    compiles it) against the plan run eagerly, built and verified by ``verify`` (of the eager
+    plan, ``backend_inner.built_and_checked``) alongside that compile where it may be
+    (``backend_inner.overlaps``; on a thread of its own, with the cost cache opened for it);
+    where the plan differs from Inductor's rule (not ``agrees``), the compiled plan waits for
+    the race's end (:class:`PlanLater`). Returns the function (where the eager plan fails its
+    check: Inductor's own alone), the eager plan's check, the seconds verifying took and
+    those of them alongside the compile; ``spent[Runner.INDUCTOR_OWN]``: the compile's."""
+    options, device = later.options, later.device
+    together = overlaps(options, device)
+
+    def checked() -> tuple[Callable[..., Any] | None, GraphCheck, float]:
+        mine = later.opened() if together else store
+        try:
+            return verify(mine)
+        finally:
+            if together and mine is not None:
+                mine.close()
+    wait = alongside(checked, overlap=together)
+    start = time.perf_counter()
+    # a copy where the graph is the one the verification runs as its reference: Inductor
+    # may change the graph it compiles
+    own = unplanned(copy_graph(given) if together and given is later.gm else given,
+                    later.example_inputs, options, later.dtype, device)[0]
+    compiled = time.perf_counter()
+    spent[Runner.INDUCTOR_OWN] = compiled - start
+    eager, check, seconds = wait()
+    beside = max(0.0, seconds - (time.perf_counter() - compiled)) if together else 0.0
+    if eager is None or not check.ok:
+        return own, check, seconds, beside
+    staged = None if agrees else PlanLater(later)
+    race = own_against_eager(own, eager, later.eager_graph, later.inputs, options, check,
+                             later.opened, graph=later.name, train=later.train,
+                             dtype=later.dtype, device=device,
+                             then=staged.first_ended if staged else None)
+    return (race if staged is None else staged.running(race)), check, seconds, beside
+
+
 class PlanLater:
     """Dynamo's function for a graph whose compiled plan waits (the module's account):
     ``first`` runs the calls, the race of Inductor's own against the plan run eagerly
@@ -247,5 +299,5 @@ class PlanLater:
         return self._fn(*args)
 
 
-__all__ = ["LaterPlan", "PlanLater", "best_case", "could_win", "decided_before", "later_note",
-           "ways_of"]
+__all__ = ["LaterPlan", "PlanLater", "best_case", "could_win", "decided_before", "first_race",
+           "later_note", "ways_of"]
