@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sqlite3
 import threading
 import warnings
@@ -562,16 +563,17 @@ def test_the_eager_plan_is_verified_while_inductors_own_compiles_where_inductor_
         monkeypatch, tmp_path, mode):
     """A training graph raced on its calls: the plan run eagerly is verified on a thread of
     its own while Inductor's own compiles (here the verification waits for that compile to
-    begin, and the compile for the verification to end), and the price counts that time as
-    alongside it. Under ``max-autotune``, whose
+    begin, and the compile for the verification to end), at the lowest priority, and the
+    price counts that time as alongside it. Under ``max-autotune``, whose
     compile times kernels, the verification runs first, alone. Either way the step is the
     model's."""
     model, x, cache, asked = _planned_contiguous(monkeypatch, tmp_path, rule=False, train=True)
-    compiling, verified, waited = threading.Event(), threading.Event(), []
+    compiling, verified, waited, niceness = threading.Event(), threading.Event(), [], []
     spied, real_verify = backend_inner.inner_compile, backend_check.verify_graph
 
     def verify_graph(*args, **kwargs):
         waited.append(compiling.wait(timeout=10.0 if mode == "default" else 0.5))
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         try:
             return real_verify(*args, **kwargs)
         finally:
@@ -594,6 +596,9 @@ def test_the_eager_plan_is_verified_while_inductors_own_compiles_where_inductor_
     (graph,) = report.graphs
     assert asked == [{}] and graph.ran == Runner.INDUCTOR_OWN and graph.racing
     assert waited == [mode == "default"]
+    # alongside, at the lowest priority: what the compile leaves idle
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert niceness == [backend_inner.LOWEST_PRIORITY if mode == "default" else main]
     assert (graph.verify_alongside > 0) == (mode == "default")
     assert graph.verify_alongside <= graph.verify_seconds
     assert ("alongside Inductor's compile" in report.price()) == (mode == "default")

@@ -127,7 +127,6 @@ from memlayout.plan.compilers.backend_check import (
     verify_graph,
 )
 from memlayout.plan.compilers.backend_graphs import (
-    NotPlanned,
     copy_graph,
     fix_convolution_arguments,
     fsdp_managed,
@@ -157,6 +156,7 @@ from memlayout.plan.compilers.backend_plan import (
     cached_rule,
     convolution_gain,
     inductor_rule,
+    not_planned_reason,
     plan_graph,
 )
 from memlayout.plan.compilers.backend_race import guard_ratios, races_on_calls
@@ -477,7 +477,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], inputs: list[A
     except Exception as exc:
         fn, ran = unplanned(given, example_inputs, options, dtype, device)
         return _Compiled(fn, GraphRecord(**head, planned=False, ran=ran, inductor_rule=rule,
-                                         reason=_not_planned(exc, head["graph"]),
+                                         reason=not_planned_reason(exc, head["graph"]),
                                          plan_seconds=time.perf_counter() - start))
     record = {**head, "planned": True, "inductor_rule": rule,
               "convolutions": planned.convolutions, "conversions": planned.conversions,
@@ -573,17 +573,6 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
                                      compile_seconds=time.perf_counter() - start),
                      planned if runs else None,
                      graph_signature(eager_graph, inputs) if runs else "")
-
-
-def _not_planned(exc: Exception, graph: str) -> str:
-    """Why ``graph`` runs unplanned: the planner's own reason (``NotPlanned``), or its failure,
-    which is warned of too."""
-    if isinstance(exc, NotPlanned):
-        return str(exc)
-    warnings.warn(f"memlayout backend: graph {graph} could not be planned "
-                  f"({type(exc).__name__}: {first_line(exc)}); it is compiled with "
-                  "Inductor's own layouts", BackendWarning, stacklevel=3)
-    return f"planning failed: {type(exc).__name__}"
 
 
 def _dropped(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,

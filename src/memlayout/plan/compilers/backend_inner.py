@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +57,9 @@ if TYPE_CHECKING:
     from memlayout.plan.costs.cache import CostCache
 
 T = TypeVar("T")
+
+#: the nice value of a thread that works alongside a compile (the lowest priority)
+LOWEST_PRIORITY = 19
 
 #: Inductor's config with the plan standing: its own layout optimization off, so the strides
 #: of the traced graph reach the kernels (``memlayout.compile``'s planned candidate too)
@@ -227,10 +232,23 @@ def alongside(work: Callable[[], T], *, overlap: bool) -> Callable[[], T]:
     if not overlap:
         result = work()
         return lambda: result
+
+    def behind() -> T:
+        lowest_priority()
+        return work()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memlayout-verify")
-    future = pool.submit(work)
+    future = pool.submit(behind)
     pool.shutdown(wait=False)
     return future.result
+
+
+def lowest_priority() -> None:
+    """The calling thread, and the threads it starts from now (its OpenMP team), at the
+    lowest CPU priority, where the OS lets a thread lower its own (Linux): work alongside a
+    compile then takes only what the compile leaves idle (its own Python, and the C++
+    compilers it starts, go first)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
 
 
 def first_checks(eager: GraphCheck) -> dict[str, GraphCheck]:

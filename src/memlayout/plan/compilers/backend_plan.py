@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,11 @@ from memlayout.plan.compilers.backend_graphs import (
     real_inputs,
     refuse_module_state,
 )
-from memlayout.plan.compilers.backend_report import ConvolutionChoice, convolution_nodes
+from memlayout.plan.compilers.backend_report import (
+    BackendWarning,
+    ConvolutionChoice,
+    convolution_nodes,
+)
 from memlayout.plan.convert import convert_value, convert_value_1d
 from memlayout.plan.costs.cache import CostCache
 from memlayout.plan.costs.measure import measure_costs
@@ -407,3 +412,14 @@ def convolution_gain(convolutions: Sequence[ConvolutionChoice]) -> float | None:
                 return None
             gain += theirs - mine
     return gain
+
+
+def not_planned_reason(exc: Exception, graph: str) -> str:
+    """Why ``graph`` runs unplanned: the planner's own reason (``NotPlanned``), or its failure,
+    which is warned of too."""
+    if isinstance(exc, NotPlanned):
+        return str(exc)
+    warnings.warn(f"memlayout backend: graph {graph} could not be planned "
+                  f"({type(exc).__name__}: {first_line(exc)}); it is compiled with "
+                  "Inductor's own layouts", BackendWarning, stacklevel=3)
+    return f"planning failed: {type(exc).__name__}"
