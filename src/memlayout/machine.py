@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import os
@@ -53,6 +54,17 @@ class Conditions:
         return cls(load, os.cpu_count(), torch.get_num_threads(),
                    os.environ.get("OMP_WAIT_POLICY", ""),
                    datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+    def less_own(self, cores: float) -> Conditions:
+        """These conditions with ``cores`` (this process's own use of the CPU over what was
+        measured, in cores) taken out of the load average: the load of other jobs.
+
+        >>> Conditions(2.8, 2, 2, "").less_own(1.9).busy, Conditions(2.8, 2, 2, "").busy
+        (False, True)
+        """
+        if self.load_average is None:
+            return self
+        return dataclasses.replace(self, load_average=round(max(0.0, self.load_average - cores), 2))
 
     @property
     def busy(self) -> bool:

@@ -167,3 +167,29 @@ def test_the_end_of_a_race_updates_the_graphs_record_and_a_cache_that_fails_only
     assert graph.ran == Runner.PLAN_EAGER and not graph.racing and graph.race_calls == race.calls
     assert dict(graph.timed) == {Runner.PLAN_EAGER: pytest.approx(2.0)}
     assert graph.verification == "the plan, eagerly" and closed == [1]
+
+
+@pytest.mark.parametrize(("own", "busy"), [(1.9, False), (0.2, True)])
+def test_the_race_is_judged_busy_by_the_load_other_jobs_make(monkeypatch, now, own, busy):
+    """The 1-minute load average reads 2.8 on 2 CPUs at the race's end. Where this process
+    used 1.9 cores over the timed rounds (its own calls, the compile before them), the other
+    jobs' load is 0.9: the race is not busy (and a later compile may read it). Where it used
+    0.2, the rest is other jobs': busy."""
+    fake_load(monkeypatch, load=2.8)
+    wall = [0.0]
+    monkeypatch.setattr(backend_race.time, "perf_counter", lambda: wall[0])
+    monkeypatch.setattr(backend_race.time, "process_time", lambda: own * wall[0])
+
+    def way(seconds):
+        def run(x):
+            now[0] += seconds
+            wall[0] += 1.0
+            return 2 * x
+        return run
+    race, outcomes = _race(now, {"compiled": way(1.0), "eager": way(0.5)}, train=False)
+    x = torch.randn(4)
+    for _ in range(12):
+        race(x)
+    ((result, kept, _),) = outcomes
+    assert kept == "eager" and result.conditions.busy == busy
+    assert result.conditions.load_average == pytest.approx(2.8 - own)

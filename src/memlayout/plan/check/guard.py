@@ -215,12 +215,12 @@ def time_steps(fns: Mapping[str, Callable[[], Any]], *, device: torch.device, ro
 def race_of(runs: Sequence[Mapping[str, Sequence[float]]], reference: str,
             names: Iterable[str], *, errors: Mapping[str, str], extended: bool,
             before: Conditions, repeat: int = 1,
-            protect: tuple[str, ...] | None = None) -> Race:
+            protect: tuple[str, ...] | None = None, now: Conditions | None = None) -> Race:
     """The :class:`Race` of the ways ``names`` (with ``reference``; none: the reference did
     not run) over interleaved ``runs`` (each: way -> its per-round seconds, rounds paired
     within a run, a way retired from a later run absent there), those in ``errors`` left
-    out; the machine's conditions the busier of ``before`` and now (noise anywhere in the
-    runs counts). What ``time_steps`` and the backend's race on a graph's calls
+    out; the machine's conditions the busier of ``before`` and now (``now``: as read by the
+    caller; noise anywhere in the runs counts). What ``time_steps`` and the backend's race on a graph's calls
     (``memlayout.plan.compilers.backend_race``) decide on."""
     def times(name: str) -> tuple[float, ...]:
         return tuple(t for run in runs for t in run.get(name, ()))
@@ -235,7 +235,7 @@ def race_of(runs: Sequence[Mapping[str, Sequence[float]]], reference: str,
             ratios[name] = dataclasses.replace(whole, per_round=per_round)
     own = ModeTiming(reference, times(reference) if reference in names else ())
     return Race(reference, ratios, rounds=len(own.times), repeat=repeat, errors=dict(errors),
-                extended=extended, conditions=busier(before, Conditions.now()),
+                extended=extended, conditions=busier(before, now or Conditions.now()),
                 reference_seconds=own.median if own.times else None,
                 spread=own.spread if own.times else None, protect=protect)
 

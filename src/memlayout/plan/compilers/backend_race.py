@@ -102,7 +102,7 @@ class CallRace:
         self._reference, self._margin, self._rounds = reference, margin, rounds
         self._protect, self._train, self._decided = protect, train, decided
         self._sync = seam(device).synchronize
-        self._before = Conditions.now()
+        self._since: tuple[float, float] | None = None  # (wall, CPU) when the rounds began
         self._live = list(fns)
         self._queue = [w for w in fns if w not in warm]  # the warm-up: each way once, untimed
         self._runs: list[dict[str, list[float]]] = []
@@ -216,11 +216,19 @@ class CallRace:
     def _start_round(self) -> None:
         self._round += 1
         self._queue = round_order(self._live, self._round)
+        if self._since is None:  # the timed rounds begin
+            self._since = (time.perf_counter(), time.process_time())
 
     def _race(self) -> Race:
-        """The race the rounds so far measured, as ``time_steps`` builds it."""
+        """The race the rounds so far measured, as ``time_steps`` builds it; the machine's
+        conditions read now, less this process's own use of the CPU since the timed rounds
+        began (the calls raced, and the compile before them still in the 1-minute load
+        average, are this process's, not other jobs' load)."""
+        wall, cpu = self._since or (time.perf_counter(), time.process_time())
+        own = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
+        now = Conditions.now().less_own(own)
         return guard.race_of(self._runs, self._reference, self._fns, errors=self._errors,
-                             extended=self._extended, before=self._before,
+                             extended=self._extended, before=now, now=now,
                              protect=self._protect)
 
     def _end(self, race: Race | None) -> None:

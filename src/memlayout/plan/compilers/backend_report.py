@@ -329,7 +329,8 @@ class BackendReport:
         text = (f"price: {plan + compile_seconds:.1f} s: planning {plan:.1f} s "
                 f"({sum(r.measured for r in g)} costs timed, {sum(r.cached for r in g)} cached), "
                 f"compiling {compiling:.1f} s, verifying {verify:.1f} s"
-                + (f" ({beside:.1f} s of it alongside Inductor's compile)" if beside else "")
+                + (f" ({beside:.1f} s of it alongside Inductor's compile)" if beside >= 0.05
+                   else "")
                 + f", guarding {guard:.1f} s")
         known = [r for r in g if r.own_compile_seconds is not None]
         if known:
