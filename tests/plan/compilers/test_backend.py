@@ -559,6 +559,36 @@ def test_the_compiled_plan_is_built_on_a_later_call_only_where_it_can_win(
         monkeypatch.setattr(backend_inner, "CallRace", _no_timing)
 
 
+def test_a_cached_first_race_without_its_second_builds_the_compiled_plan_at_the_first_call(
+        monkeypatch, tmp_path):
+    """Both races of a graph ran and were cached (the compiled plan won the second); the
+    second is then lost from the cache. A new compile reads the first (Inductor's own kept,
+    the compiled plan able to win by its costs), builds Inductor's own alone, and the first
+    call builds the compiled plan, verifies it and races it against Inductor's own again."""
+    model, x, cache, asked = _planned_contiguous(monkeypatch, tmp_path, rule=True, train=False)
+    fake_guard_clock(monkeypatch, _gain_clock(Runner.PLAN_COMPILED))
+    for run in ("measured", "second race lost"):
+        compiled = torch.compile(copy.deepcopy(model), backend=memlayout.backend(cache=cache))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+            if run != "measured":
+                (graph,) = memlayout.backend_report().graphs
+                assert asked == [{}, backend_inner.PLAN_STANDS]  # the plan, at that call
+                assert graph.racing == (Runner.INDUCTOR_OWN, Runner.PLAN_COMPILED)
+            assert _raced(lambda c=compiled: c(x)) > 0
+            torch.testing.assert_close(compiled(x), model(x))
+        (graph,) = memlayout.backend_report(clear=True).graphs
+        assert graph.ran == Runner.PLAN_COMPILED and graph.later_seconds > 0
+        assert dict(graph.timed)[Runner.PLAN_COMPILED] == pytest.approx(2.0)
+        db = sqlite3.connect(cache)
+        with db:  # the second race: Inductor's own against the compiled plan
+            assert db.execute("DELETE FROM entries WHERE key LIKE "
+                              "'%\"inductor\", \"planned+inductor\"]%'").rowcount == 1
+        db.close()
+        asked.clear()
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("mode", ["default", "max-autotune"])
 def test_the_eager_plan_is_verified_while_inductors_own_compiles_where_inductor_times_nothing(
         monkeypatch, tmp_path, mode):

@@ -505,7 +505,8 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
                                          compile_seconds=time.perf_counter() - start))
     eager_graph = copy_graph(planned.graph)  # compile_fx may change the graph it is given
     later = LaterPlan(gm, planned.graph, eager_graph, example_inputs, inputs, options,
-                      functools.partial(open_cache, options.cache), {}, record["graph"],
+                      functools.partial(open_cache, options.cache), first_checks(None),
+                      record["graph"],
                       convolution_gain(planned.convolutions), train, dtype, device)
     own_first, ways, known, kept, pending = ways_of(planned, agrees, later, record, store,
                                                     on_calls=on_calls)

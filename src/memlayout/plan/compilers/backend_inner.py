@@ -251,13 +251,14 @@ def lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
 
 
-def first_checks(eager: GraphCheck) -> dict[str, GraphCheck]:
+def first_checks(eager: GraphCheck | None) -> dict[str, GraphCheck]:
     """How each way of the race of Inductor's own against the plan run eagerly was
-    verified: the eager plan as ``eager`` says; Inductor's own is what ``torch.compile``
-    runs."""
-    return {Runner.PLAN_EAGER.value: eager, Runner.INDUCTOR_OWN.value: GraphCheck(
-        True, "Inductor's own layouts, what torch.compile runs, kept over the plan run eagerly",
-        None)}
+    verified: the eager plan as ``eager`` says (``None``: not verified in this compile, so
+    left out); Inductor's own is what ``torch.compile`` runs."""
+    own = GraphCheck(True, "Inductor's own layouts, what torch.compile runs, kept over the "
+                     "plan run eagerly", None)
+    return {Runner.INDUCTOR_OWN.value: own,
+            **({} if eager is None else {Runner.PLAN_EAGER.value: eager})}
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs: list[Any], options: Backend,

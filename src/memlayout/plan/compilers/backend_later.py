@@ -82,14 +82,17 @@ def later_note(best: tuple[float, float] | None, kept: str) -> str:
     """What the record says of a compiled plan left unbuilt after the race kept ``kept``.
 
     >>> later_note((0.75, 0.5), "planned")
-    'the compiled plan not built: by its costs, at best 0.75 s a call, against 0.5 s for planned (at most 0 s a call lost)'
+    'the compiled plan not built: by its costs, at best 0.75 s a call, against 0.5 s for planned (it could not be faster)'
+    >>> later_note((0.5, 0.505), "inductor")[-37:]
+    '(at most 0.005 s a call lost by that)'
     """
     if best is None:
         return ("the compiled plan not built: the race on the calls gave no times to weigh "
                 "its costs against")
+    lost = ("it could not be faster" if best[0] >= best[1] else
+            f"at most {best[1] - best[0]:.3g} s a call lost by that")
     return (f"the compiled plan not built: by its costs, at best {best[0]:.3g} s a call, "
-            f"against {best[1]:.3g} s for {kept} (at most {max(0.0, best[1] - best[0]):.3g} "
-            "s a call lost)")
+            f"against {best[1]:.3g} s for {kept} ({lost})")
 
 
 @dataclass
