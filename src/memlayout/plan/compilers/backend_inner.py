@@ -247,6 +247,8 @@ def lowest_priority() -> None:
     lowest CPU priority, where the OS lets a thread lower its own (Linux): work alongside a
     compile then takes only what the compile leaves idle (its own Python, and the C++
     compilers it starts, go first)."""
+    if not sys.platform.startswith("linux"):  # elsewhere the id would name a process
+        return
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
 
