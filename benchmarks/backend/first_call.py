@@ -59,6 +59,7 @@ def main() -> None:
     import memlayout
     from memlayout.dtypes import autocast, parse_dtype
     from memlayout.plan.compilers.backend_plan import NONE_DIFFERS
+    from memlayout.tensors import iter_tensors
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -80,8 +81,9 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         with autocast(torch.device("cpu"), dtype), torch.set_grad_enabled(args.task == "train"):
             out = compiled(*(x if isinstance(x, tuple) else (x,)), **kwargs)
-        if args.task == "train":
-            out.float().square().mean().backward()
+        if args.task == "train":  # every output that needs a gradient (diffusers: a dict)
+            sum(t.float().square().mean() for t in iter_tensors(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad).backward()
 
     def first_call(what: str) -> None:
         counters.clear()
