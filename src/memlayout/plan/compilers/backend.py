@@ -164,6 +164,7 @@ from memlayout.plan.compilers.backend_report import (
     RECORDS,
     BackendWarning,
     GraphRecord,
+    guard_seconds,
     open_cache,
 )
 from memlayout.plan.compilers.backend_shared import (
@@ -560,14 +561,7 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
                                             if on_calls else None)
     if guarded:
         record["racing"] = getattr(fn, "ways", ())
-        # the verification and, where Inductor's own is the race's reference, its compile
-        # (the graph's compile) are not the guard's
-        verified = (record["verify_seconds"] - record.get("verify_alongside", 0.0) if own_first
-                    else spent.get("verify", 0.0))
-        record["verify_seconds"] += spent.get("verify", 0.0)
-        record["guard_seconds"] = (time.perf_counter() - guarding - verified
-                                   - (spent[Runner.INDUCTOR_OWN] if own_first else 0.0))
-        record["own_compile_seconds"] = spent.get(Runner.INDUCTOR_OWN)
+        guard_seconds(record, spent, time.perf_counter() - guarding, own_first=own_first)
     runs = ran in (Runner.PLAN_COMPILED, Runner.PLAN_EAGER)
     return _Compiled(fn, GraphRecord(**record, ran=ran, verification=check.how,
                                      max_error=check.error, timed=timed,

@@ -368,6 +368,28 @@ class BackendReport:
         return self.render()
 
 
+def guard_seconds(record: dict[str, Any], spent: Mapping[str, float], seconds: float, *,
+                  own_first: bool) -> None:
+    """The guard's part of ``seconds`` (the time since the guard began) put in ``record``
+    (a ``GraphRecord``'s fields), with what ``spent`` says its steps took: the verification
+    (``spent["verify"]``: the eager plan's, inside the guard) and, where Inductor's own is
+    the race's reference (``own_first``: its verification, less what ran alongside its
+    compile, came after the guard began), Inductor's own compile
+    (``spent[Runner.INDUCTOR_OWN]``), are the graph's, not the guard's.
+
+    >>> record = {"verify_seconds": 3.0, "verify_alongside": 2.0}
+    >>> guard_seconds(record, {Runner.INDUCTOR_OWN: 5.0}, 9.0, own_first=True)
+    >>> record["guard_seconds"], record["own_compile_seconds"], record["verify_seconds"]
+    (3.0, 5.0, 3.0)
+    """
+    verified = (record["verify_seconds"] - record.get("verify_alongside", 0.0) if own_first
+                else spent.get("verify", 0.0))
+    record["verify_seconds"] += spent.get("verify", 0.0)
+    record["guard_seconds"] = (seconds - verified
+                               - (spent[Runner.INDUCTOR_OWN] if own_first else 0.0))
+    record["own_compile_seconds"] = spent.get(Runner.INDUCTOR_OWN)
+
+
 class _Records:
     """The process's report: appended by every backend call, read by ``backend_report``.
     It records only; nothing reads it to decide anything."""
@@ -428,4 +450,4 @@ def _ms(seconds: float | None) -> str:
 
 
 __all__ = ["BackendReport", "BackendWarning", "ConvolutionChoice", "GraphRecord",
-           "backend_report", "open_cache"]
+           "backend_report", "guard_seconds", "open_cache"]
