@@ -64,7 +64,8 @@ class Conditions:
         """
         if self.load_average is None:
             return self
-        return dataclasses.replace(self, load_average=round(max(0.0, self.load_average - cores), 2))
+        return dataclasses.replace(self,
+                                   load_average=round(max(0.0, self.load_average - cores), 2))
 
     @property
     def busy(self) -> bool:

@@ -220,8 +220,8 @@ def race_of(runs: Sequence[Mapping[str, Sequence[float]]], reference: str,
     not run) over interleaved ``runs`` (each: way -> its per-round seconds, rounds paired
     within a run, a way retired from a later run absent there), those in ``errors`` left
     out; the machine's conditions the busier of ``before`` and now (``now``: as read by the
-    caller; noise anywhere in the runs counts). What ``time_steps`` and the backend's race on a graph's calls
-    (``memlayout.plan.compilers.backend_race``) decide on."""
+    caller; noise anywhere in the runs counts). What ``time_steps`` and the backend's race
+    on a graph's calls (``memlayout.plan.compilers.backend_race``) decide on."""
     def times(name: str) -> tuple[float, ...]:
         return tuple(t for run in runs for t in run.get(name, ()))
 

@@ -518,7 +518,8 @@ def _planned_graph(gm: fx.GraphModule, given: fx.GraphModule, example_inputs: li
         return _Compiled(fn if pending is None else PlanLater(later, pending=pending).running(fn),
                          GraphRecord(**record, ran=Runner.INDUCTOR_OWN, timed=guard_ratios(known),
                                      racing=(pending, Runner.PLAN_COMPILED) if pending else (),
-                                     verification="the plan not run (Inductor's own layouts kept, as timed before)",
+                                     verification="the plan not run (Inductor's own "
+                                     "layouts kept, as timed before)",
                                      compile_seconds=time.perf_counter() - start))
     steps: dict[str, Step] = {}  # the graph's own steps, run once for every way verified
     verify = functools.partial(

@@ -285,17 +285,21 @@ class PlanLater:
         RECORDS.update(later.name, lambda record: dataclasses.replace(
             record, plan_later=text, racing=racing))
 
+    def _kept_or_race(self) -> Callable[..., Any]:
+        """What runs the calls until the compiled plan is decided."""
+        assert self._first is not None, "PlanLater called before it runs anything"
+        return self._first
+
     def _kept(self, kept: str) -> Callable[..., Any]:
         """The way kept itself, not through the race that kept it."""
-        assert self._first is not None, "PlanLater called before it runs anything"
-        return self._first.way(kept) if isinstance(self._first, CallRace) else self._first
+        first = self._kept_or_race()
+        return first.way(kept) if isinstance(first, CallRace) else first
 
     def __call__(self, *args: Any) -> Any:
         if self._fn is not None:
             return self._fn(*args)
-        assert self._first is not None, "PlanLater called before it runs anything"
         if self._pending is None or self._later is None:
-            return self._first(*args)
+            return self._kept_or_race()(*args)
         kept, first = self._pending, self._kept(self._pending)
         self._fn = self._later.build(kept, first) or first
         self._later = None

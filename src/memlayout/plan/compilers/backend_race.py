@@ -289,4 +289,5 @@ def decided_here(graph: str, key: str | None, opened: Callable[[], Any],
     return decided
 
 
-__all__ = ["ABANDON_AFTER", "CallRace", "Decided", "chained", "decided_here", "guard_ratios", "races_on_calls"]
+__all__ = ["ABANDON_AFTER", "CallRace", "Decided", "chained", "decided_here", "guard_ratios",
+           "races_on_calls"]
